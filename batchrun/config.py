@@ -1,0 +1,65 @@
+"""Engine and sampling configuration (dataclasses, validated on construction)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 64
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    seed: int | None = None  # per-row seed: same seed -> same tokens, whatever the batch-mates
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False  # benchmarks: fixed output length
+
+    def __post_init__(self):
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+
+@dataclass
+class EngineConfig:
+    model: str
+    device: str = "auto"  # auto | cpu | cuda
+    dtype: str = "auto"  # auto (config torch_dtype on GPU, float32 on CPU) | float32 | float16 | bfloat16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048  # per step; long prompts are prefilled in chunks of this size
+    max_model_len: int = 2048
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.90
+    cpu_kv_cache_gb: float = 1.0  # fixed KV budget on CPU
+    num_kv_blocks: int | None = None  # explicit override (tests force preemption with a tiny budget)
+    enable_lora: bool = False
+    max_loras: int = 4  # GPU slots
+    max_lora_rank: int = 64
+    max_cpu_loras: int | None = None  # LRU CPU cache size; None = keep all loaded adapters
+    enforce_eager: bool = False
+    cuda_graph_sizes: list[int] | None = None  # None = 1, 2, 4, 8, 16, 24, ... up to max_num_seqs
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"engine.device must be auto, cpu or cuda, got {self.device!r}")
+        if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
+            raise ValueError(f"engine.dtype must be auto, float32, float16 or bfloat16, got {self.dtype!r}")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size",
+                     "max_loras", "max_lora_rank"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"engine.{name} must be an integer >= 1, got {v!r}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"engine.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"engine.num_kv_blocks must be >= 1, got {self.num_kv_blocks!r}")

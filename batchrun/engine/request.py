@@ -1,0 +1,30 @@
+"""What the engine takes (Request) and gives back (Result)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Hashable
+
+from batchrun.config import SamplingParams
+
+
+@dataclass
+class Request:
+    request_id: Hashable
+    prompt_token_ids: list[int]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    adapter: str | None = None  # None or "" = base model
+
+
+@dataclass
+class Result:
+    request_id: Hashable
+    adapter: str | None
+    prompt_tokens: int
+    output_token_ids: list[int]
+    output_text: str | None
+    finish_reason: str  # "stop" | "length" | "error"
+    error: str | None = None
+
+    @property
+    def output_tokens(self) -> int:
+        return len(self.output_token_ids)
