@@ -1,0 +1,28 @@
+"""Shared input builders and tolerances for the kernel tests."""
+from __future__ import annotations
+
+import torch
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# bf16 is wrong under the Triton interpreter (CPU), so CPU runs cover fp32 and fp16 only.
+CPU_DTYPES = [torch.float32, torch.float16]
+POISON = 1e4  # written into outputs before a run; rows the kernel must not touch keep it
+
+
+def mixed_slots(T: int, num_slots: int, gen: torch.Generator) -> torch.Tensor:
+    # int32 [T]: a mix of -1 (no LoRA / padding) and every slot, shuffled, so groups interleave.
+    base = torch.arange(T) % (num_slots + 1) - 1
+    return base[torch.randperm(T, generator=gen)].to(torch.int32)
+
+
+def randn(*shape, dtype, gen, scale=1.0, device=DEVICE):
+    # Fresh random values (never zeros) so a kernel that skips work cannot pass by accident.
+    return (torch.randn(*shape, generator=gen) * scale).to(dtype=dtype, device=device)
+
+
+def rounding_tol(ref_abs: torch.Tensor, dtype: torch.dtype, terms: int) -> torch.Tensor:
+    # Elementwise bound: fp32 accumulation over `terms` products (sum-order differences,
+    # ~sqrt(terms) * eps32 relative to sum |a*b|) plus one rounding to `dtype` (1 ulp).
+    acc = 4 * terms ** 0.5 * torch.finfo(torch.float32).eps * ref_abs
+    out = torch.finfo(dtype).eps * ref_abs if dtype != torch.float32 else 0
+    return acc + out + 1e-6
