@@ -1,0 +1,183 @@
+"""Engine: load model (+ adapters), size the KV cache, run requests to completion.
+
+    engine = Engine.from_config(EngineConfig(model="dir"), adapters={"name": "adapter-dir"})
+    results = engine.generate([Request("a", ids, SamplingParams(max_tokens=32))])
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from batchrun.config import EngineConfig
+from batchrun.engine.block_manager import BlockManager
+from batchrun.engine.kv_sizing import num_kv_blocks
+from batchrun.engine.model_runner import ModelRunner
+from batchrun.engine.request import Request, Result
+from batchrun.engine.sampler import sample
+from batchrun.engine.scheduler import Scheduler
+from batchrun.engine.sequence import Sequence
+from batchrun.errors import ConfigError
+from batchrun.models.loader import load_model, resolve_dtype
+from batchrun.models.config import ModelConfig
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("engine.device: 'cuda' asked for but no CUDA GPU is visible; "
+                          "use device: auto or cpu")
+    return torch.device(name)
+
+
+def load_tokenizer(model_dir: str | Path):
+    """The model directory's tokenizer, or None when it has none (random-weight benchmarks)."""
+    d = Path(model_dir)
+    if not any((d / n).exists() for n in ("tokenizer.json", "tokenizer.model", "vocab.json")):
+        return None
+    from transformers import AutoTokenizer
+    try:
+        return AutoTokenizer.from_pretrained(str(d), trust_remote_code=False)
+    except Exception as e:
+        raise ConfigError(f"{d}: cannot load the tokenizer ({e})") from e
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, model, tokenizer, device, dtype, lora=None):
+        self.config, self.model, self.tokenizer = config, model, tokenizer
+        self.device, self.dtype, self.lora = device, dtype, lora
+        mcfg: ModelConfig = model.config
+        if mcfg.sliding_window is not None and mcfg.sliding_window < config.max_model_len:
+            raise ConfigError(
+                f"{config.model}: config.json sets sliding_window={mcfg.sliding_window}, shorter "
+                f"than engine.max_model_len={config.max_model_len}; batchrun has no sliding-window "
+                f"attention, so set engine.max_model_len <= {mcfg.sliding_window}")
+        self.max_model_len = config.max_model_len
+        self.eos_ids = set(mcfg.eos_token_ids)
+        if tokenizer is not None and tokenizer.eos_token_id is not None:
+            self.eos_ids.add(tokenizer.eos_token_id)
+        self.blocks = BlockManager(num_kv_blocks(mcfg, config, device, dtype), config.block_size)
+        self.runner = ModelRunner(model, config, device, dtype, self.blocks, lora)
+        self.stats = {"steps": 0, "prefill_steps": 0, "decode_steps": 0, "preemptions": 0}
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, adapters: dict[str, str] | None = None) -> "Engine":
+        device = resolve_device(config.device)
+        mcfg = ModelConfig.from_dir(config.model)
+        dtype = resolve_dtype(config.dtype, mcfg, device)
+        tokenizer = load_tokenizer(config.model)
+        max_pos = max(config.max_model_len, mcfg.max_position_embeddings)
+        model = load_model(config.model, device, dtype, max_pos)
+        lora = None
+        if adapters and not config.enable_lora:
+            raise ConfigError("adapters were given but engine LoRA is disabled (enable_lora=False)")
+        if config.enable_lora:
+            from batchrun.lora.manager import LoRAManager
+            lora = LoRAManager(model, dict(adapters or {}), max_loras=config.max_loras,
+                               max_lora_rank=config.max_lora_rank,
+                               max_num_tokens=max(config.max_num_batched_tokens, config.max_num_seqs),
+                               max_cpu_loras=config.max_cpu_loras, device=device, dtype=dtype)
+        engine = cls(config, model, tokenizer, device, dtype, lora)
+        if device.type == "cuda" and not config.enforce_eager:
+            engine.capture_graphs()
+        return engine
+
+    def capture_graphs(self) -> None:
+        from batchrun.engine.graphs import GraphRunner
+        self.runner.graphs = GraphRunner(self.runner, self.config, self.lora)
+        self.runner.graphs.capture()
+
+    # ---- requests -----------------------------------------------------------------------
+    def check_request(self, req: Request) -> str | None:
+        """Why this request cannot run, or None."""
+        ids, sp = req.prompt_token_ids, req.sampling
+        if not ids:
+            return "empty prompt (no tokens)"
+        vocab = self.model.config.vocab_size
+        if min(ids) < 0 or max(ids) >= vocab:
+            return f"prompt has token ids outside the vocabulary [0, {vocab})"
+        if len(ids) + sp.max_tokens > self.max_model_len:
+            return (f"prompt ({len(ids)} tokens) + max_tokens ({sp.max_tokens}) exceeds "
+                    f"max_model_len ({self.max_model_len})")
+        if req.adapter:
+            if self.lora is None:
+                return f"adapter {req.adapter!r} requested but LoRA is not enabled in this engine"
+            if req.adapter not in self.lora.names:
+                known = ", ".join(sorted(self.lora.names)) or "none"
+                return f"unknown adapter {req.adapter!r} (known: {known})"
+        return None
+
+    def generate(self, requests: list[Request],
+                 on_result: Callable[[Result], None] | None = None) -> list[Result]:
+        results: list[Result | None] = [None] * len(requests)
+        sched = Scheduler(self.config, self.blocks, self.lora)
+        for i, req in enumerate(requests):
+            err = self.check_request(req)
+            if err is not None:
+                results[i] = Result(req.request_id, req.adapter or None, len(req.prompt_token_ids),
+                                    [], None, "error", err)
+                if on_result:
+                    on_result(results[i])
+                continue
+            sched.add(Sequence(i, req.request_id, req.prompt_token_ids, req.sampling,
+                               req.adapter, self._generator(req)))
+        while sched.has_work():
+            for seq in self.step(sched):
+                results[seq.index] = r = self._result(seq)
+                if on_result:
+                    on_result(r)
+        self.stats["preemptions"] += sched.num_preemptions
+        return results  # type: ignore[return-value]
+
+    def _generator(self, req: Request) -> torch.Generator | None:
+        if req.sampling.greedy:
+            return None
+        g = torch.Generator(device=self.device)
+        seed = req.sampling.seed
+        g.manual_seed(seed if seed is not None else int(torch.randint(0, 2**62, ()).item()))
+        return g
+
+    def step(self, sched: Scheduler) -> list[Sequence]:
+        """Run one scheduled step; returns the sequences that finished."""
+        batch = sched.schedule()
+        if not batch.seqs:
+            raise RuntimeError("scheduler produced an empty step with work pending "
+                               "(KV cache too small for any waiting sequence)")
+        self.stats["steps"] += 1
+        if batch.is_prefill:
+            self.stats["prefill_steps"] += 1
+            done, logits = self.runner.prefill(batch.seqs, batch.num_tokens)
+            seqs = [batch.seqs[i] for i in done]
+        else:
+            self.stats["decode_steps"] += 1
+            logits = self.runner.decode(batch.seqs)
+            seqs = batch.seqs
+        if not seqs:
+            return []
+        tokens = sample(logits, [s.sampling for s in seqs], [s.generator for s in seqs])
+        finished = []
+        for seq, tok in zip(seqs, tokens):
+            seq.token_ids.append(tok)
+            reason = self._stop_reason(seq, tok)
+            if reason:
+                sched.finish(seq, reason)
+                finished.append(seq)
+        return finished
+
+    def _stop_reason(self, seq: Sequence, tok: int) -> str | None:
+        sp = seq.sampling
+        if (tok in self.eos_ids and not sp.ignore_eos) or tok in sp.stop_token_ids:
+            return "stop"
+        if seq.num_output >= sp.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def _result(self, seq: Sequence) -> Result:
+        out = seq.output_ids
+        text = None
+        if self.tokenizer is not None:
+            text = self.tokenizer.decode(out, skip_special_tokens=True)
+        return Result(seq.request_id, seq.adapter, seq.prompt_len, out, text, seq.finish_reason)

@@ -1,0 +1,49 @@
+"""How many KV blocks to allocate: from free GPU memory (gpu_memory_utilization) on CUDA, from a
+fixed budget on CPU; never more than max_num_seqs full-length sequences need."""
+from __future__ import annotations
+
+import torch
+
+from batchrun.config import EngineConfig
+from batchrun.errors import ConfigError
+from batchrun.models.config import ModelConfig
+
+
+def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    elem = torch.empty((), dtype=dtype).element_size()
+    return 2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * cfg.head_dim * elem
+
+
+def activation_reserve(cfg: ModelConfig, config: EngineConfig, dtype: torch.dtype) -> int:
+    """Generous estimate of the peak activation memory of one step (prefill chunk or decode),
+    plus a fixed margin for CUDA graph pools and allocator fragmentation."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    t = max(config.max_num_batched_tokens, config.max_num_seqs)
+    q = cfg.num_attention_heads * cfg.head_dim
+    per_token = (4 * cfg.hidden_size + 3 * cfg.intermediate_size + 2 * q) * elem
+    logits = config.max_num_seqs * cfg.vocab_size * 4 * 4  # fp32 logits, sort, softmax copies
+    return 2 * t * per_token + logits + (1 << 30)
+
+
+def num_kv_blocks(cfg: ModelConfig, config: EngineConfig, device: torch.device,
+                  dtype: torch.dtype) -> int:
+    per_block = bytes_per_block(cfg, config.block_size, dtype)
+    blocks_per_seq = -(-config.max_model_len // config.block_size)
+    cap = config.max_num_seqs * blocks_per_seq + 1  # +1: scratch block
+    if config.num_kv_blocks is not None:
+        n = config.num_kv_blocks
+    elif device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        budget = total * config.gpu_memory_utilization - (total - free) \
+            - activation_reserve(cfg, config, dtype)
+        n = min(int(budget // per_block), cap)
+    else:
+        n = min(int(config.cpu_kv_cache_gb * (1 << 30) // per_block), cap)
+    if n - 1 < blocks_per_seq:
+        have = max(n - 1, 0) * config.block_size
+        raise ConfigError(
+            f"engine: the KV cache holds {have} tokens but one sequence of max_model_len="
+            f"{config.max_model_len} needs {blocks_per_seq * config.block_size}; lower "
+            f"engine.max_model_len or give the cache more memory (gpu_memory_utilization, "
+            f"cpu_kv_cache_gb, num_kv_blocks)")
+    return n

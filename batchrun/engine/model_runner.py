@@ -1,0 +1,124 @@
+"""Prepare batched inputs, run prefill and decode steps on the model.
+
+Decode reads its inputs from static buffers kept as attributes (token ids, positions, slot
+mapping, block tables, context lengths, LoRA token slots), sized for max_num_seqs and written in
+place every step, so a captured CUDA graph (graphs.py) can replay the same step. Rows past the
+step's batch size are padding: slot -1 (no LoRA), context length 0, and their K/V go to the
+scratch block 0, so they do no harmful work.
+"""
+from __future__ import annotations
+
+import torch
+
+from batchrun.config import EngineConfig
+from batchrun.engine.block_manager import SCRATCH_BLOCK, BlockManager
+from batchrun.engine.sequence import Sequence
+from batchrun.layers.attention import AttnMetadata
+
+
+class ModelRunner:
+    def __init__(self, model, config: EngineConfig, device: torch.device, dtype: torch.dtype,
+                 blocks: BlockManager, lora=None):
+        self.model, self.config, self.device, self.dtype = model, config, device, dtype
+        self.blocks, self.lora = blocks, lora
+        cfg = model.config
+        self.block_size = blocks.block_size
+        self.max_blocks_per_seq = -(-config.max_model_len // self.block_size)
+        # KV cache: [2, layers, num_blocks, block_size, Hkv, D]
+        self.kv_cache = torch.zeros(2, cfg.num_hidden_layers, blocks.num_blocks, self.block_size,
+                                    cfg.num_key_value_heads, cfg.head_dim, device=device, dtype=dtype)
+        for i, attn in enumerate(model.attention_layers()):
+            attn.k_cache, attn.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
+        n = config.max_num_seqs
+        i64, i32 = dict(dtype=torch.long, device=device), dict(dtype=torch.int32, device=device)
+        self.input_ids = torch.zeros(n, **i64)
+        self.positions = torch.zeros(n, **i64)
+        self.slot_mapping = torch.zeros(n, **i64)
+        self.block_tables = torch.zeros(n, self.max_blocks_per_seq, **i32)
+        self.context_lens = torch.zeros(n, **i32)
+        self.token_slots = torch.full((n,), -1, **i32)
+        self.graphs = None  # graphs.GraphRunner, set by the engine when CUDA graphs are on
+
+    # ---- decode -------------------------------------------------------------------------
+    @torch.inference_mode()
+    def decode(self, seqs: list[Sequence]) -> torch.Tensor:
+        """One token per sequence -> fp32 logits [len(seqs), V]."""
+        b = len(seqs)
+        key = self.graphs.dispatch(b, self._has_lora(seqs)) if self.graphs else None
+        rows = key.padded_batch_size if key else b
+        self._write_decode_inputs(seqs, rows)
+        if key is not None:
+            return self.graphs.replay(key)[:b]
+        return self.decode_forward(rows)[:b]
+
+    def decode_forward(self, rows: int) -> torch.Tensor:
+        """The step a graph captures: reads only the static buffers' first `rows` rows."""
+        meta = AttnMetadata(False, self.slot_mapping[:rows], self.block_tables[:rows],
+                            self.context_lens[:rows])
+        hidden = self.model(self.input_ids[:rows], self.positions[:rows], meta)
+        return self.model.compute_logits(hidden)
+
+    def _write_decode_inputs(self, seqs: list[Sequence], rows: int) -> None:
+        b = len(seqs)
+        ids, pos, slots, ctx, lora = [], [], [], [], []
+        table = torch.zeros(rows, self.max_blocks_per_seq, dtype=torch.int32)
+        for i, s in enumerate(seqs):
+            p = s.num_tokens - 1
+            ids.append(s.token_ids[-1]); pos.append(p); slots.append(self.blocks.slot(s, p))
+            ctx.append(s.num_tokens); lora.append(s.lora_slot)
+            table[i, :len(s.block_ids)] = torch.tensor(s.block_ids, dtype=torch.int32)
+        pad = rows - b  # padding rows: scratch block, no context, no LoRA
+        scratch = SCRATCH_BLOCK * self.block_size
+        host = torch.tensor([ids + [0] * pad, pos + [0] * pad, slots + [scratch] * pad],
+                            dtype=torch.long)
+        small = torch.tensor([ctx + [0] * pad, lora + [-1] * pad], dtype=torch.int32)
+        self.input_ids[:rows].copy_(host[0], non_blocking=True)
+        self.positions[:rows].copy_(host[1], non_blocking=True)
+        self.slot_mapping[:rows].copy_(host[2], non_blocking=True)
+        self.context_lens[:rows].copy_(small[0], non_blocking=True)
+        self.token_slots[:rows].copy_(small[1], non_blocking=True)
+        self.block_tables[:rows].copy_(table, non_blocking=True)
+        for s in seqs:
+            s.num_computed = s.num_tokens
+        self._prepare_lora(self.token_slots[:rows], any(v >= 0 for v in lora))
+
+    # ---- prefill ------------------------------------------------------------------------
+    @torch.inference_mode()
+    def prefill(self, seqs: list[Sequence], counts: list[int]) -> tuple[list[int], torch.Tensor]:
+        """Compute `counts[i]` prompt tokens of seqs[i]. Returns the indices of sequences whose
+        prompt is now complete and their fp32 logits [len(done), V]."""
+        ids, pos, slots, lora, q_lens, ctx_lens, done, last = [], [], [], [], [], [], [], []
+        table = torch.zeros(len(seqs), self.max_blocks_per_seq, dtype=torch.int32)
+        for i, (s, n) in enumerate(zip(seqs, counts)):
+            start, end = s.num_computed, s.num_computed + n
+            ids.extend(s.token_ids[start:end]); pos.extend(range(start, end))
+            slots.extend(self.blocks.slot(s, p) for p in range(start, end))
+            lora.extend([s.lora_slot] * n)
+            table[i, :len(s.block_ids)] = torch.tensor(s.block_ids, dtype=torch.int32)
+            q_lens.append(n); ctx_lens.append(end)
+            s.num_computed = end
+            if end == s.num_tokens:
+                done.append(i); last.append(len(ids) - 1)
+        dev = self.device
+        meta = AttnMetadata(True, torch.tensor(slots, dtype=torch.long, device=dev),
+                            table.to(dev), torch.tensor(ctx_lens, dtype=torch.int32, device=dev),
+                            query_lens=q_lens, context_lens_host=ctx_lens)
+        self._prepare_lora(torch.tensor(lora, dtype=torch.int32, device=dev),
+                           any(v >= 0 for v in lora))
+        hidden = self.model(torch.tensor(ids, dtype=torch.long, device=dev),
+                            torch.tensor(pos, dtype=torch.long, device=dev), meta)
+        if not done:
+            return done, hidden.new_empty(0)
+        return done, self.model.compute_logits(hidden[torch.tensor(last, device=dev)])
+
+    # ---- LoRA ---------------------------------------------------------------------------
+    @staticmethod
+    def _has_lora(seqs: list[Sequence]) -> bool:
+        return any(s.lora_slot >= 0 for s in seqs)
+
+    def _prepare_lora(self, token_slots: torch.Tensor, has_lora: bool) -> None:
+        if self.lora is None:
+            return
+        if has_lora:
+            self.lora.prepare_step(token_slots)
+        self.lora.has_lora = has_lora

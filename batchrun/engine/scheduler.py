@@ -1,0 +1,112 @@
+"""Continuous batching: each step is either a prefill step or a decode step.
+
+- Prefill steps go first: sequences still mid-prompt continue, then waiting sequences are
+  admitted while `max_num_seqs`, the `max_num_batched_tokens` budget, free KV blocks and LoRA
+  slots allow. A prompt longer than the budget is prefilled in chunks over several steps, so a
+  long prompt never needs more activation memory than one budget's worth of tokens.
+- Otherwise every running sequence decodes one token. A sequence that needs a new KV block when
+  none is free preempts the most recently admitted sequence (recompute: its blocks are freed and
+  it goes back to the front of the queue with its outputs so far as part of its prompt).
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from batchrun.config import EngineConfig
+from batchrun.engine.block_manager import BlockManager
+from batchrun.engine.sequence import Sequence, SeqStatus
+
+
+@dataclass
+class ScheduledBatch:
+    is_prefill: bool
+    seqs: list[Sequence]
+    num_tokens: list[int]  # tokens computed this step per sequence (1 each in decode)
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, block_manager: BlockManager, lora=None):
+        self.max_num_seqs = config.max_num_seqs
+        self.max_batched = config.max_num_batched_tokens
+        self.blocks = block_manager
+        self.lora = lora  # LoRAManager or None
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> ScheduledBatch:
+        batch = self._schedule_prefill()
+        if batch.seqs:
+            return batch
+        return self._schedule_decode()
+
+    def _schedule_prefill(self) -> ScheduledBatch:
+        seqs, counts, budget = [], [], self.max_batched
+        for seq in list(self.running):  # continue chunked prompts first
+            if budget == 0:
+                break
+            if seq.needs_prefill and seq.status is SeqStatus.RUNNING:
+                n = min(seq.num_tokens - seq.num_computed, budget)
+                if not self._make_room(seq, seq.num_computed + n):
+                    continue
+                seqs.append(seq); counts.append(n); budget -= n
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if seq.adapter and self.lora is not None and not self.lora.can_acquire(seq.adapter):
+                break  # every LoRA slot is pinned by running rows: wait until one finishes
+            n = min(seq.num_tokens, budget)
+            if not self.blocks.can_allocate(seq, n):
+                break
+            self.waiting.popleft()
+            self.blocks.allocate(seq, n)
+            if seq.adapter and self.lora is not None:
+                seq.lora_slot = self.lora.acquire(seq.adapter)
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+            seqs.append(seq); counts.append(n); budget -= n
+        return ScheduledBatch(True, seqs, counts)
+
+    def _schedule_decode(self) -> ScheduledBatch:
+        scheduled = []
+        for seq in list(self.running):
+            if seq.status is not SeqStatus.RUNNING:
+                continue  # preempted while making room for an earlier sequence
+            if self._make_room(seq, seq.num_tokens):
+                scheduled.append(seq)
+        return ScheduledBatch(False, scheduled, [1] * len(scheduled))
+
+    def _make_room(self, seq: Sequence, num_tokens: int) -> bool:
+        """Allocate blocks for seq's first num_tokens tokens, preempting the newest sequences."""
+        while not self.blocks.can_allocate(seq, num_tokens):
+            victim = self.running[-1]
+            self._preempt(victim)
+            if victim is seq:
+                return False
+        self.blocks.allocate(seq, num_tokens)
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self._release(seq)
+        seq.reset_for_recompute()
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        self.running.remove(seq)
+        self._release(seq)
+        seq.status = SeqStatus.FINISHED
+        seq.finish_reason = reason
+
+    def _release(self, seq: Sequence) -> None:
+        self.blocks.release(seq)
+        if seq.adapter and self.lora is not None and seq.lora_slot >= 0:
+            self.lora.release(seq.adapter)
+        seq.lora_slot = -1

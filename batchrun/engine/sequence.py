@@ -1,0 +1,56 @@
+"""A sequence: one request's tokens, its KV blocks and its progress through prefill/decode."""
+from __future__ import annotations
+
+import enum
+
+import torch
+
+from batchrun.config import SamplingParams
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    def __init__(self, index: int, request_id, prompt_token_ids: list[int],
+                 sampling: SamplingParams, adapter: str | None, generator: torch.Generator | None):
+        self.index = index  # position in the generate() call, for ordering results
+        self.request_id = request_id
+        self.adapter = adapter or None
+        self.sampling = sampling
+        self.token_ids = list(prompt_token_ids)
+        self.prompt_len = len(prompt_token_ids)
+        self.num_computed = 0  # tokens whose K/V are in the cache
+        self.block_ids: list[int] = []
+        self.status = SeqStatus.WAITING
+        self.finish_reason: str | None = None
+        self.lora_slot = -1
+        self.generator = generator  # per-row RNG: sampled tokens independent of batch-mates
+        self.num_preemptions = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.prompt_len:]
+
+    @property
+    def num_output(self) -> int:
+        return self.num_tokens - self.prompt_len
+
+    @property
+    def needs_prefill(self) -> bool:
+        # in decode, exactly the last sampled token is not yet in the cache
+        return self.num_tokens - self.num_computed > 1
+
+    def reset_for_recompute(self) -> None:
+        """Preemption by recompute: drop the cache; prompt + outputs so far are prefilled again."""
+        self.num_computed = 0
+        self.block_ids = []
+        self.status = SeqStatus.WAITING
+        self.num_preemptions += 1

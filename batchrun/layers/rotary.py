@@ -1,0 +1,60 @@
+"""Rotary position embedding (HF "rotate_half" layout), with llama3 frequency scaling.
+
+cos/sin are precomputed in fp32 for all positions up to max_position and indexed by the
+step's position ids, so the op has static shapes for graph capture.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+
+def inv_frequencies(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if scaling is None:
+        return inv_freq
+    # llama3: long wavelengths are divided by `factor`, short ones kept, smooth blend between
+    factor = scaling["factor"]
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_len = scaling["original_max_position_embeddings"]
+    low_wavelen, high_wavelen = old_len / low, old_len / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+    return torch.where(medium, blended, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, head_dim: int, max_position: int, theta: float, scaling: dict | None):
+        super().__init__()
+        self.head_dim = head_dim
+        self.max_position = max_position
+        self.theta = theta
+        self.scaling = scaling
+        self.register_buffer("cos_sin", torch.empty(max_position, head_dim), persistent=False)
+
+    @torch.no_grad()
+    def init_cache(self, device) -> None:
+        """Fill cos/sin (called after the module is materialised from the meta device)."""
+        inv_freq = inv_frequencies(self.head_dim, self.theta, self.scaling).to(device)
+        t = torch.arange(self.max_position, device=device, dtype=torch.int64).float()
+        freqs = torch.outer(t, inv_freq)  # [P, D/2]
+        self.cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1)  # [P, D] fp32
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        # positions: [T]; q: [T, Hq, D]; k: [T, Hkv, D]
+        cos, sin = self.cos_sin[positions].chunk(2, dim=-1)  # [T, D/2] each
+        cos = torch.cat([cos, cos], -1).unsqueeze(1)  # [T, 1, D]
+        sin = torch.cat([sin, sin], -1).unsqueeze(1)
+        return _apply(q, cos, sin), _apply(k, cos, sin)
+
+
+def _apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # same op order as HF: (x * cos) + (rotate_half(x) * sin), cos/sin cast to x's dtype
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos.to(x.dtype) + rotated * sin.to(x.dtype)

@@ -1,0 +1,190 @@
+"""Load a local Hugging Face model directory into our LlamaForCausalLM.
+
+safetensors only (single file or sharded with model.safetensors.index.json), read through mmap;
+pickled checkpoints are refused, never unpickled; no code from the model directory is run.
+The model is built on the meta device, materialised on the target device, and each HF tensor
+is copied into its (possibly fused) slice.
+"""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from batchrun.errors import ModelLoadError
+from batchrun.models.config import ModelConfig
+from batchrun.models.llama import LlamaForCausalLM
+
+PICKLE_NAMES = ("pytorch_model.bin", "pytorch_model.bin.index.json", "model.pt", "model.pth",
+                "model.ckpt", "tf_model.h5", "flax_model.msgpack")
+# checkpoint tensors that are recomputed, not loaded
+IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
+# HF name suffix -> (our module suffix, slice index within the fused weight)
+FUSED = {
+    "self_attn.q_proj": ("self_attn.qkv_proj", 0),
+    "self_attn.k_proj": ("self_attn.qkv_proj", 1),
+    "self_attn.v_proj": ("self_attn.qkv_proj", 2),
+    "mlp.gate_proj": ("mlp.gate_up_proj", 0),
+    "mlp.up_proj": ("mlp.gate_up_proj", 1),
+}
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
+
+
+def safetensors_files(model_dir: Path) -> list[Path]:
+    """The checkpoint's safetensors files; refuses pickle-only checkpoints with a clear message."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (OSError, json.JSONDecodeError, KeyError) as e:
+            raise ModelLoadError(f"{index}: unreadable shard index ({e})") from e
+        files = [model_dir / f for f in sorted(set(weight_map.values()))]
+        for f in files:
+            if not f.is_file():
+                raise ModelLoadError(f"{index}: lists shard {f.name}, which is missing from {model_dir}")
+        return files
+    files = sorted(model_dir.glob("*.safetensors"))
+    if files:
+        return files
+    pickles = [n for n in PICKLE_NAMES if (model_dir / n).exists()] + \
+        [p.name for p in model_dir.glob("*.bin")] + [p.name for p in model_dir.glob("*.pt")]
+    if pickles:
+        raise ModelLoadError(
+            f"{model_dir}: only pickle checkpoints found ({', '.join(sorted(set(pickles)))}); "
+            f"batchrun loads safetensors only and never unpickles. Convert once with "
+            f"transformers: AutoModelForCausalLM.from_pretrained(dir).save_pretrained(dir, "
+            f"safe_serialization=True)")
+    raise ModelLoadError(f"{model_dir}: no *.safetensors weights found")
+
+
+def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """HF tensor name -> shape, for every tensor the checkpoint must hold."""
+    h, i, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    q, kv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
+    shapes = {"model.embed_tokens.weight": (cfg.vocab_size, h), "model.norm.weight": (h,)}
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head.weight"] = (cfg.vocab_size, h)
+    per_layer = {
+        "self_attn.q_proj.weight": (q, h), "self_attn.k_proj.weight": (kv, h),
+        "self_attn.v_proj.weight": (kv, h), "self_attn.o_proj.weight": (h, q),
+        "mlp.gate_proj.weight": (i, h), "mlp.up_proj.weight": (i, h),
+        "mlp.down_proj.weight": (h, i),
+        "input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
+    }
+    if cfg.attention_bias:
+        per_layer.update({"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,),
+                          "self_attn.v_proj.bias": (kv,)})
+    for n in range(cfg.num_hidden_layers):
+        for k, s in per_layer.items():
+            shapes[f"model.layers.{n}.{k}"] = s
+    return shapes
+
+
+def _index_headers(files: list[Path]) -> dict[str, tuple[Path, tuple[int, ...]]]:
+    found = {}
+    for f in files:
+        try:
+            with safe_open(str(f), framework="pt") as sf:
+                for name in sf.keys():
+                    found[name] = (f, tuple(sf.get_slice(name).get_shape()))
+        except Exception as e:  # corrupt header, truncated file
+            raise ModelLoadError(f"{f}: cannot read safetensors file ({e})") from e
+    return found
+
+
+def check_checkpoint(model_dir: Path, cfg: ModelConfig) -> dict[str, tuple[Path, tuple]]:
+    """Compare the checkpoint's tensor names and shapes (headers only) with the config."""
+    found = _index_headers(safetensors_files(model_dir))
+    want = expected_shapes(cfg)
+    for name, (f, shape) in found.items():
+        if IGNORED.match(name):
+            continue
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue  # tied: we use embed_tokens, an explicit copy is harmless
+        if name not in want:
+            raise ModelLoadError(f"{f}: unexpected tensor {name!r} (shape {list(shape)}) for a "
+                                 f"{cfg.model_type} model; the checkpoint does not match config.json")
+        if shape != want[name]:
+            raise ModelLoadError(f"{f}: tensor {name!r} has shape {list(shape)}, config.json "
+                                 f"implies {list(want[name])}")
+    missing = [n for n in want if n not in found]
+    if missing:
+        more = f" (and {len(missing) - 3} more)" if len(missing) > 3 else ""
+        raise ModelLoadError(f"{model_dir}: checkpoint is missing tensor(s) "
+                             f"{', '.join(missing[:3])}{more}")
+    return found
+
+
+def inspect_model(path: str | Path) -> ModelConfig:
+    """Validate a model directory without loading weights (config + safetensors headers)."""
+    model_dir = Path(path)
+    if not model_dir.is_dir():
+        raise ModelLoadError(f"{model_dir}: model directory not found")
+    cfg = ModelConfig.from_dir(model_dir)
+    check_checkpoint(model_dir, cfg)
+    return cfg
+
+
+def resolve_dtype(name: str, cfg: ModelConfig, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        if device.type == "cpu":
+            return torch.float32
+        name = cfg.torch_dtype or "bfloat16"
+        if name == "float32":
+            return torch.float32
+    table = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+    if name not in table:
+        raise ModelLoadError(f"unsupported dtype {name!r} (float32, float16, bfloat16)")
+    return table[name]
+
+
+def our_name(hf_name: str) -> tuple[str, int | None]:
+    """HF tensor name -> (our parameter name, fused slice index or None)."""
+    m = _LAYER.match(hf_name)
+    if m:
+        n, mod, kind = m.groups()
+        if mod in FUSED:
+            ours, idx = FUSED[mod]
+            return f"model.layers.{n}.{ours}.{kind}", idx
+    return hf_name, None
+
+
+@torch.no_grad()
+def load_model(path: str | Path, device: torch.device, dtype: torch.dtype,
+               max_position: int) -> LlamaForCausalLM:
+    model_dir = Path(path)
+    cfg = inspect_model(model_dir)
+    found = check_checkpoint(model_dir, cfg)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg, max_position)
+    model.to_empty(device=device)
+    model.to(dtype)
+    if cfg.tie_word_embeddings:  # to_empty breaks the tie; restore it
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.model.rotary.init_cache(device)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    by_file: dict[Path, list[str]] = {}
+    for name, (f, _) in found.items():
+        if not IGNORED.match(name) and not (name == "lm_head.weight" and cfg.tie_word_embeddings):
+            by_file.setdefault(f, []).append(name)
+    for f, names in by_file.items():
+        with safe_open(str(f), framework="pt") as sf:  # mmap
+            for name in names:
+                ours, idx = our_name(name)
+                param = params[ours]
+                src = sf.get_tensor(name)
+                if idx is None:
+                    param.copy_(src)
+                else:
+                    sizes = _slice_sizes(model, ours)
+                    start = sum(sizes[:idx])
+                    param[start:start + sizes[idx]].copy_(src)
+    return model.eval()
+
+
+def _slice_sizes(model, param_name: str) -> list[int]:
+    module = model.get_submodule(param_name.rsplit(".", 1)[0])
+    return module.output_sizes
