@@ -127,11 +127,17 @@ def inspect_adapter(name: str, path, model_config, max_lora_rank: int) -> Adapte
 
     # Group tensors by module: (layer, peft module) -> {"A": key, "B": key}
     found: dict[tuple[int, str], dict[str, str]] = {}
-    for key in sorted(header):
+    parsed = {}
+    for key in header:
         m = _LORA_KEY.match(key)
         lm = _LAYER_MODULE.match(m.group("module")) if m else None
-        if lm is None or PEFT_MODULES.get(lm.group("proj"), ("",))[0] != lm.group("parent"):
-            _refuse_key(name, path, key, cfg)
+        if lm is not None and PEFT_MODULES.get(lm.group("proj"), ("",))[0] == lm.group("parent"):
+            parsed[key] = (m, lm)
+    bad = [k for k in header if k not in parsed]
+    if bad:  # explain a LoRA-looking key first (e.g. embedding LoRA, not its saved base weight)
+        _refuse_key(name, path, min(bad, key=lambda k: ("lora_" not in k, k)), cfg)
+    for key in sorted(header):
+        m, lm = parsed[key]
         layer = int(lm.group("layer"))
         if layer >= n_layers:
             raise adapter_error(name, path, f"tensor {key!r} is for layer {layer}, but the base "
