@@ -1,0 +1,106 @@
+import pytest
+import torch
+
+from batchrun.kernels.paged_attention import paged_decode_attention
+from batchrun.kernels.reference import ref_paged_decode_attention
+from kernel_testutils import CPU_DTYPES, DEVICE, randn
+
+
+def make_inputs(lens, Hq, Hkv, D, block_size, dtype, gen, max_blocks=None):
+    B = len(lens)
+    need = [-(-n // block_size) for n in lens]
+    max_blocks = max_blocks or max(max(need), 1) + 1
+    num_blocks = sum(need) + 1
+    # Pages are shuffled; the last page is poisoned with NaN and every table entry past a
+    # sequence's blocks points at it: any read of an unused entry would leak NaN into out.
+    poison = num_blocks - 1
+    perm = torch.randperm(num_blocks - 1, generator=gen).tolist()
+    tables = torch.full((B, max_blocks), poison, dtype=torch.int32)
+    for b, n in enumerate(need):
+        tables[b, :n] = torch.tensor(perm[:n], dtype=torch.int32)
+        perm = perm[n:]
+    k_cache = randn(num_blocks, block_size, Hkv, D, dtype=dtype, gen=gen)
+    v_cache = randn(num_blocks, block_size, Hkv, D, dtype=dtype, gen=gen)
+    # Also poison the unused tail of each last page (slots past context_len).
+    k_cache[poison] = float("nan")
+    v_cache[poison] = float("nan")
+    for b, n in enumerate(lens):
+        if n % block_size:
+            page = int(tables[b, n // block_size])
+            k_cache[page, n % block_size:] = float("nan")
+            v_cache[page, n % block_size:] = float("nan")
+    q = randn(B, Hq, D, dtype=dtype, gen=gen)
+    lens_t = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    return q, k_cache, v_cache, tables.to(DEVICE), lens_t
+
+
+def run_and_check(lens, Hq, Hkv, D, block_size, dtype, gen, num_splits=None, max_blocks=None):
+    q, kc, vc, tables, lens_t = make_inputs(lens, Hq, Hkv, D, block_size, dtype, gen, max_blocks)
+    scale = D ** -0.5
+    out = torch.full_like(q, float("nan"))   # every row must be written, padding rows with 0
+    paged_decode_attention(q, kc, vc, tables, lens_t, scale, out, num_splits=num_splits)
+    ref = ref_paged_decode_attention(q, torch.nan_to_num(kc), torch.nan_to_num(vc), tables, lens_t, scale)
+    assert not out.isnan().any()
+    eps = torch.finfo(dtype).eps
+    # P (rounded to the cache dtype for the PV dot) and out each round once; v ~ N(0, 1) so
+    # |out| <= max|v|. fp32 gets headroom for exp2/sum-order differences.
+    vmax = vc.nan_to_num().abs().max().item()
+    tol = (4 * eps if dtype != torch.float32 else 64 * eps) * vmax
+    err = (out.float() - ref.float()).abs()
+    assert err.max().item() <= tol, err.max().item()
+    zero_rows = lens_t == 0
+    assert (out[zero_rows] == 0).all()
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+@pytest.mark.parametrize("D", [32, 64, 128])
+@pytest.mark.parametrize("heads", [(4, 4), (8, 2)], ids=["mha", "gqa4"])
+def test_decode_attention(dtype, D, heads):
+    gen = torch.Generator().manual_seed(D + heads[1])
+    run_and_check([1, 70, 0, 16, 33], *heads, D, 16, dtype, gen)
+
+
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decode_attention_block_size_and_splits(block_size, num_splits):
+    gen = torch.Generator().manual_seed(block_size + num_splits)
+    run_and_check([130, 0, 5, 64, 200], 8, 2, 64, block_size, torch.float16, gen, num_splits=num_splits)
+
+
+def test_decode_attention_gqa8_odd_head_dim():
+    # Llama-3-70B-like grouping (8 query heads per kv head); head dim not a power of two.
+    gen = torch.Generator().manual_seed(3)
+    run_and_check([9, 47], 16, 2, 40, 16, torch.float32, gen)
+
+
+def test_decode_attention_long_table_short_context():
+    # A table sized for max_model_len while contexts are short (the graph-capture case).
+    gen = torch.Generator().manual_seed(4)
+    run_and_check([3, 17], 4, 4, 64, 16, torch.float32, gen, num_splits=4, max_blocks=64)
+
+
+def test_decode_attention_rejects_bad_arguments():
+    q = torch.randn(2, 6, 32, device=DEVICE)
+    kc = torch.randn(4, 16, 4, 32, device=DEVICE)
+    tables = torch.zeros(2, 2, dtype=torch.int32, device=DEVICE)
+    lens = torch.ones(2, dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="multiple"):
+        paged_decode_attention(q, kc, kc, tables, lens, 1.0, torch.empty_like(q))
+    q = torch.randn(2, 8, 32, device=DEVICE)
+    with pytest.raises(ValueError, match="int32"):
+        paged_decode_attention(q, kc, kc, tables.long(), lens, 1.0, torch.empty_like(q))
+    with pytest.raises(ValueError, match="dtype"):
+        paged_decode_attention(q, kc, kc, tables, lens, 1.0, torch.empty_like(q).half())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B", [1, 8, 64, 256])
+@pytest.mark.parametrize("heads", [(32, 32), (32, 8)], ids=["llama2_7b", "llama3_8b"])
+def test_decode_attention_bf16_realistic(B, heads):
+    gen = torch.Generator().manual_seed(B)
+    longest = 2048 if B <= 64 else 512  # keeps the fp32 reference's gathered K/V small
+    lens = torch.randint(1, longest, (B,), generator=gen).tolist()
+    lens[0] = 0
+    if B > 1:
+        lens[1] = longest
+    run_and_check(lens, *heads, 128, 16, torch.bfloat16, gen, max_blocks=128)
