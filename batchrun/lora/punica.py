@@ -1,0 +1,38 @@
+"""Punica-style LoRA ops for one fused Linear: y += expand(shrink(x)).
+
+On CUDA the Triton kernels from batchrun.kernels run (a static grid driven by the metadata
+buffers, so they can be captured in CUDA graphs). On CPU the engine runs the torch references
+instead, by design: they are the same math (fp32 accumulation, one rounding into y) and the
+Triton interpreter is far too slow for an engine. Tests force the Triton path on CPU with
+BATCHRUN_FORCE_TRITON=1 under TRITON_INTERPRET=1 to check the wrapper against the kernels.
+"""
+from __future__ import annotations
+
+import os
+
+from torch import Tensor
+
+from batchrun.kernels.lora_meta import LoRAKernelMeta
+
+
+def use_triton(t: Tensor) -> bool:
+    # Read per call (cheap) so tests can flip the variable; never reached when has_lora is off.
+    return t.is_cuda or os.environ.get("BATCHRUN_FORCE_TRITON") == "1"
+
+
+def add_lora(x: Tensor, y: Tensor, lora_a: Tensor, lora_b: Tensor, buf: Tensor,
+             slice_offsets: tuple[int, ...], meta: LoRAKernelMeta) -> None:
+    # x: [T, K]; y: [T, N] updated in place; lora_a: [S, L, R, K]; lora_b: [L, N, R] (scaling
+    # folded in); buf: [S, T_max, R] fp32 scratch (only rows of LoRA tokens are written/read);
+    # slice_offsets: S + 1 ints into y's columns; meta: prepared for this step's tokens.
+    if use_triton(x):
+        from batchrun.kernels.lora_expand import lora_expand
+        from batchrun.kernels.lora_shrink import lora_shrink
+        lora_shrink(x, lora_a, buf, meta)
+        lora_expand(buf, lora_b, y, slice_offsets, meta)
+        return
+    from batchrun.kernels.reference import ref_lora_expand, ref_lora_shrink
+    slots = meta.token_lora_slot[: x.shape[0]]
+    # The CPU path needs no scratch buffer: the reference shrink returns its own [S, T, R].
+    mid = ref_lora_shrink(x, lora_a, slots)
+    y.copy_(ref_lora_expand(y, mid, lora_b, slice_offsets, slots))

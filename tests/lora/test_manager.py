@@ -1,0 +1,123 @@
+"""Slot manager: eager validation, stacked weights in place, LRU slots and CPU cache."""
+import pytest
+import torch
+
+from batchrun.errors import AdapterError
+from batchrun.lora.manager import LoRAManager
+from tests.lora.conftest import FakeLlama, make_adapter
+
+TARGETS = [["q_proj", "v_proj"], ["o_proj"], ["gate_proj", "down_proj"], "all-linear", ["k_proj"]]
+
+
+@pytest.fixture(scope="module")
+def five(tmp_path_factory):
+    root = tmp_path_factory.mktemp("five")
+    paths = {}
+    for i, tm in enumerate(TARGETS):
+        paths[f"a{i}"] = root / f"a{i}"
+        make_adapter(paths[f"a{i}"], seed=i, r=2 + i, lora_alpha=8, target_modules=tm)
+    return paths
+
+
+def _manager(mcfg, paths, **kw):
+    model = FakeLlama(mcfg)
+    kw = {"max_loras": 2, "max_lora_rank": 8, "max_num_tokens": 16, "device": "cpu",
+          "dtype": torch.float32, **kw}
+    return model, LoRAManager(model, paths, **kw)
+
+
+def test_lru_slots(mcfg, five):
+    model, m = _manager(mcfg, five, max_cpu_loras=2)
+    assert m.names == frozenset(five)
+    assert m.rank == 6  # largest adapter rank, not max_lora_rank
+    assert m.can_acquire("a0") and m.acquire("a0") == 0
+    assert m.acquire("a1") == 1
+    assert m.acquire("a0") == 0 and m.pinned("a0") == 2  # resident: no reload
+    assert m.num_loads == 2
+    assert not m.can_acquire("a2")
+    with pytest.raises(RuntimeError, match="all 2 LoRA slots are pinned"):
+        m.acquire("a2")
+    m.release("a1")
+    assert m.can_acquire("a2")
+    assert m.acquire("a2") == 1 and m.slot_of("a2") == 1  # evicts the unpinned a1
+    with pytest.raises(KeyError):
+        m.slot_of("a1")
+    m.release("a0"), m.release("a0"), m.release("a2")
+    # a0 acquired less recently than a2 -> a0 is evicted for a3
+    assert m.acquire("a3") == 0
+    m.release("a3")
+    assert m.num_loads == 4
+    # CPU cache holds 2 (a2, a3): a1 comes from disk again, a3 would not
+    m.acquire("a1")
+    assert m.num_loads == 5
+    with pytest.raises(RuntimeError, match="without a matching acquire"):
+        m.release("a0")
+    with pytest.raises(KeyError, match="unknown LoRA adapter 'zz'"):
+        m.acquire("zz")
+
+
+def test_cpu_cache_unbounded(mcfg, five):
+    _, m = _manager(mcfg, five, max_loras=1)
+    for _ in range(2):
+        for name in five:
+            m.acquire(name)
+            m.release(name)
+    assert m.num_loads == 5
+
+
+def test_slot_contents(mcfg, five):
+    model, m = _manager(mcfg, five)
+    from batchrun.lora import load_adapter
+    hooked = {(i, n) for i, layer in enumerate(model.model.layers)
+              for n, lin in [("qkv_proj", layer.self_attn.qkv_proj), ("o_proj", layer.self_attn.o_proj),
+                             ("gate_up_proj", layer.mlp.gate_up_proj), ("down_proj", layer.mlp.down_proj)]
+              if lin.lora is not None}
+    assert hooked == set(m.hooks)
+    ptrs = {k: (h.lora_a.data_ptr(), h.lora_b.data_ptr()) for k, h in m.hooks.items()}
+    for name in ["a3", "a0", "a1", "a2", "a4", "a3"]:  # a0 (q,v) overwrites all-linear a3's slot
+        slot = m.acquire(name)
+        m.release(name)
+        w = load_adapter(name, five[name], mcfg, 8).weights
+        for (layer, module), h in m.hooks.items():
+            for s in range(h.num_slices):
+                lo, hi = h.slice_offsets[s], h.slice_offsets[s + 1]
+                a, b = h.lora_a[s, slot], h.lora_b[slot, lo:hi]
+                if (layer, module, s) in w:
+                    wa, wb = w[(layer, module, s)]
+                    r = wa.shape[0]
+                    assert torch.equal(a[:r], wa) and torch.equal(b[:, :r], wb)
+                    assert not a[r:].any() and not b[:, r:].any()  # zero padding
+                else:
+                    assert not a.any() and not b.any()
+    assert ptrs == {k: (h.lora_a.data_ptr(), h.lora_b.data_ptr()) for k, h in m.hooks.items()}
+
+
+def test_only_targeted_linears_hooked(tmp_path, mcfg):
+    make_adapter(tmp_path / "qv", target_modules=["q_proj", "v_proj"], layers_to_transform=[1])
+    model, m = _manager(mcfg, {"qv": tmp_path / "qv"})
+    assert set(m.hooks) == {(1, "qkv_proj")}
+    assert model.model.layers[0].self_attn.qkv_proj.lora is None
+    assert m.shrink_buffer.shape == (3, 16, 8)
+
+
+def test_eager_validation(tmp_path, mcfg):
+    make_adapter(tmp_path / "good")
+    make_adapter(tmp_path / "dora", use_dora=True)
+    model = FakeLlama(mcfg)
+    with pytest.raises(AdapterError, match="'bad'.*use_dora"):
+        LoRAManager(model, {"good": tmp_path / "good", "bad": tmp_path / "dora"}, max_loras=2,
+                    max_lora_rank=8, max_num_tokens=8, device="cpu", dtype=torch.float32)
+    assert all(getattr(mod, "lora", None) is None for mod in model.modules())
+
+
+def test_prepare_step(mcfg, five):
+    _, m = _manager(mcfg, five)
+    m.prepare_step([-1, -1])
+    assert m.has_lora is False
+    m.prepare_step([-1, 1, 0, 1])
+    assert m.has_lora is True
+    assert m.meta.token_lora_slot[:5].tolist() == [-1, 1, 0, 1, -1]
+    m.prepare_step(torch.tensor([-1, -1], dtype=torch.int32))
+    assert m.has_lora is False
+    m.prepare_step(torch.tensor([0, -1]))
+    assert m.has_lora is True and m.meta.token_lora_slot[:2].tolist() == [0, -1]
