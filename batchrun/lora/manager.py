@@ -110,18 +110,24 @@ class LoRAManager:
     def pinned(self, name: str) -> int:
         return self._pins.get(name, 0)
 
-    def prepare_step(self, token_slots: Tensor | list[int]) -> None:
+    def prepare_step(self, token_slots: Tensor | list[int], has_lora: bool | None = None) -> None:
         """Set has_lora and write the kernels' metadata for this step's tokens (-1 = no LoRA).
-        Prefer a python list (or CPU tensor): a CUDA tensor costs a host sync for has_lora."""
+
+        has_lora=None computes it from a list or a CPU tensor. For a CUDA tensor it would need a
+        host sync, so it is assumed True instead (correct either way: slot -1 rows are left
+        alone by the kernels); callers that know better pass has_lora explicitly."""
         if isinstance(token_slots, Tensor):
-            self.has_lora = bool((token_slots >= 0).any())
-            slots = token_slots.to(torch.int32)
+            if has_lora is None:
+                has_lora = bool((token_slots >= 0).any()) if not token_slots.is_cuda else True
+            slots = token_slots if token_slots.dtype == torch.int32 else token_slots.to(torch.int32)
         else:
-            self.has_lora = any(s >= 0 for s in token_slots)
-            if self.has_lora:
+            if has_lora is None:
+                has_lora = any(s >= 0 for s in token_slots)
+            if has_lora:
                 assert max(token_slots) < self.max_loras and min(token_slots) >= -1, "bad slot id"
             slots = torch.tensor(token_slots, dtype=torch.int32)
-        if self.has_lora:  # a no-LoRA step launches no LoRA kernels, so its meta is never read
+        self.has_lora = has_lora
+        if has_lora:  # a no-LoRA step launches no LoRA kernels, so its meta is never read
             self.meta.prepare(slots)
 
     # ---- internals ----------------------------------------------------------------------

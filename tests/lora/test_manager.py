@@ -121,3 +121,5 @@ def test_prepare_step(mcfg, five):
     assert m.has_lora is False
     m.prepare_step(torch.tensor([0, -1]))
     assert m.has_lora is True and m.meta.token_lora_slot[:2].tolist() == [0, -1]
+    m.prepare_step([-1, 0], has_lora=False)  # caller's word wins (graph dispatch decided it)
+    assert m.has_lora is False
