@@ -81,14 +81,16 @@ def _lora_shrink_kernel(
     tl.store(out_ptrs, acc, mask=m_mask[:, None] & n_mask[None, :])
 
 
-def _config(T: int, R: int, K: int) -> tuple[int, int, int, int, int]:
+def _config(T: int, R: int, K: int, elem_bytes: int) -> tuple[int, int, int, int, int]:
     # Decode (small T) is memory-bound and short of programs: small M-blocks give more programs
     # in flight; wide K-tiles with several stages keep enough bytes in flight per SM.
     block_m = 16 if T <= 128 else 32 if T <= 1024 else 64
     block_n = dot_block(R, 64)
-    block_k = 256 if block_m == 16 else 128
+    block_k = (512 if block_m == 16 else 256) // elem_bytes
     block_k = min(block_k, dot_block(K, 256))
-    num_stages = 4 if block_m <= 32 else 3
+    # Stages as deep as ~160 KB of shared memory allows (H100/H200 have 227 KB per SM).
+    stage_bytes = (block_m + block_n) * block_k * elem_bytes
+    num_stages = max(2, min(4, (160 * 1024) // stage_bytes))
     return block_m, block_n, block_k, 4, num_stages
 
 
@@ -119,7 +121,7 @@ def lora_shrink(x: Tensor, lora_a: Tensor, out: Tensor, meta: LoRAKernelMeta) ->
     if T == 0:
         return
 
-    block_m, block_n, block_k, num_warps, num_stages = _config(T, R, K)
+    block_m, block_n, block_k, num_warps, num_stages = _config(T, R, K, x.element_size())
     grid = (triton.cdiv(T, block_m) * triton.cdiv(R, block_n), S, L + 1)
     _lora_shrink_kernel[grid](
         x, lora_a, out,
