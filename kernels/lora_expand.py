@@ -108,6 +108,7 @@ def lora_expand(buf: Tensor, lora_b: Tensor, y: Tensor, slice_offsets: tuple[int
     # lora_b: [L, N, R]     fused output layout, scaling folded in, dtype of y
     # y:      [T, N]        base output, updated in place for tokens with a slot
     # slice_offsets: S + 1 python ints, 0 = first < ... < last = N
+    # meta:   prepared for these T tokens, the same metadata lora_shrink used
     check(buf.dim() == 3 and lora_b.dim() == 3 and y.dim() == 2,
           f"expected buf [S, T_max, R], lora_b [L, N, R], y [T, N]; got {tuple(buf.shape)}, "
           f"{tuple(lora_b.shape)}, {tuple(y.shape)}")

@@ -99,6 +99,7 @@ def lora_shrink(x: Tensor, lora_a: Tensor, out: Tensor, meta: LoRAKernelMeta) ->
     # lora_a: [S, L, R, K]   stacked A weights, same dtype as x, R = max_lora_rank (zero padded)
     # out:    [S, T_max, R]  fp32, T_max >= T; rows of tokens with a slot are overwritten,
     #                        rows of slot -1 tokens are left untouched
+    # meta:   prepared for these T tokens (meta.prepare(token_slots[:T])): its groups index x rows
     check(x.dim() == 2 and lora_a.dim() == 4 and out.dim() == 3,
           f"expected x [T, K], lora_a [S, L, R, K], out [S, T_max, R]; got {tuple(x.shape)}, "
           f"{tuple(lora_a.shape)}, {tuple(out.shape)}")
