@@ -1,0 +1,255 @@
+"""job.yaml -> JobSpec: parse and validate.
+
+Every error names the field path (``engine.max_num_seqs``) and what was expected, because the
+person reading it is looking at the YAML file, not at this code. Relative paths resolve against
+the job file's directory; ``$VARS`` and ``~`` are expanded (handy for ``$SCRATCH`` on clusters).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from batchrun.errors import ConfigError
+
+ON_ERROR = ("skip", "fail")
+DEVICES = ("auto", "cpu", "cuda")
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+# Input columns that, when present, override the job's sampling defaults row by row.
+OVERRIDE_COLUMNS = ("max_tokens", "temperature", "top_p", "top_k", "seed")
+
+
+@dataclass(frozen=True)
+class InputSpec:
+    path: str  # absolute: a file, a directory or a glob
+    id_column: str | None = None  # None: "<file>:<row>" ids
+    prompt_column: str | None = "prompt"
+    messages_column: str | None = None
+    adapter_column: str | None = None  # None: every row runs on the base model
+    rows_per_unit: int = 1024  # a work unit = one part file = one commit
+
+
+@dataclass(frozen=True)
+class OutputSpec:
+    path: str  # absolute directory
+
+
+@dataclass(frozen=True)
+class SamplingSpec:
+    max_tokens: int = 64
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0  # job seed; each row's seed is derived from it and the row id
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    device: str = "auto"
+    dtype: str = "auto"
+    max_num_seqs: int = 64
+    max_model_len: int = 2048
+    max_loras: int = 4
+    max_lora_rank: int = 64
+    enforce_eager: bool = False
+    max_num_batched_tokens: int = 2048
+    gpu_memory_utilization: float = 0.90
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    job_file: str  # absolute path of the YAML file ("" when built from a dict)
+    model: str
+    adapters: dict[str, str]
+    input: InputSpec
+    output: OutputSpec
+    sampling: SamplingSpec = field(default_factory=SamplingSpec)
+    engine: EngineSpec = field(default_factory=EngineSpec)
+    on_error: str = "skip"
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+# ---- field checking ---------------------------------------------------------------------------
+
+_TYPE_NAMES = {str: "a string", int: "an integer", float: "a number", bool: "true or false",
+               dict: "a mapping"}
+
+
+def _type_ok(value: Any, typ: type) -> bool:
+    if typ is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if typ is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return isinstance(value, typ)
+
+
+def _fields(raw: Any, where: str, schema: dict[str, tuple[type, bool, Any]]) -> dict[str, Any]:
+    """Check a mapping against ``{key: (type, nullable, default)}``; return the filled-in values.
+
+    ``default`` is ``_REQUIRED`` for required keys.
+    """
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where or 'job file'}: expected a mapping, got {_show(raw)}")
+    out = {}
+    unknown = [k for k in raw if k not in schema]
+    if unknown:
+        key = f"{where}.{unknown[0]}" if where else str(unknown[0])
+        allowed = ", ".join(schema)
+        raise ConfigError(f"{key}: unknown field (allowed under {where or 'the top level'}: {allowed})")
+    for key, (typ, nullable, default) in schema.items():
+        path = f"{where}.{key}" if where else key
+        if key not in raw:
+            if default is _REQUIRED:
+                raise ConfigError(f"{path}: required field is missing (expected {_TYPE_NAMES[typ]})")
+            out[key] = default
+            continue
+        value = raw[key]
+        if value is None and nullable:
+            out[key] = None
+        elif not _type_ok(value, typ):
+            expected = _TYPE_NAMES[typ] + (" or null" if nullable else "")
+            raise ConfigError(f"{path}: expected {expected}, got {_show(value)}")
+        else:
+            out[key] = float(value) if typ is float else value
+    return out
+
+
+class _Required:
+    def __repr__(self):
+        return "<required>"
+
+
+_REQUIRED = _Required()
+
+
+def _show(value: Any) -> str:
+    text = repr(value)
+    if len(text) > 60:
+        text = text[:57] + "..."
+    return f"{text} ({type(value).__name__})"
+
+
+def _check(cond: bool, path: str, message: str) -> None:
+    if not cond:
+        raise ConfigError(f"{path}: {message}")
+
+
+def _resolve(base: Path, value: str, path: str) -> str:
+    _check(value.strip() != "", path, "must not be empty")
+    p = Path(os.path.expanduser(os.path.expandvars(value)))
+    if not p.is_absolute():
+        p = base / p
+    return os.path.normpath(str(p))
+
+
+# ---- parsing ----------------------------------------------------------------------------------
+
+def load_job(path: str | os.PathLike) -> JobSpec:
+    """Read and validate a job file. Raises ConfigError naming the file and field."""
+    path = Path(path).absolute()
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise ConfigError(f"cannot read job file {path}: {e.strerror or e}") from None
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    try:
+        return parse_job(raw, base_dir=path.parent, job_file=str(path))
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}") from None
+
+
+def parse_job(raw: Any, base_dir: str | os.PathLike, job_file: str = "") -> JobSpec:
+    """Validate an already-parsed job mapping; relative paths resolve against ``base_dir``."""
+    base = Path(base_dir).absolute()
+    top = _fields(raw, "", {
+        "model": (str, False, _REQUIRED),
+        "adapters": (dict, True, None),
+        "input": (dict, False, _REQUIRED),
+        "output": (dict, False, _REQUIRED),
+        "sampling": (dict, True, None),
+        "engine": (dict, True, None),
+        "on_error": (str, False, "skip"),
+    })
+    model = _resolve(base, top["model"], "model")
+
+    adapters: dict[str, str] = {}
+    for name, apath in (top["adapters"] or {}).items():
+        _check(isinstance(name, str) and name.strip() != "", f"adapters.{name}",
+               "adapter names must be non-empty strings")
+        _check(isinstance(apath, str), f"adapters.{name}",
+               f"expected a string (the PEFT adapter directory), got {_show(apath)}")
+        adapters[name] = _resolve(base, apath, f"adapters.{name}")
+
+    inp = _fields(top["input"], "input", {
+        "path": (str, False, _REQUIRED),
+        "id_column": (str, True, None),
+        "prompt_column": (str, True, None),
+        "messages_column": (str, True, None),
+        "adapter_column": (str, True, None),
+        "rows_per_unit": (int, False, 1024),
+    })
+    if inp["prompt_column"] is None and inp["messages_column"] is None:
+        inp["prompt_column"] = "prompt"
+    _check(not (inp["prompt_column"] and inp["messages_column"]), "input",
+           "set either prompt_column (text prompts) or messages_column (chat messages), not both")
+    _check(inp["rows_per_unit"] >= 1, "input.rows_per_unit", "must be >= 1")
+    for key in ("id_column", "prompt_column", "messages_column", "adapter_column"):
+        if inp[key] is not None:
+            _check(inp[key] != "", f"input.{key}", "must not be empty (use null to leave it unset)")
+    _check(not adapters or inp["adapter_column"] is not None, "input.adapter_column",
+           "adapters are configured but no column names each row's adapter; set "
+           "input.adapter_column (rows with null or \"\" run on the base model)")
+    inp["path"] = _resolve(base, inp["path"], "input.path")
+
+    out = _fields(top["output"], "output", {"path": (str, False, _REQUIRED)})
+    out["path"] = _resolve(base, out["path"], "output.path")
+
+    smp = _fields(top["sampling"], "sampling", {
+        "max_tokens": (int, False, 64),
+        "temperature": (float, False, 0.0),
+        "top_p": (float, False, 1.0),
+        "top_k": (int, False, 0),
+        "seed": (int, False, 0),
+    })
+    _check(smp["max_tokens"] >= 1, "sampling.max_tokens", "must be >= 1")
+    _check(smp["temperature"] >= 0, "sampling.temperature", "must be >= 0 (0 = greedy)")
+    _check(0 < smp["top_p"] <= 1, "sampling.top_p", "must be in (0, 1]")
+    _check(smp["top_k"] >= 0, "sampling.top_k", "must be >= 0 (0 = off)")
+
+    eng = _fields(top["engine"], "engine", {
+        "device": (str, False, "auto"),
+        "dtype": (str, False, "auto"),
+        "max_num_seqs": (int, False, 64),
+        "max_model_len": (int, False, 2048),
+        "max_loras": (int, False, 4),
+        "max_lora_rank": (int, False, 64),
+        "enforce_eager": (bool, False, False),
+        "max_num_batched_tokens": (int, False, 2048),
+        "gpu_memory_utilization": (float, False, 0.90),
+    })
+    _check(eng["device"] in DEVICES, "engine.device", f"expected one of {', '.join(DEVICES)}, got {eng['device']!r}")
+    _check(eng["dtype"] in DTYPES, "engine.dtype", f"expected one of {', '.join(DTYPES)}, got {eng['dtype']!r}")
+    for key in ("max_num_seqs", "max_model_len", "max_loras", "max_lora_rank", "max_num_batched_tokens"):
+        _check(eng[key] >= 1, f"engine.{key}", "must be >= 1")
+    _check(0 < eng["gpu_memory_utilization"] <= 1, "engine.gpu_memory_utilization", "must be in (0, 1]")
+    _check(smp["max_tokens"] < eng["max_model_len"], "sampling.max_tokens",
+           f"must be smaller than engine.max_model_len ({eng['max_model_len']}) to leave room for the prompt")
+
+    _check(top["on_error"] in ON_ERROR, "on_error",
+           f"expected skip (bad rows become error rows) or fail (stop the job), got {top['on_error']!r}")
+
+    return JobSpec(
+        job_file=job_file, model=model, adapters=adapters,
+        input=InputSpec(**inp), output=OutputSpec(**out),
+        sampling=SamplingSpec(**smp), engine=EngineSpec(**eng), on_error=top["on_error"],
+    )
