@@ -1,0 +1,80 @@
+"""Helpers for the job-runner tests (imported by conftest.py and the tests)."""
+from __future__ import annotations
+
+import json
+import os
+import string
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import yaml
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent.parent
+SPECIALS = ["<pad>", "<s>", "</s>", "<unk>", "<sep>"]
+CHARS = " " + string.ascii_lowercase + string.ascii_uppercase + string.digits + ".,!?'-:;"
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+
+
+def build_tokenizer():
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+    vocab = {t: i for i, t in enumerate(SPECIALS + list(CHARS))}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A <sep>", special_tokens=[("<s>", 1), ("<sep>", 4)])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                                   pad_token="<pad>", unk_token="<unk>", sep_token="<sep>")
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def write_rows(path: Path, rows: list[dict], schema: pa.Schema | None = None, row_group_size: int | None = None):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    table = pa.Table.from_pylist(rows, schema=schema)
+    pq.write_table(table, path, row_group_size=row_group_size)
+    return path
+
+
+def demo_rows(n: int, adapters=("reverse", "upper"), start: int = 0) -> list[dict]:
+    """Rows with lowercase word prompts; every third row base, then reverse, then upper."""
+    words = ["hello", "world", "batch", "run", "lora", "fox", "abc", "xyz", "tiny", "model"]
+    rows = []
+    for i in range(start, start + n):
+        prompt = f"{words[i % len(words)]} {words[(i * 7 + 3) % len(words)]}"
+        kind = i % 3
+        rows.append({"id": i, "prompt": prompt, "adapter": None if kind == 0 else adapters[kind - 1]})
+    return rows
+
+
+def write_job(path: Path, job: dict) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(job, sort_keys=False))
+    return path
+
+
+def run_cli(*args, env: dict | None = None, fake: bool = True, timeout: float = 120, cwd=None):
+    """Run the CLI in a subprocess; fake=True swaps in the FakeEngine (tests/runner/fake_main.py)."""
+    cmd = [sys.executable, str(HERE / "fake_main.py")] if fake else [sys.executable, "-m", "batchrun"]
+    full_env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+                **(env or {})}
+    return subprocess.run(cmd + [str(a) for a in args], capture_output=True, text=True, env=full_env,
+                          timeout=timeout, cwd=cwd)
+
+
+def read_output(out: Path) -> pa.Table:
+    import pyarrow.dataset as ds
+    return ds.dataset(str(out), format="parquet").to_table()
+
+
+def expected(prompt: str, adapter: str | None) -> str:
+    return {None: prompt, "reverse": prompt[::-1], "upper": prompt.upper()}[adapter]
+
+
+def load_json(path: Path):
+    return json.loads(Path(path).read_text())
