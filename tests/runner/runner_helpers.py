@@ -59,8 +59,8 @@ def write_job(path: Path, job: dict) -> Path:
 
 
 def run_cli(*args, env: dict | None = None, fake: bool = True, timeout: float = 120, cwd=None):
-    """Run the CLI in a subprocess; fake=True swaps in the FakeEngine (tests/runner/fake_main.py)."""
-    cmd = [sys.executable, str(HERE / "fake_main.py")] if fake else [sys.executable, "-m", "batchrun"]
+    """Run the CLI in a subprocess; fake=True swaps in the FakeEngine (tests/runner/fake_cli.py)."""
+    cmd = [sys.executable, str(HERE / "fake_cli.py")] if fake else [sys.executable, "-m", "batchrun"]
     full_env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
                 **(env or {})}
     return subprocess.run(cmd + [str(a) for a in args], capture_output=True, text=True, env=full_env,
@@ -78,3 +78,13 @@ def expected(prompt: str, adapter: str | None) -> str:
 
 def load_json(path: Path):
     return json.loads(Path(path).read_text())
+
+
+def fork_cli(args: list, crash_at: str = "", env: dict | None = None):
+    """Start the (fake-engine) CLI in a forked child: everything is already imported, so it
+    starts in milliseconds. Returns the multiprocessing.Process (exitcode = the CLI's exit code)."""
+    import multiprocessing
+    from fake_cli import cli
+    proc = multiprocessing.get_context("fork").Process(target=cli, args=([str(a) for a in args], crash_at, env))
+    proc.start()
+    return proc

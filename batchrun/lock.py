@@ -1,0 +1,63 @@
+"""One lock per (output dir, task id): two runs of the same task must not write the same units.
+
+POSIX ``fcntl.lockf`` locks (not ``flock``) because they also work on NFS, where Slurm users keep
+their outputs. The kernel drops the lock when the process dies, even on kill -9, so a crashed run
+never leaves a stale lock behind. The file holds the owner's host and pid for the error message.
+"""
+from __future__ import annotations
+
+import fcntl
+import os
+import socket
+
+
+class LockBusy(RuntimeError):
+    pass
+
+
+class TaskLock:
+    def __init__(self, path: str, what: str):
+        self.path, self.what, self.fd = path, what, None
+
+    def acquire(self) -> "TaskLock":
+        os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            owner = os.read(fd, 200).decode(errors="replace").strip() or "another process"
+            os.close(fd)
+            raise LockBusy(f"{self.what} is already running ({owner}; lock {self.path}). "
+                           "Wait for it to finish, or stop it first.") from None
+        os.ftruncate(fd, 0)
+        os.write(fd, f"host {socket.gethostname()} pid {os.getpid()}\n".encode())
+        self.fd = fd
+        return self
+
+    def release(self) -> None:
+        if self.fd is not None:
+            fcntl.lockf(self.fd, fcntl.LOCK_UN)
+            os.close(self.fd)
+            self.fd = None
+
+    def __enter__(self):
+        return self.acquire()
+
+    def __exit__(self, *exc):
+        self.release()
+
+
+def is_locked(path: str) -> str | None:
+    """Owner text if some process holds the lock at ``path``, else None (for status/restart)."""
+    if not os.path.exists(path):
+        return None
+    fd = os.open(path, os.O_RDWR)
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return os.read(fd, 200).decode(errors="replace").strip() or "another process"
+    else:
+        fcntl.lockf(fd, fcntl.LOCK_UN)
+        return None
+    finally:
+        os.close(fd)

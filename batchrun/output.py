@@ -1,0 +1,85 @@
+"""The output directory: where each file lives, and the schema of the part files.
+
+    output.path/
+      part-000000.parquet ...      the dataset (one file per committed work unit)
+      _batchrun/                   metadata; pyarrow/pandas/duckdb skip "_"-prefixed names
+        manifest.json              job fingerprint, creation time
+        plan/                      plan.json + row_file.npy + row_index.npy
+        commits/unit-000000.json   one marker per committed unit (rows, errors, tokens)
+        tmp/task-0/                part files being written (never visible in the dataset)
+        locks/task-0.lock          one fcntl lock per task id
+        metrics.json               totals over all committed units + each task's last run
+        metrics/task-0.json        each task's last run
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import pyarrow as pa
+
+META = "_batchrun"
+
+
+def output_schema(id_type: pa.DataType) -> pa.Schema:
+    return pa.schema([
+        pa.field("id", id_type),
+        pa.field("adapter", pa.string()),  # null = base model
+        pa.field("output_text", pa.string()),
+        pa.field("output_token_ids", pa.list_(pa.int32())),
+        pa.field("prompt_tokens", pa.int32()),
+        pa.field("output_tokens", pa.int32()),
+        pa.field("finish_reason", pa.string()),  # stop | length | error
+        pa.field("error", pa.string()),  # null unless finish_reason == "error"
+    ])
+
+
+@dataclass(frozen=True)
+class OutputDir:
+    path: str
+
+    @property
+    def meta(self) -> str:
+        return os.path.join(self.path, META)
+
+    @property
+    def manifest(self) -> str:
+        return os.path.join(self.meta, "manifest.json")
+
+    @property
+    def plan_dir(self) -> str:
+        return os.path.join(self.meta, "plan")
+
+    @property
+    def commits(self) -> str:
+        return os.path.join(self.meta, "commits")
+
+    @property
+    def locks(self) -> str:
+        return os.path.join(self.meta, "locks")
+
+    @property
+    def metrics(self) -> str:
+        return os.path.join(self.meta, "metrics.json")
+
+    @property
+    def task_metrics_dir(self) -> str:
+        return os.path.join(self.meta, "metrics")
+
+    def tmp(self, task_id: int) -> str:
+        return os.path.join(self.meta, "tmp", f"task-{task_id}")
+
+    def part(self, unit: int) -> str:
+        return os.path.join(self.path, f"part-{unit:06d}.parquet")
+
+    def commit_marker(self, unit: int) -> str:
+        return os.path.join(self.commits, f"unit-{unit:06d}.json")
+
+    def lock(self, task_id: int) -> str:
+        return os.path.join(self.locks, f"task-{task_id}.lock")
+
+    def part_files(self) -> list[str]:
+        if not os.path.isdir(self.path):
+            return []
+        return sorted(os.path.join(self.path, f) for f in os.listdir(self.path)
+                      if f.startswith("part-") and f.endswith(".parquet"))

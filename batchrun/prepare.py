@@ -1,0 +1,201 @@
+"""Everything a run checks and sets up before loading any weights.
+
+Inputs (files, schemas, ids), model and adapter directories (headers only), tokenizer, output
+directory (writable), then the output directory's manifest: a fresh directory gets a plan and a
+manifest; a directory holding the same job is resumed; one holding a different job is refused
+unless --restart.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from dataclasses import dataclass
+
+from batchrun import __version__
+from batchrun.commit import fsync_dir, write_json_atomic
+from batchrun.errors import ConfigError
+from batchrun.fingerprint import PART_NAMES, combine, job_fingerprint
+from batchrun.inputs import check_schemas, find_input_files
+from batchrun.job import JobSpec
+from batchrun.lock import LockBusy, TaskLock, is_locked
+from batchrun.output import META, OutputDir
+from batchrun.plan import Plan, make_plan
+
+
+class JobChanged(ConfigError):
+    """The output directory holds results of a different job (fingerprint mismatch)."""
+
+
+@dataclass
+class Prepared:
+    spec: JobSpec
+    out: OutputDir
+    plan: Plan
+    fingerprint: str
+    model_config: object | None  # batchrun.models ModelConfig when the loader exists
+
+
+def check_model_and_adapters(spec: JobSpec) -> object | None:
+    """Read config/headers only (no weights). Returns the model config when available."""
+    if not os.path.isdir(spec.model):
+        raise ConfigError(f"model: {spec.model} is not a directory (expected a Hugging Face model directory)")
+    if not os.path.isfile(os.path.join(spec.model, "config.json")):
+        raise ConfigError(f"model: {spec.model} has no config.json (expected a Hugging Face model directory)")
+    try:
+        from batchrun.models.loader import inspect_model
+    except ImportError:  # the model loader is not in this build yet: the engine checks at load
+        inspect_model = None
+    model_config = None
+    if inspect_model is not None:
+        try:
+            model_config = inspect_model(spec.model)
+        except ConfigError as e:
+            raise type(e)(f"model: {e}") from None
+    for name, path in spec.adapters.items():
+        if not os.path.isdir(path):
+            raise ConfigError(f"adapters.{name}: {path} is not a directory (expected a PEFT adapter directory)")
+        if not os.path.isfile(os.path.join(path, "adapter_config.json")):
+            raise ConfigError(f"adapters.{name}: {path} has no adapter_config.json (expected a PEFT adapter directory)")
+        if model_config is None:
+            continue
+        try:
+            from batchrun.lora.adapters import inspect_adapter
+        except ImportError:
+            continue
+        try:
+            inspect_adapter(name, path, model_config, spec.engine.max_lora_rank)
+        except ConfigError as e:
+            raise type(e)(f"adapters.{name}: {e}") from None
+    return model_config
+
+
+def load_tokenizer(spec: JobSpec):
+    """The model directory's tokenizer (no weights); checks a chat template exists if needed."""
+    from transformers import AutoTokenizer
+    try:
+        tok = AutoTokenizer.from_pretrained(spec.model)
+    except Exception as e:  # transformers raises many types for a broken/missing tokenizer
+        raise ConfigError(f"model: cannot load the tokenizer from {spec.model}: {e}") from None
+    if spec.input.messages_column and not getattr(tok, "chat_template", None):
+        raise ConfigError(f"input.messages_column: the tokenizer in {spec.model} has no chat template; "
+                          "use prompt_column with preformatted text instead")
+    return tok
+
+
+def check_output_writable(out: OutputDir) -> None:
+    try:
+        os.makedirs(out.meta, exist_ok=True)
+        probe = os.path.join(out.meta, f".probe.{os.getpid()}")
+        with open(probe, "w") as f:
+            f.write("ok")
+        os.remove(probe)
+    except OSError as e:
+        raise ConfigError(f"output.path: cannot write to {out.path}: {e.strerror or e}") from None
+
+
+def validate(spec: JobSpec) -> tuple[list[str], str, object, object]:
+    """All pre-load checks; returns (files, root, input schema, model config)."""
+    files, root = find_input_files(spec.input)
+    schema = check_schemas(files, spec.input)
+    model_config = check_model_and_adapters(spec)
+    load_tokenizer(spec)  # a broken tokenizer or missing chat template fails before the weights load
+    return files, root, schema, model_config
+
+
+def prepare(spec: JobSpec, restart: bool = False) -> Prepared:
+    """Validate, fingerprint, and create/resume/refuse the output directory's job state.
+
+    Runs under the output dir's manifest lock so concurrent array tasks agree on one plan.
+    """
+    files, root, schema, model_config = validate(spec)
+    out = OutputDir(spec.output.path)
+    check_output_writable(out)
+    names = [os.path.relpath(f, root) for f in files]
+    parts = job_fingerprint(spec, files, names, list(schema.override_columns))
+    fp = combine(parts)
+    token = os.environ.get("SLURM_ARRAY_JOB_ID")  # siblings of one array restart only once
+
+    meta_lock = TaskLock(os.path.join(out.locks, "manifest.lock"), "planning")
+    _acquire_blocking(meta_lock)
+    try:
+        manifest = _read_manifest(out)
+        if manifest is not None and manifest.get("fingerprint") != fp and not restart:
+            changed = [PART_NAMES[k] for k, v in parts.items() if manifest.get("parts", {}).get(k) != v]
+            raise JobChanged(
+                f"output.path: {out.path} holds results of a different job (changed: "
+                f"{'; '.join(changed) or 'batchrun version'}). Rerun with --restart to discard them, "
+                "or choose another output.path.")
+        if manifest is not None and restart and not (token and manifest.get("restart_token") == token):
+            _wipe(out)
+            manifest = None
+        if manifest is None and out.part_files():
+            raise ConfigError(f"output.path: {out.path} holds part-*.parquet files that batchrun did not "
+                              "write (no _batchrun/manifest.json); choose an empty or new directory")
+        plan = None
+        if manifest is not None:
+            try:
+                plan = Plan.load(out.plan_dir)
+            except (OSError, ValueError):
+                plan = None  # manifest without a complete plan: a crash while planning
+        if plan is None:
+            plan = make_plan(spec, files, root, schema)
+            plan.fingerprint = fp
+            if os.path.isdir(out.plan_dir):
+                shutil.rmtree(out.plan_dir)
+            plan.save(out.plan_dir)
+            write_json_atomic(out.manifest, {
+                "fingerprint": fp, "parts": parts, "restart_token": token,
+                "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "batchrun_version": __version__,
+                "job_file": spec.job_file, "job": spec.to_dict(),
+                "total_rows": plan.total_rows, "total_units": len(plan.units),
+            })
+    finally:
+        meta_lock.release()
+    return Prepared(spec, out, plan, fp, model_config)
+
+
+def _acquire_blocking(lock: TaskLock, timeout: float = 600.0) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            lock.acquire()
+            return
+        except LockBusy:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+
+
+def _read_manifest(out: OutputDir) -> dict | None:
+    try:
+        with open(out.manifest) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"output.path: {out.manifest} is unreadable ({e}); rerun with --restart") from None
+
+
+def _wipe(out: OutputDir) -> None:
+    """--restart: delete the previous run's parts and metadata, unless a run is still active.
+
+    Called under the manifest lock; task locks are taken only after it is released, so a held
+    task lock means a task really is running.
+    """
+    if os.path.isdir(out.locks):
+        for name in sorted(os.listdir(out.locks)):
+            if name.startswith("task-") and (owner := is_locked(os.path.join(out.locks, name))):
+                raise LockBusy(f"--restart: a run is still active in {out.path} ({owner}, {name}); "
+                               "stop it before restarting")
+    for part in out.part_files():
+        os.remove(part)
+    for name in os.listdir(out.meta):
+        if name != "locks":
+            full = os.path.join(out.meta, name)
+            shutil.rmtree(full) if os.path.isdir(full) and not os.path.islink(full) else os.remove(full)
+    fsync_dir(out.path)
+
+
+__all__ = ["JobChanged", "Prepared", "prepare", "validate", "load_tokenizer", "check_output_writable", "META"]

@@ -1,0 +1,304 @@
+"""Run one task of a job: every uncommitted unit of this task, base shard first, then adapters.
+
+Units of one shard are fed to the engine a group at a time (several units per ``generate`` call,
+so continuous batching does not drain at every unit boundary); each unit is written and committed
+the moment its last row finishes, so a crash loses at most the units still in flight.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import sys
+import time
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from typing import Callable
+
+from tqdm import tqdm
+
+from batchrun import commit
+from batchrun.commit import committed_units, write_json_atomic
+from batchrun.engine.request import Result
+from batchrun.errors import ConfigError
+from batchrun.inputs import RowReader
+from batchrun.job import JobSpec
+from batchrun.lock import TaskLock
+from batchrun.output import OutputDir
+from batchrun.plan import Unit, task_units
+from batchrun.prepare import Prepared, prepare
+from batchrun.rows import UnitWork, build_unit, input_columns, unit_table
+
+
+class RowFailure(Exception):
+    """on_error: fail and a row could not run."""
+
+
+class Interrupted(BaseException):
+    """SIGTERM/SIGINT. BaseException so no ``except Exception`` in the engine swallows it."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+@dataclass
+class TaskStats:
+    task_id: int
+    num_tasks: int
+    status: str = "running"  # running | done | interrupted | failed
+    units_total: int = 0  # this task's units
+    units_skipped: int = 0  # committed by an earlier run
+    units_done: int = 0  # committed by this run
+    rows: int = 0
+    error_rows: int = 0
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    started: float = field(default_factory=time.time)
+    elapsed_s: float = 0.0
+    model_load_s: float = 0.0
+
+    @property
+    def output_tok_per_s(self) -> float:
+        gen = self.elapsed_s - self.model_load_s
+        return self.output_tokens / gen if gen > 0 else 0.0
+
+
+def load_engine(spec: JobSpec):
+    """The real engine (imported late: planning and validation never need torch)."""
+    from batchrun.config import EngineConfig
+    from batchrun.engine.engine import Engine
+    e = spec.engine
+    cfg = EngineConfig(model=spec.model, device=e.device, dtype=e.dtype, max_num_seqs=e.max_num_seqs,
+                       max_num_batched_tokens=e.max_num_batched_tokens, max_model_len=e.max_model_len,
+                       gpu_memory_utilization=e.gpu_memory_utilization, enable_lora=bool(spec.adapters),
+                       max_loras=e.max_loras, max_lora_rank=e.max_lora_rank, enforce_eager=e.enforce_eager,
+                       seed=spec.sampling.seed)
+    return Engine.from_config(cfg, adapters=dict(spec.adapters))
+
+
+class _Signals:
+    """Turn SIGTERM/SIGINT into Interrupted, but never inside a commit (deferred until it ends)."""
+
+    def __init__(self):
+        self.critical = False
+        self.pending: int | None = None
+        self._old = {}
+
+    def install(self):
+        for s in (signal.SIGTERM, signal.SIGINT):
+            self._old[s] = signal.signal(s, self._handle)
+
+    def restore(self):
+        for s, h in self._old.items():
+            signal.signal(s, h)
+
+    def _handle(self, signum, frame):
+        if self.critical:
+            self.pending = signum
+        else:
+            raise Interrupted(signum)
+
+    @contextmanager
+    def deferred(self):
+        self.critical = True
+        try:
+            yield
+        finally:
+            self.critical = False
+        if self.pending is not None:
+            raise Interrupted(self.pending)
+
+
+class TaskRunner:
+    def __init__(self, prep: Prepared, task_id: int, num_tasks: int, engine_factory: Callable,
+                 progress: bool = True, log=print):
+        self.prep, self.spec, self.out, self.plan = prep, prep.spec, prep.out, prep.plan
+        self.task_id, self.num_tasks = task_id, num_tasks
+        self.engine_factory = engine_factory
+        self.progress, self.log = progress, log
+        self.stats = TaskStats(task_id, num_tasks)
+        self.signals = _Signals()
+        self.bar = None
+
+    # ---- commit -----------------------------------------------------------------------------
+
+    def _finish(self, work: UnitWork) -> None:
+        table = unit_table(work, self.plan.input_schema.id_type)
+        errors = sum(r.finish_reason == "error" for r in work.results)
+        info = {"task": self.task_id, "adapter": work.unit.adapter, "rows": work.unit.rows,
+                "error_rows": errors, "part": os.path.basename(self.out.part(work.unit.index)),
+                "prompt_tokens": sum(r.prompt_tokens for r in work.results),
+                "output_tokens": sum(len(r.output_token_ids) for r in work.results),
+                "time": time.time()}
+        with self.signals.deferred():
+            tmp = commit.write_part(self.out, self.task_id, work.unit.index, table)
+            commit.publish_part(self.out, work.unit.index, tmp)
+            commit.record_commit(self.out, work.unit.index, info)
+        st = self.stats
+        st.units_done += 1
+        st.error_rows += errors
+        st.prompt_tokens += info["prompt_tokens"]
+
+    def _on_result(self, pending: dict[int, UnitWork]) -> Callable[[Result], None]:
+        def on_result(res: Result) -> None:
+            unit_index, pos = res.request_id
+            work = pending.get(unit_index)
+            if work is None or work.results[pos] is not None:
+                return
+            work.results[pos] = res
+            self._row_done(res)
+            if res.finish_reason == "error" and self.spec.on_error == "fail":
+                raise RowFailure(self._fail_message(work.ids[pos], res.error))
+            if work.remaining == 0:
+                del pending[unit_index]
+                self._finish(work)
+        return on_result
+
+    def _row_done(self, res: Result) -> None:
+        self.stats.rows += 1
+        self.stats.output_tokens += len(res.output_token_ids)
+        if self.bar is not None:
+            self.bar.update(1)
+            gen = time.time() - self.gen_start
+            self.bar.set_postfix_str(f"shard={self.shard_name} out_tok/s={self.stats.output_tokens / max(gen, 1e-9):.0f}",
+                                     refresh=False)
+
+    def _fail_message(self, row_id, error: str) -> str:
+        return (f"row id={row_id!r}: {error}. The job stopped (on_error: fail); units committed so far are "
+                "kept. Fix the row, or set on_error: skip to write it as an error row.")
+
+    # ---- main loop --------------------------------------------------------------------------
+
+    def _groups(self, units: list[Unit], cap: int) -> list[list[Unit]]:
+        groups: list[list[Unit]] = []
+        for u in units:
+            g = groups[-1] if groups else None
+            if g and (g[0].adapter, g[0].known) == (u.adapter, u.known) and sum(x.rows for x in g) + u.rows <= cap:
+                g.append(u)
+            else:
+                groups.append([u])
+        return groups
+
+    def run(self) -> TaskStats:
+        st = self.stats
+        mine = task_units(self.plan, self.task_id, self.num_tasks)
+        done = committed_units(self.out)
+        todo = [u for u in mine if u.index not in done]
+        st.units_total, st.units_skipped = len(mine), len(mine) - len(todo)
+        tmp_dir = self.out.tmp(self.task_id)
+        shutil.rmtree(tmp_dir, ignore_errors=True)  # leftovers of a killed run of this task
+        os.makedirs(tmp_dir, exist_ok=True)
+        os.makedirs(self.out.commits, exist_ok=True)
+        try:
+            self.signals.install()
+            if not todo:
+                self.log(f"task {self.task_id}/{self.num_tasks}: all {len(mine)} units already committed")
+                st.status = "done"
+                return st
+            self.log(f"task {self.task_id}/{self.num_tasks}: {len(todo)} of {len(mine)} units to run "
+                     f"({st.units_skipped} already committed), {sum(u.rows for u in todo)} rows")
+            t0 = time.time()
+            engine = self.engine_factory(self.spec)
+            st.model_load_s = time.time() - t0
+            self._run_units(engine, todo)
+            st.status = "done"
+        except Interrupted:
+            st.status = "interrupted"
+            raise
+        except BaseException:
+            st.status = "failed"
+            raise
+        finally:
+            if self.bar is not None:
+                self.bar.close()
+            self.signals.restore()
+            shutil.rmtree(tmp_dir, ignore_errors=True)
+            st.elapsed_s = time.time() - st.started
+            self._write_metrics()
+        return st
+
+    def _run_units(self, engine, todo: list[Unit]) -> None:
+        spec = self.spec
+        reader = RowReader(self.plan.files, input_columns(spec, self.plan))
+        cap = max(4096, 32 * spec.engine.max_num_seqs)
+        max_len = getattr(engine, "max_model_len", spec.engine.max_model_len)
+        self.gen_start = time.time()
+        self.shard_name = "-"
+        if self.progress:
+            tty = sys.stderr.isatty()
+            self.bar = tqdm(total=sum(u.rows for u in todo), unit="row", dynamic_ncols=True,
+                            mininterval=0.5 if tty else 30, desc=f"task {self.task_id}")
+        for group in self._groups(todo, cap):
+            self.shard_name = group[0].adapter or "base"
+            pending: dict[int, UnitWork] = {}
+            requests = []
+            for unit in group:
+                rf, ri = self.plan.unit_rows(unit)
+                rows = reader.read(rf, ri)
+                work = build_unit(unit, rows, rf, ri, self.plan, spec, engine.tokenizer, max_len,
+                                  engine.check_request)
+                bad = work.first_error()
+                if bad and spec.on_error == "fail":
+                    raise RowFailure(self._fail_message(*bad))
+                for r in work.results:
+                    if r is not None:
+                        self._row_done(r)
+                if work.remaining == 0:
+                    self._finish(work)
+                else:
+                    pending[unit.index] = work
+                    requests += work.requests
+            if not requests:
+                continue
+            on_result = self._on_result(pending)
+            results = engine.generate(requests, on_result=on_result)
+            for res in results:  # rows the engine returned without a callback
+                on_result(res)
+            if pending:
+                missing = sorted(pending)
+                raise RuntimeError(f"engine returned no result for some rows of units {missing[:5]}")
+
+    # ---- metrics ----------------------------------------------------------------------------
+
+    def _write_metrics(self) -> None:
+        try:
+            os.makedirs(self.out.task_metrics_dir, exist_ok=True)
+            mine = {**asdict(self.stats), "output_tok_per_s": self.stats.output_tok_per_s}
+            write_json_atomic(os.path.join(self.out.task_metrics_dir, f"task-{self.task_id}.json"), mine)
+            write_json_atomic(self.out.metrics, job_metrics(self.out, len(self.plan.units), self.plan.total_rows))
+        except OSError as e:  # metrics must never turn a finished run into a failed one
+            self.log(f"warning: could not write metrics: {e}")
+
+
+def job_metrics(out: OutputDir, total_units: int, total_rows: int) -> dict:
+    """Totals over every committed unit, plus each task's last run."""
+    import json
+    done = committed_units(out)
+    tasks = {}
+    if os.path.isdir(out.task_metrics_dir):
+        for name in sorted(os.listdir(out.task_metrics_dir)):
+            if name.endswith(".json") and not name.startswith("."):
+                with open(os.path.join(out.task_metrics_dir, name)) as f:
+                    tasks[name[:-5]] = json.load(f)
+    return {
+        "units_total": total_units, "units_committed": len(done),
+        "rows_total": total_rows, "rows_committed": sum(m["rows"] for m in done.values()),
+        "error_rows": sum(m["error_rows"] for m in done.values()),
+        "prompt_tokens": sum(m["prompt_tokens"] for m in done.values()),
+        "output_tokens": sum(m["output_tokens"] for m in done.values()),
+        "complete": len(done) == total_units,
+        "tasks": tasks,
+    }
+
+
+def run_job(spec: JobSpec, task_id: int = 0, num_tasks: int = 1, restart: bool = False,
+            engine_factory: Callable | None = None, progress: bool = True, log=print) -> TaskStats:
+    """Validate + plan (no weights), take this task's lock, run its units. Raises on failure."""
+    if not 0 <= task_id < num_tasks:
+        raise ConfigError(f"--task-id must be in [0, {num_tasks}), got {task_id}")
+    prep = prepare(spec, restart=restart)
+    lock = TaskLock(prep.out.lock(task_id), f"task {task_id} of {prep.out.path}")
+    with lock:
+        runner = TaskRunner(prep, task_id, num_tasks, engine_factory or load_engine, progress=progress, log=log)
+        return runner.run()

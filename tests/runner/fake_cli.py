@@ -1,0 +1,56 @@
+"""The `batchrun` CLI with the FakeEngine swapped in, plus crash points for the kill tests.
+
+    install(crash_at="before_rename:N")  die (os._exit(137), as abrupt as kill -9) after writing
+                                         the N-th unit's temp file, before renaming it
+    install(crash_at="after_rename:N")   ... after renaming it into the dataset, before its commit
+    install(crash_at="after_commit:N")   ... after the N-th commit marker
+N counts units of this process (1-based). Run as a script it reads CRASH_AT from the environment.
+"""
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import batchrun.commit as commit  # noqa: E402
+import batchrun.runner as runner  # noqa: E402
+from fake_engine import FakeEngine  # noqa: E402
+
+
+def install(crash_at: str = "") -> None:
+    runner.load_engine = FakeEngine.from_spec
+    point, _, count = crash_at.partition(":")
+    if not point:
+        return
+    n = int(count)
+    seen = {"before_rename": 0, "after_rename": 0, "after_commit": 0}
+    orig_publish, orig_record = commit.publish_part, commit.record_commit
+
+    def publish(out, unit, tmp):
+        seen["before_rename"] += 1
+        if point == "before_rename" and seen["before_rename"] == n:
+            os._exit(137)
+        final = orig_publish(out, unit, tmp)
+        seen["after_rename"] += 1
+        if point == "after_rename" and seen["after_rename"] == n:
+            os._exit(137)
+        return final
+
+    def record(out, unit, info):
+        orig_record(out, unit, info)
+        seen["after_commit"] += 1
+        if point == "after_commit" and seen["after_commit"] == n:
+            os._exit(137)
+
+    commit.publish_part, commit.record_commit = publish, record
+
+
+def cli(args: list[str], crash_at: str = "", env: dict | None = None) -> None:
+    """Child-process entry: patch, then run the CLI (exits with its exit code)."""
+    os.environ.update(env or {})
+    install(crash_at)
+    from batchrun.cli import main
+    main(args)
+
+
+if __name__ == "__main__":
+    cli(sys.argv[1:], os.environ.get("CRASH_AT", ""))
