@@ -47,6 +47,7 @@ def install(crash_at: str = "") -> None:
 def cli(args: list[str], crash_at: str = "", env: dict | None = None) -> None:
     """Child-process entry: patch, then run the CLI (exits with its exit code)."""
     os.environ.update(env or {})
+    FakeEngine.results_emitted = 0  # a forked child inherits the parent's count
     install(crash_at)
     from batchrun.cli import main
     main(args)

@@ -1,0 +1,214 @@
+"""batchrun command line: run, plan, status, show, slurm, bench.
+
+Exit codes (README "Exit codes"): see ExitCode. Each failure prints one line starting with
+"batchrun: error:" that names the file/field and the fix; only internal errors print a traceback.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+import traceback
+from enum import IntEnum
+
+import click
+
+from batchrun.errors import ConfigError
+
+
+class ExitCode(IntEnum):
+    OK = 0  # done (rows that could not run are error rows in the output, counted in the summary)
+    INTERNAL = 1  # a bug or an unexpected failure (traceback printed); committed units are kept
+    USAGE = 2  # bad command line (click)
+    CONFIG = 3  # bad job file, input, model, adapter or output dir: nothing was run
+    ROW_ERROR = 4  # on_error: fail and a row could not run; committed units are kept
+    JOB_CHANGED = 5  # output dir holds a different job; rerun with --restart or change output.path
+    LOCKED = 6  # another run of this task (or a run being restarted) holds the output dir's lock
+    INTERRUPTED = 130  # SIGINT/SIGTERM: stopped between units, no partial file; rerun to resume
+
+
+def _fail(code: ExitCode, message: str):
+    click.echo(f"batchrun: error: {message}", err=True)
+    sys.exit(int(code))
+
+
+def _env_int(name: str) -> int | None:
+    v = os.environ.get(name)
+    try:
+        return int(v) if v not in (None, "") else None
+    except ValueError:
+        return None
+
+
+def slurm_task_defaults() -> tuple[int | None, int | None]:
+    """(task_id, num_tasks) from a Slurm array's environment, or (None, None) outside one.
+
+    Array ids may start at an offset (--array=1-8) or step (--array=0-15:4), so the task id is
+    (SLURM_ARRAY_TASK_ID - SLURM_ARRAY_TASK_MIN) / SLURM_ARRAY_TASK_STEP.
+    """
+    tid = _env_int("SLURM_ARRAY_TASK_ID")
+    if tid is None:
+        return None, None
+    tmin = _env_int("SLURM_ARRAY_TASK_MIN") or 0
+    step = _env_int("SLURM_ARRAY_TASK_STEP") or 1
+    return (tid - tmin) // step, _env_int("SLURM_ARRAY_TASK_COUNT")
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="batchrun")
+def main():
+    """Offline batch inference: Parquet prompts + a local HF model + LoRA adapters -> Parquet outputs."""
+
+
+@main.command()
+@click.argument("job", type=click.Path(dir_okay=False))
+@click.option("--task-id", type=int, default=None,
+              help="This task's index, 0-based. Default: from SLURM_ARRAY_TASK_ID (minus SLURM_ARRAY_TASK_MIN), else 0.")
+@click.option("--num-tasks", type=int, default=None,
+              help="How many tasks share the job. Default: SLURM_ARRAY_TASK_COUNT, else 1.")
+@click.option("--restart", is_flag=True,
+              help="Discard a previous run's outputs in output.path and start over (needed when the job changed).")
+@click.option("--no-progress", is_flag=True, help="No progress bar (the summary is still printed).")
+def run(job, task_id, num_tasks, restart, no_progress):
+    """Run JOB (a job.yaml), or this task's share of it; resumes a previous run."""
+    from batchrun.job import load_job
+    from batchrun.lock import LockBusy
+    from batchrun.prepare import JobChanged
+    from batchrun.runner import Interrupted, RowFailure, run_job
+
+    env_tid, env_n = slurm_task_defaults()
+    task_id = task_id if task_id is not None else (env_tid or 0)
+    num_tasks = num_tasks if num_tasks is not None else (env_n or 1)
+    if num_tasks < 1 or not 0 <= task_id < num_tasks:
+        _fail(ExitCode.USAGE, f"--task-id must be in [0, --num-tasks={num_tasks}), got {task_id} "
+              "(with a Slurm array of non-contiguous ids, pass --task-id/--num-tasks explicitly)")
+    try:
+        spec = load_job(job)
+        stats = run_job(spec, task_id, num_tasks, restart=restart, progress=not no_progress,
+                        log=lambda m: click.echo(m, err=True))
+    except JobChanged as e:
+        _fail(ExitCode.JOB_CHANGED, str(e))
+    except ConfigError as e:
+        _fail(ExitCode.CONFIG, str(e))
+    except LockBusy as e:
+        _fail(ExitCode.LOCKED, str(e))
+    except RowFailure as e:
+        _fail(ExitCode.ROW_ERROR, str(e))
+    except (Interrupted, KeyboardInterrupt) as e:
+        _fail(ExitCode.INTERRUPTED, f"interrupted ({e}); no partial file was left. "
+              "Rerun the same command to resume after the committed units.")
+    except Exception:
+        traceback.print_exc()
+        _fail(ExitCode.INTERNAL, "internal error (traceback above); committed units are kept, a rerun resumes")
+    _summary(spec, stats)
+
+
+def _summary(spec, st) -> None:
+    from batchrun.runner import job_metrics
+    from batchrun.output import OutputDir
+    import json
+    out = OutputDir(spec.output.path)
+    with open(out.manifest) as f:
+        m = json.load(f)
+    job = job_metrics(out, m["total_units"], m["total_rows"])
+    gen = max(st.elapsed_s - st.model_load_s, 1e-9)
+    click.echo(
+        f"task {st.task_id}/{st.num_tasks}: {st.units_done} unit(s) written, {st.units_skipped} already done; "
+        f"{st.rows} rows ({st.error_rows} error rows), {st.output_tokens} output tokens in {st.elapsed_s:.1f}s "
+        f"(model load {st.model_load_s:.1f}s, {st.output_tokens / gen:.0f} output tok/s)", err=True)
+    click.echo(f"job: {job['units_committed']}/{job['units_total']} units, {job['rows_committed']}/"
+               f"{job['rows_total']} rows, {job['error_rows']} error rows -> {out.path}"
+               + ("" if job["complete"] else "  (other tasks' units still pending)"), err=True)
+
+
+@main.command()
+@click.argument("job", type=click.Path(dir_okay=False))
+@click.option("--num-tasks", type=int, default=None, help="Show task shares for this many tasks (default: Slurm env or 1).")
+@click.option("--no-tokens", is_flag=True, help="Skip tokenizing prompts (faster on huge inputs).")
+def plan(job, num_tasks, no_tokens):
+    """Validate JOB without loading weights and print its shards, work units and task shares."""
+    from batchrun.job import load_job
+    from batchrun.report import plan_report
+    num_tasks = num_tasks or slurm_task_defaults()[1] or 1
+    try:
+        click.echo(plan_report(load_job(job), num_tasks, count_tokens=not no_tokens))
+    except ConfigError as e:
+        _fail(ExitCode.CONFIG, str(e))
+
+
+@main.command()
+@click.argument("out", type=click.Path(file_okay=False))
+def status(out):
+    """Progress of the job whose output directory is OUT: units, rows, errors, running tasks."""
+    from batchrun.report import status_report
+    try:
+        text, _ = status_report(out)
+    except ConfigError as e:
+        _fail(ExitCode.CONFIG, str(e))
+    click.echo(text)
+
+
+@main.command()
+@click.argument("out", type=click.Path(file_okay=False))
+@click.option("--limit", type=int, default=10, show_default=True, help="Rows to print (spread over adapters).")
+@click.option("--prompts/--no-prompts", default=True, show_default=True, help="Also print each row's prompt.")
+def show(out, limit, prompts):
+    """Print a few output rows of OUT."""
+    from batchrun.report import show_rows
+    try:
+        click.echo(show_rows(out, limit, prompts))
+    except ConfigError as e:
+        _fail(ExitCode.CONFIG, str(e))
+
+
+@main.command()
+@click.argument("job", type=click.Path(dir_okay=False))
+@click.option("--array", "array", type=int, required=True, help="Number of array tasks (one GPU each).")
+@click.option("--script", type=click.Path(dir_okay=False), default=None,
+              help="Where to write the sbatch script. Default: next to JOB, as <job>.sbatch.")
+@click.option("--time", "time_", default="24:00:00", show_default=True, help="#SBATCH --time")
+@click.option("--cpus", default=8, show_default=True, help="#SBATCH --cpus-per-task")
+@click.option("--mem", default="64G", show_default=True, help="#SBATCH --mem")
+@click.option("--partition", default=None, help="#SBATCH --partition")
+@click.option("--account", default=None, help="#SBATCH --account")
+@click.option("--restart", is_flag=True, help="Pass --restart to the tasks (the array restarts once, not per task).")
+@click.option("--submit", is_flag=True, help="Run sbatch on the script.")
+def slurm(job, array, script, time_, cpus, mem, partition, account, restart, submit):
+    """Write an sbatch script running JOB as a Slurm array of ARRAY tasks; --submit submits it."""
+    from batchrun.job import load_job
+    from batchrun import slurm as sl
+    try:
+        spec = load_job(job)
+        text = sl.sbatch_script(spec, array, cpus=cpus, mem=mem, time=time_, partition=partition,
+                                account=account, restart=restart)
+        path = script or os.path.splitext(spec.job_file)[0] + ".sbatch"
+        sl.write_script(spec, path, text)
+        click.echo(f"wrote {path}")
+        if submit:
+            click.echo(sl.submit(path))
+        else:
+            click.echo(f"submit with: sbatch {path}")
+    except ConfigError as e:
+        _fail(ExitCode.CONFIG, str(e))
+    except OSError as e:
+        _fail(ExitCode.CONFIG, f"cannot write the sbatch script: {e}")
+
+
+def _register_bench() -> None:
+    """`batchrun bench ...` lives in batchrun/bench/cli.py (the graphs/benchmark work)."""
+    if importlib.util.find_spec("batchrun.bench") and importlib.util.find_spec("batchrun.bench.cli"):
+        from batchrun.bench import cli as bench_cli
+        cmd = getattr(bench_cli, "bench", None) or getattr(bench_cli, "main", None)
+        if isinstance(cmd, click.Command):
+            main.add_command(cmd, name="bench")
+            return
+
+    @main.group()
+    def bench():
+        """Benchmarks (not in this build yet)."""
+
+
+_register_bench()
+
+if __name__ == "__main__":
+    main()

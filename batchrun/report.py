@@ -1,0 +1,204 @@
+"""What `plan`, `status` and `show` print. Reads only metadata, inputs and tokenizers: no weights."""
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pyarrow.dataset as ds
+import pyarrow.parquet as pq
+
+from batchrun.commit import committed_units
+from batchrun.errors import ConfigError
+from batchrun.inputs import RowReader
+from batchrun.job import JobSpec
+from batchrun.lock import is_locked
+from batchrun.output import OutputDir
+from batchrun.plan import Plan, assign_tasks, make_plan
+from batchrun.prepare import load_tokenizer, validate
+
+
+def _shard_name(adapter: str | None, known: bool) -> str:
+    return "base" if adapter is None else adapter if known else f"{adapter} (unknown)"
+
+
+def _table(header: list[str], rows: list[list]) -> str:
+    cells = [header] + [[str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    fmt = lambda r: "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+    return "\n".join(fmt(r) for r in cells)
+
+
+def plan_report(spec: JobSpec, num_tasks: int, count_tokens: bool = True) -> str:
+    files, root, schema, _ = validate(spec)
+    plan = make_plan(spec, files, root, schema)
+    lines = [f"job:     {spec.job_file}",
+             f"model:   {spec.model}",
+             f"adapters: {', '.join(f'{k} ({v})' for k, v in spec.adapters.items()) or 'none'}",
+             f"input:   {len(files)} file(s), {plan.total_rows} rows",
+             f"output:  {spec.output.path}", ""]
+    tokens, bad = (_prompt_tokens(spec, plan) if count_tokens else ({}, {}))
+    shards = plan.shards()
+    rows = []
+    for code, sh in enumerate(shards):
+        key = (sh.adapter, sh.known)
+        rows.append([_shard_name(*key), sh.rows, tokens.get(key, "-"), sh.units,
+                     sh.rows if not sh.known else bad.get(key, "-" if not count_tokens else 0)])
+    lines.append(_table(["shard", "rows", "prompt tokens", "units", "error rows"], rows))
+    lines += ["", f"work units: {len(plan.units)} of up to {spec.input.rows_per_unit} rows"]
+    tasks = assign_tasks(plan, num_tasks)
+    trows = []
+    for t in range(num_tasks):
+        us = [u for u, tt in zip(plan.units, tasks) if tt == t]
+        span = f"{us[0].index}-{us[-1].index}" if us else "-"
+        names = ", ".join(dict.fromkeys(_shard_name(u.adapter, u.known) for u in us)) or "-"
+        trows.append([f"task {t}", len(us), span, sum(u.rows for u in us), names])
+    lines += ["", _table(["task", "units", "unit ids", "rows", "shards"], trows)]
+    return "\n".join(lines)
+
+
+def _prompt_tokens(spec: JobSpec, plan: Plan) -> tuple[dict, dict]:
+    """Prompt tokens and predictable error rows per shard (tokenizer only, file by file)."""
+    tok = load_tokenizer(spec)
+    inp = spec.input
+    shard_keys = list(dict.fromkeys((u.adapter, u.known) for u in plan.units))
+    code_of = {k: i for i, k in enumerate(shard_keys)}
+    # shard code of every row, per file (the plan stores rows in unit order)
+    per_file = [np.zeros(n, dtype=np.int32) for n in plan.file_rows]
+    for u in plan.units:
+        rf, ri = plan.unit_rows(u)
+        for fi in np.unique(rf):
+            per_file[fi][ri[rf == fi]] = code_of[(u.adapter, u.known)]
+    tokens = np.zeros(len(shard_keys), dtype=np.int64)
+    bad = np.zeros(len(shard_keys), dtype=np.int64)
+    col = inp.prompt_column or inp.messages_column
+    extra = ["max_tokens"] if "max_tokens" in plan.override_columns else []
+    for fi, path in enumerate(plan.files):
+        start = 0
+        for batch in pq.ParquetFile(path).iter_batches(batch_size=4096, columns=[col] + extra):
+            values = batch.column(col).to_pylist()
+            mts = batch.column("max_tokens").to_pylist() if extra else [None] * len(values)
+            codes = per_file[fi][start:start + len(values)]
+            start += len(values)
+            if inp.prompt_column:
+                ok = [i for i, v in enumerate(values) if v is not None and v.strip()]
+                enc = tok([values[i] for i in ok])["input_ids"] if ok else []
+                lens = dict(zip(ok, (len(e) for e in enc)))
+            else:
+                lens = {}
+                for i, v in enumerate(values):
+                    try:
+                        out = tok.apply_chat_template(v, add_generation_prompt=True, tokenize=True) if v else None
+                        lens[i] = len(out["input_ids"] if hasattr(out, "keys") else out) if out else None
+                    except Exception:
+                        pass
+                lens = {i: n for i, n in lens.items() if n}
+            for i in range(len(values)):
+                c = codes[i]
+                n = lens.get(i)
+                mt = mts[i] if mts[i] is not None else spec.sampling.max_tokens
+                if n is None or n + mt > spec.engine.max_model_len:
+                    bad[c] += 1
+                if n:
+                    tokens[c] += n
+    return ({k: int(tokens[i]) for k, i in code_of.items()}, {k: int(bad[i]) for k, i in code_of.items()})
+
+
+def _load_state(out_path: str) -> tuple[OutputDir, dict, list]:
+    out = OutputDir(os.path.abspath(out_path))
+    try:
+        with open(out.manifest) as f:
+            manifest = json.load(f)
+        with open(os.path.join(out.plan_dir, "plan.json")) as f:
+            units = json.load(f)["units"]
+    except FileNotFoundError:
+        raise ConfigError(f"{out.path} is not a batchrun output directory (no _batchrun/manifest.json "
+                          "or plan); has a run started there?") from None
+    return out, manifest, units
+
+
+def status_report(out_path: str) -> tuple[str, bool]:
+    out, manifest, units = _load_state(out_path)
+    done = committed_units(out)
+    lines = [f"output:  {out.path}", f"job:     {manifest.get('job_file')} (fingerprint {manifest['fingerprint']})",
+             f"created: {manifest.get('created')}"]
+    total_rows = sum(u[4] for u in units)
+    lines.append(f"units:   {len(done)}/{len(units)} committed")
+    lines.append(f"rows:    {sum(m['rows'] for m in done.values())}/{total_rows} written, "
+                 f"{sum(m['error_rows'] for m in done.values())} error rows")
+    lines.append(f"tokens:  {sum(m['prompt_tokens'] for m in done.values())} prompt, "
+                 f"{sum(m['output_tokens'] for m in done.values())} output")
+    per = {}
+    for index, adapter, known, _, rows in units:
+        p = per.setdefault(_shard_name(adapter, known), [0, 0, 0, 0])
+        p[0] += 1
+        p[1] += rows
+        if index in done:
+            p[2] += 1
+            p[3] += done[index]["error_rows"]
+    lines += ["", _table(["shard", "units", "rows", "committed", "error rows"],
+                         [[k, v[0], v[1], v[2], v[3]] for k, v in per.items()])]
+    running = []
+    if os.path.isdir(out.locks):
+        for name in sorted(os.listdir(out.locks)):
+            if name.startswith("task-") and (owner := is_locked(os.path.join(out.locks, name))):
+                running.append(f"{name[:-5]} ({owner})")
+    lines += ["", f"running: {', '.join(running) if running else 'none'}"]
+    orphans = [p for p in out.part_files() if int(os.path.basename(p)[5:-8]) not in done]
+    if orphans:
+        lines.append(f"note: {len(orphans)} part file(s) finished but not yet committed (a run stopped "
+                     "between writing and committing); the next run rewrites them")
+    complete = len(done) == len(units)
+    lines.append("complete" if complete else "incomplete: rerun the same command to finish")
+    return "\n".join(lines), complete
+
+
+def show_rows(out_path: str, limit: int, prompts: bool) -> str:
+    out, manifest, _ = _load_state(out_path)
+    table = ds.dataset(out.path, format="parquet").to_table()
+    if table.num_rows == 0:
+        return "(no rows committed yet)"
+    # Spread the sample over adapters so every shard shows up.
+    adapters = table.column("adapter").to_pylist()
+    by: dict = {}
+    for i, a in enumerate(adapters):
+        by.setdefault(a, []).append(i)
+    picks, queues = [], list(by.values())
+    while len(picks) < limit and any(queues):
+        for q in queues:
+            if q and len(picks) < limit:
+                picks.append(q.pop(0))
+    rows = table.take(picks).to_pylist()
+    prompt_of = _prompts_for(out, manifest, [r["id"] for r in rows]) if prompts else {}
+    lines = []
+    for r in rows:
+        head = f"[{r['adapter'] or 'base'}] id={r['id']}"
+        if r["id"] in prompt_of:
+            head += f"  prompt={prompt_of[r['id']]!r}"
+        body = (f"-> {r['output_text']!r} ({r['finish_reason']}, {r['output_tokens']} tokens)"
+                if r["finish_reason"] != "error" else f"-> ERROR: {r['error']}")
+        lines.append(f"{head}\n    {body}")
+    return "\n".join(lines)
+
+
+def _prompts_for(out: OutputDir, manifest: dict, ids: list) -> dict:
+    """Prompts of the given ids, found through the stored plan (works for default ids too)."""
+    job = manifest.get("job") or {}
+    inp = job.get("input") or {}
+    col = inp.get("prompt_column") or inp.get("messages_column")
+    plan = Plan.load(out.plan_dir)
+    wanted, found = set(ids), {}
+    reader = RowReader(plan.files, [c for c in (col, inp.get("id_column")) if c])
+    for u in plan.units:
+        rf, ri = plan.unit_rows(u)
+        try:
+            rows = reader.read(rf, ri)
+        except OSError:
+            return {}
+        for k in range(u.rows):
+            rid = rows[inp["id_column"]][k] if inp.get("id_column") else f"{plan.file_names[rf[k]]}:{ri[k]}"
+            if rid in wanted:
+                found[rid] = rows[col][k]
+        if len(found) == len(wanted):
+            break
+    return found

@@ -1,0 +1,131 @@
+"""The CLI: exit codes, plan/status/show output, Slurm script and task-id defaults."""
+import os
+
+import pytest
+from click.testing import CliRunner
+
+import batchrun.runner as runner_mod
+from batchrun.cli import ExitCode, main, slurm_task_defaults
+from fake_engine import FakeEngine
+from runner_helpers import demo_rows, read_output
+
+
+@pytest.fixture(autouse=True)
+def fake_engine(monkeypatch):
+    monkeypatch.setattr(runner_mod, "load_engine", FakeEngine.from_spec)
+
+
+def cli(*args, env=None):
+    return CliRunner().invoke(main, [str(a) for a in args], env=env, catch_exceptions=False)
+
+
+def test_run_then_status_and_show(make_job, tmp_path):
+    job = make_job(demo_rows(12))
+    r = cli("run", job, "--no-progress")
+    assert r.exit_code == 0, r.output
+    assert "task 0/1: 3 unit(s) written, 0 already done; 12 rows (0 error rows)" in r.output
+    assert "job: 3/3 units, 12/12 rows, 0 error rows" in r.output
+    r = cli("status", tmp_path / "out")
+    assert r.exit_code == 0
+    assert "units:   3/3 committed" in r.output and "rows:    12/12 written, 0 error rows" in r.output
+    assert "running: none" in r.output and "complete" in r.output
+    for shard in ("base", "reverse", "upper"):
+        assert shard in r.output
+    r = cli("show", tmp_path / "out", "--limit", "3")
+    assert r.exit_code == 0
+    assert "[base] id=0  prompt='hello run'\n    -> 'hello run' (stop, 9 tokens)" in r.output
+    assert "[reverse] id=1  prompt='world hello'\n    -> 'olleh dlrow'" in r.output
+    assert "[upper] id=2  prompt='batch xyz'\n    -> 'BATCH XYZ'" in r.output
+
+
+def test_exit_codes(make_job, tmp_path):
+    rows = demo_rows(6)
+    rows[4]["prompt"] = None
+    assert cli("run", make_job(rows, on_error="fail"), "--no-progress").exit_code == ExitCode.ROW_ERROR
+    # on_error is not part of the fingerprint: switching to skip resumes after the committed units
+    r = cli("run", make_job(rows, on_error="skip"), "--no-progress")
+    assert r.exit_code == 0 and "1 already done" in r.output and "(1 error rows)" in r.output
+    r = cli("run", make_job(rows, sampling={"max_tokens": 5}), "--no-progress")
+    assert r.exit_code == ExitCode.JOB_CHANGED
+    assert "batchrun: error: output.path:" in r.output and "the sampling settings" in r.output
+    r = cli("run", make_job(rows, engine={"max_num_seqs": "many"}), "--no-progress")
+    assert r.exit_code == ExitCode.CONFIG
+    assert "engine.max_num_seqs: expected an integer, got 'many' (str)" in r.output
+    assert cli("run", tmp_path / "nope.yaml").exit_code == ExitCode.CONFIG
+    assert cli("run", make_job(rows), "--task-id", "3", "--num-tasks", "2").exit_code == ExitCode.USAGE
+    assert cli("run").exit_code == ExitCode.USAGE
+    assert cli("status", tmp_path / "data").exit_code == ExitCode.CONFIG
+
+
+def test_plan_prints_shards_tokens_units_and_task_shares(make_job, tmp_path):
+    rows = demo_rows(12)
+    rows[5]["adapter"] = "mystery"
+    rows[3]["prompt"] = ""
+    r = cli("plan", make_job(rows), "--num-tasks", "2")
+    assert r.exit_code == 0, r.output
+    lines = r.output.splitlines()
+    table = lines[lines.index(next(l for l in lines if l.startswith("shard"))):]
+    base = next(l for l in table if l.startswith("base")).split()
+    assert base[1:] == ["4", str(sum(len(x["prompt"]) + 2 for x in rows if x["adapter"] is None and x["prompt"])), "1", "1"]
+    assert next(l for l in table if l.startswith("mystery (unknown)")).split()[-1] == "1"
+    assert "work units: 4 of up to 4 rows" in r.output
+    assert any(l.startswith("task 0") for l in lines) and any(l.startswith("task 1") for l in lines)
+    assert not (tmp_path / "out").exists()  # plan writes nothing
+    r = cli("plan", make_job(rows, input={"prompt_column": "nope"}))
+    assert r.exit_code == ExitCode.CONFIG and "input.prompt_column: column 'nope' is missing" in r.output
+
+
+def test_slurm_script(make_job, tmp_path):
+    job = make_job(demo_rows(3))
+    r = cli("slurm", job, "--array", "4", "--partition", "gpu", "--time", "2:00:00")
+    assert r.exit_code == 0, r.output
+    script = (tmp_path / "job.sbatch").read_text()
+    assert "#SBATCH --array=0-3" in script and "#SBATCH --gpus=1" in script
+    assert "#SBATCH --partition=gpu" in script and "#SBATCH --time=2:00:00" in script
+    assert f"run {job} --num-tasks 4" in script and "--restart" not in script.split("exec")[-1]
+    assert os.access(tmp_path / "job.sbatch", os.X_OK)
+    r = cli("slurm", job, "--array", "2", "--submit", env={"PATH": "/nonexistent"})
+    assert r.exit_code == ExitCode.CONFIG and "sbatch is not on PATH" in r.output
+
+
+def test_slurm_array_env_defaults(monkeypatch, make_job, tmp_path):
+    for k in ("SLURM_ARRAY_TASK_ID", "SLURM_ARRAY_TASK_MIN", "SLURM_ARRAY_TASK_STEP", "SLURM_ARRAY_TASK_COUNT"):
+        monkeypatch.delenv(k, raising=False)
+    assert slurm_task_defaults() == (None, None)
+    monkeypatch.setenv("SLURM_ARRAY_TASK_ID", "5")
+    monkeypatch.setenv("SLURM_ARRAY_TASK_MIN", "4")
+    monkeypatch.setenv("SLURM_ARRAY_TASK_COUNT", "2")
+    assert slurm_task_defaults() == (1, 2)
+    monkeypatch.setenv("SLURM_ARRAY_TASK_ID", "8")
+    monkeypatch.setenv("SLURM_ARRAY_TASK_MIN", "0")
+    monkeypatch.setenv("SLURM_ARRAY_TASK_STEP", "4")
+    monkeypatch.setenv("SLURM_ARRAY_TASK_COUNT", "3")
+    assert slurm_task_defaults() == (2, 3)
+    # a run picks them up: array 4-5 -> this is task 1 of 2
+    monkeypatch.setenv("SLURM_ARRAY_TASK_ID", "5")
+    monkeypatch.setenv("SLURM_ARRAY_TASK_MIN", "4")
+    monkeypatch.setenv("SLURM_ARRAY_TASK_STEP", "1")
+    monkeypatch.setenv("SLURM_ARRAY_TASK_COUNT", "2")
+    r = cli("run", make_job(demo_rows(12)), "--no-progress")
+    assert r.exit_code == 0 and "task 1/2" in r.output and "other tasks' units still pending" in r.output
+
+
+def test_slurm_siblings_restart_only_once(monkeypatch, make_job, tmp_path):
+    job = make_job(demo_rows(12))
+    assert cli("run", job, "--no-progress").exit_code == 0
+    monkeypatch.setenv("SLURM_ARRAY_JOB_ID", "777")
+    monkeypatch.setenv("SLURM_ARRAY_TASK_COUNT", "2")
+    monkeypatch.setenv("SLURM_ARRAY_TASK_MIN", "0")
+    monkeypatch.setenv("SLURM_ARRAY_TASK_ID", "0")
+    assert cli("run", job, "--no-progress", "--restart").exit_code == 0  # wipes the old run
+    monkeypatch.setenv("SLURM_ARRAY_TASK_ID", "1")
+    r = cli("run", job, "--no-progress", "--restart")  # sibling: must not wipe task 0's work
+    assert r.exit_code == 0 and "job: 3/3 units" in r.output
+    assert sorted(x["id"] for x in read_output(tmp_path / "out").to_pylist()) == list(range(12))
+
+
+def test_bench_group_is_registered():
+    r = cli("--help")
+    assert r.exit_code == 0
+    for cmd in ("run", "plan", "status", "show", "slurm", "bench"):
+        assert cmd in r.output
