@@ -1,8 +1,8 @@
 """Continuous batching: each step is either a prefill step or a decode step.
 
 - Prefill steps go first: sequences still mid-prompt continue, then waiting sequences are
-  admitted while `max_num_seqs`, the `max_num_batched_tokens` budget, free KV blocks and LoRA
-  slots allow. A prompt longer than the budget is prefilled in chunks over several steps, so a
+  admitted while `max_num_seqs`, the `max_num_batched_tokens` budget, free KV blocks for the
+  whole prompt and LoRA slots allow. A prompt longer than the budget is prefilled in chunks over several steps, so a
   long prompt never needs more activation memory than one budget's worth of tokens.
 - Otherwise every running sequence decodes one token. A sequence that needs a new KV block when
   none is free preempts the most recently admitted sequence (recompute: its blocks are freed and
@@ -54,18 +54,17 @@ class Scheduler:
                 break
             if seq.needs_prefill and seq.status is SeqStatus.RUNNING:
                 n = min(seq.num_tokens - seq.num_computed, budget)
-                if not self._make_room(seq, seq.num_computed + n):
-                    continue
                 seqs.append(seq); counts.append(n); budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             if seq.adapter and self.lora is not None and not self.lora.can_acquire(seq.adapter):
                 break  # every LoRA slot is pinned by running rows: wait until one finishes
-            n = min(seq.num_tokens, budget)
-            if not self.blocks.can_allocate(seq, n):
+            # blocks for the whole prompt up front: a chunked prompt never stalls mid-way
+            if not self.blocks.can_allocate(seq, seq.num_tokens):
                 break
+            n = min(seq.num_tokens, budget)
             self.waiting.popleft()
-            self.blocks.allocate(seq, n)
+            self.blocks.allocate(seq, seq.num_tokens)
             if seq.adapter and self.lora is not None:
                 seq.lora_slot = self.lora.acquire(seq.adapter)
             seq.status = SeqStatus.RUNNING
