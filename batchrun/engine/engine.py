@@ -45,6 +45,11 @@ def load_tokenizer(model_dir: str | Path):
         raise ConfigError(f"{d}: cannot load the tokenizer ({e})") from e
 
 
+def max_position(config: EngineConfig, mcfg: ModelConfig) -> int:
+    """Rotary table length: enough for max_model_len even past the trained context."""
+    return max(config.max_model_len, mcfg.max_position_embeddings)
+
+
 class Engine:
     def __init__(self, config: EngineConfig, model, tokenizer, device, dtype, lora=None):
         self.config, self.model, self.tokenizer = config, model, tokenizer
@@ -65,12 +70,20 @@ class Engine:
 
     @classmethod
     def from_config(cls, config: EngineConfig, adapters: dict[str, str] | None = None) -> "Engine":
+        """Load the model directory named by config.model (and its tokenizer)."""
         device = resolve_device(config.device)
         mcfg = ModelConfig.from_dir(config.model)
         dtype = resolve_dtype(config.dtype, mcfg, device)
         tokenizer = load_tokenizer(config.model)
-        max_pos = max(config.max_model_len, mcfg.max_position_embeddings)
-        model = load_model(config.model, device, dtype, max_pos)
+        model = load_model(config.model, device, dtype, max_position(config, mcfg))
+        return cls.from_model(config, model, tokenizer, adapters)
+
+    @classmethod
+    def from_model(cls, config: EngineConfig, model, tokenizer=None,
+                   adapters: dict[str, str] | None = None) -> "Engine":
+        """Wrap an already built model (e.g. random weights for benchmarks)."""
+        device = next(model.parameters()).device
+        dtype = next(model.parameters()).dtype
         lora = None
         if adapters and not config.enable_lora:
             raise ConfigError("adapters were given but engine LoRA is disabled (enable_lora=False)")

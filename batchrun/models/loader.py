@@ -152,12 +152,9 @@ def our_name(hf_name: str) -> tuple[str, int | None]:
     return hf_name, None
 
 
-@torch.no_grad()
-def load_model(path: str | Path, device: torch.device, dtype: torch.dtype,
-               max_position: int) -> LlamaForCausalLM:
-    model_dir = Path(path)
-    cfg = inspect_model(model_dir)
-    found = check_checkpoint(model_dir, cfg)
+def _materialise(cfg: ModelConfig, device: torch.device, dtype: torch.dtype,
+                 max_position: int) -> LlamaForCausalLM:
+    """Build on the meta device, then allocate (uninitialised) storage on the target device."""
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg, max_position)
     model.to_empty(device=device)
@@ -165,6 +162,33 @@ def load_model(path: str | Path, device: torch.device, dtype: torch.dtype,
     if cfg.tie_word_embeddings:  # to_empty breaks the tie; restore it
         model.lm_head.weight = model.model.embed_tokens.weight
     model.model.rotary.init_cache(device)
+    return model
+
+
+@torch.no_grad()
+def random_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, max_position: int,
+                 seed: int = 0) -> LlamaForCausalLM:
+    """Random weights of a real model's shape, built directly on the device (benchmarks: no
+    weights can be downloaded). Matrices ~ N(0, 0.02), norms 1, like HF's initialisation."""
+    model = _materialise(cfg, device, dtype, max_position)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    for name, p in model.named_parameters():
+        if p.dim() == 1 and name.endswith("norm.weight"):
+            p.fill_(1.0)
+        else:
+            p.normal_(0.0, 0.02, generator=gen)
+    return model.eval()
+
+
+@torch.no_grad()
+def load_model(path: str | Path, device: torch.device, dtype: torch.dtype,
+               max_position: int) -> LlamaForCausalLM:
+    model_dir = Path(path)
+    if not model_dir.is_dir():
+        raise ModelLoadError(f"{model_dir}: model directory not found")
+    cfg = ModelConfig.from_dir(model_dir)
+    found = check_checkpoint(model_dir, cfg)
+    model = _materialise(cfg, device, dtype, max_position)
     params = dict(model.named_parameters(remove_duplicate=False))
     by_file: dict[Path, list[str]] = {}
     for name, (f, _) in found.items():
