@@ -197,18 +197,29 @@ def load_model(path: str | Path, device: torch.device, dtype: torch.dtype,
     for f, names in by_file.items():
         with safe_open(str(f), framework="pt") as sf:  # mmap
             for name in names:
-                ours, idx = our_name(name)
-                param = params[ours]
-                src = sf.get_tensor(name)
-                if idx is None:
-                    param.copy_(src)
-                else:
-                    sizes = _slice_sizes(model, ours)
-                    start = sum(sizes[:idx])
-                    param[start:start + sizes[idx]].copy_(src)
+                copy_hf_tensor(model, params, name, sf.get_tensor(name))
     return model.eval()
 
 
-def _slice_sizes(model, param_name: str) -> list[int]:
-    module = model.get_submodule(param_name.rsplit(".", 1)[0])
-    return module.output_sizes
+def copy_hf_tensor(model, params: dict, hf_name: str, src: torch.Tensor) -> None:
+    """Copy one HF checkpoint tensor into our parameter (a slice of it for fused layers)."""
+    ours, idx = our_name(hf_name)
+    param = params[ours]
+    if idx is None:
+        param.copy_(src)
+        return
+    sizes = model.get_submodule(ours.rsplit(".", 1)[0]).output_sizes
+    start = sum(sizes[:idx])
+    param[start:start + sizes[idx]].copy_(src)
+
+
+@torch.no_grad()
+def model_from_hf_state(cfg: ModelConfig, state: dict, device, dtype, max_position: int):
+    """Our model holding the weights of an in-memory HF model (GPU parity tests)."""
+    model = _materialise(cfg, device, dtype, max_position)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    for name, t in state.items():
+        if IGNORED.match(name) or (name == "lm_head.weight" and cfg.tie_word_embeddings):
+            continue
+        copy_hf_tensor(model, params, name, t)
+    return model.eval()
