@@ -32,11 +32,11 @@ def _table(header: list[str], rows: list[list]) -> str:
 def plan_report(spec: JobSpec, num_tasks: int, count_tokens: bool = True) -> str:
     files, root, schema, _ = validate(spec)
     plan = make_plan(spec, files, root, schema)
-    lines = [f"job:     {spec.job_file}",
-             f"model:   {spec.model}",
+    lines = [f"job:      {spec.job_file}",
+             f"model:    {spec.model}",
              f"adapters: {', '.join(f'{k} ({v})' for k, v in spec.adapters.items()) or 'none'}",
-             f"input:   {len(files)} file(s), {plan.total_rows} rows",
-             f"output:  {spec.output.path}", ""]
+             f"input:    {len(files)} file(s), {plan.total_rows} rows",
+             f"output:   {spec.output.path}", ""]
     tokens, bad = (_prompt_tokens(spec, plan) if count_tokens else ({}, {}))
     shards = plan.shards()
     rows = []
