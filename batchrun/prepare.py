@@ -192,7 +192,7 @@ def _wipe(out: OutputDir) -> None:
     for part in out.part_files():
         os.remove(part)
     for name in os.listdir(out.meta):
-        if name != "locks":
+        if name not in ("locks", "slurm"):  # slurm/: the running array's own log files
             full = os.path.join(out.meta, name)
             shutil.rmtree(full) if os.path.isdir(full) and not os.path.islink(full) else os.remove(full)
     fsync_dir(out.path)

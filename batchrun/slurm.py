@@ -21,9 +21,10 @@ TEMPLATE = """#!/usr/bin/env bash
 #SBATCH --mem={mem}
 #SBATCH --time={time}
 #SBATCH --output={logs}/%A_%a.out
-#SBATCH --signal=TERM@120
+#SBATCH --signal=B:TERM@120
 {extra}
-# SIGTERM (time limit, scancel) makes batchrun stop without leaving a partial part file; the
+# SIGTERM (B: = to this script, which exec's batchrun; 120 s before the time limit, or scancel)
+# makes batchrun stop without leaving a partial part file; the
 # units it committed are kept and the next run of this task resumes after them.
 # The task id is SLURM_ARRAY_TASK_ID - SLURM_ARRAY_TASK_MIN; the task count SLURM_ARRAY_TASK_COUNT.
 exec {batchrun} run {job} --num-tasks {n}{restart}
