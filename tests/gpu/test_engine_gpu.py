@@ -20,6 +20,9 @@ LLAMA2_7B = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_s
 
 
 def test_bf16_parity_with_hf_llama2_7b_shape():
+    """bf16 rounding differs between any two implementations, and on a 32-layer random model
+    it grows; so the tolerance comes from HF's own bf16 error against an fp32 reference: ours
+    must be no worse than that (with a margin)."""
     from transformers import LlamaConfig, LlamaForCausalLM
     torch.manual_seed(0)
     with torch.device("cuda"):
@@ -30,28 +33,32 @@ def test_bf16_parity_with_hf_llama2_7b_shape():
                                ours)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(100, 32000, (32,), generator=g).tolist() for _ in range(8)]
-    # first-step logits: our prefill vs HF forward, relative error in bf16 range
     ids = torch.tensor(prompts, device="cuda")
+    gen = dict(attention_mask=torch.ones_like(ids), max_new_tokens=128, min_new_tokens=128,
+               do_sample=False, pad_token_id=0)
     with torch.no_grad():
-        ref = hf(ids).logits[:, -1].float()
+        hf_bf16 = hf(ids).logits[:, -1].float()
+        hf_tokens = hf.generate(ids, **gen)[:, 32:].tolist()
+        hf.float()
+        ref = hf(ids).logits[:, -1].float()  # fp32 reference, same weights
+        fp32_tokens = hf.generate(ids, **gen)[:, 32:].tolist()
+    del hf
+    torch.cuda.empty_cache()
     _, got = engine.runner.prefill(
         [engine_seq(engine, i, p) for i, p in enumerate(prompts)], [32] * 8)
-    rel = ((got - ref).norm() / ref.norm()).item()
-    print(f"bf16 first-step logits rel err vs HF: {rel:.2e}")
-    assert rel < 2e-2
-    # greedy token match rate over 128 tokens
+    err = lambda x: ((x - ref).norm() / ref.norm()).item()  # noqa: E731
+    print(f"first-step logits rel err vs fp32: ours bf16 {err(got):.2e}, HF bf16 {err(hf_bf16):.2e}")
+    assert err(got) <= 1.5 * err(hf_bf16) + 1e-3
     res = engine.generate([Request(i, p, SamplingParams(max_tokens=128, ignore_eos=True))
                            for i, p in enumerate(prompts)])
-    with torch.no_grad():
-        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=128,
-                          min_new_tokens=128, do_sample=False, pad_token_id=0)[:, 32:].tolist()
-    match = sum(a == b for r, o in zip(res, out) for a, b in zip(r.output_token_ids, o)) / (8 * 128)
-    # position of first divergence per row: bf16 rounding differs between implementations,
-    # after a divergence the continuations differ by design
-    first = [next((j for j, (a, b) in enumerate(zip(r.output_token_ids, o)) if a != b), 128)
-             for r, o in zip(res, out)]
-    print(f"greedy token match rate over 128 tokens: {match:.3f}; first divergence per row: {first}")
-    assert min(first) >= 8 and match >= 0.5
+    ours_tokens = [r.output_token_ids for r in res]
+    rate = lambda a, b: sum(x == y for ra, rb in zip(a, b) for x, y in zip(ra, rb)) / (8 * 128)  # noqa: E731
+    print(f"greedy token match over 8x128: ours vs HF bf16 {rate(ours_tokens, hf_tokens):.3f}, "
+          f"ours vs fp32 {rate(ours_tokens, fp32_tokens):.3f}, HF bf16 vs fp32 "
+          f"{rate(hf_tokens, fp32_tokens):.3f}")
+    # after a first divergence continuations differ by construction; ours must track the fp32
+    # reference about as well as HF bf16 does
+    assert rate(ours_tokens, fp32_tokens) >= 0.8 * rate(hf_tokens, fp32_tokens) - 0.05
 
 
 def engine_seq(engine, i, prompt):
