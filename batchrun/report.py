@@ -5,7 +5,6 @@ import json
 import os
 
 import numpy as np
-import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
 from batchrun.commit import committed_units
@@ -155,20 +154,22 @@ def status_report(out_path: str) -> tuple[str, bool]:
 
 def show_rows(out_path: str, limit: int, prompts: bool) -> str:
     out, manifest, _ = _load_state(out_path)
-    table = ds.dataset(out.path, format="parquet").to_table()
-    if table.num_rows == 0:
-        return "(no rows committed yet)"
-    # Spread the sample over adapters so every shard shows up.
-    adapters = table.column("adapter").to_pylist()
-    by: dict = {}
-    for i, a in enumerate(adapters):
-        by.setdefault(a, []).append(i)
-    picks, queues = [], list(by.values())
-    while len(picks) < limit and any(queues):
+    done = committed_units(out)
+    if not done:
+        return "(no units committed yet)"
+    # A few committed part files per shard (not the whole dataset), then round-robin over shards
+    # so every adapter shows up.
+    per_shard: dict = {}
+    for unit in sorted(done):
+        files = per_shard.setdefault(done[unit].get("adapter"), [])
+        if sum(n for _, n in files) < limit:
+            files.append((out.part(unit), done[unit]["rows"]))
+    queues = [[r for path, _ in files for r in pq.read_table(path).to_pylist()] for files in per_shard.values()]
+    rows = []
+    while len(rows) < limit and any(queues):
         for q in queues:
-            if q and len(picks) < limit:
-                picks.append(q.pop(0))
-    rows = table.take(picks).to_pylist()
+            if q and len(rows) < limit:
+                rows.append(q.pop(0))
     prompt_of = _prompts_for(out, manifest, [r["id"] for r in rows]) if prompts else {}
     lines = []
     for r in rows:
