@@ -85,6 +85,7 @@ def fork_cli(args: list, crash_at: str = "", env: dict | None = None):
     starts in milliseconds. Returns the multiprocessing.Process (exitcode = the CLI's exit code)."""
     import multiprocessing
     from fake_cli import cli
+    env = {"TOKENIZERS_PARALLELISM": "false", **(env or {})}  # the Rust pool does not survive fork
     proc = multiprocessing.get_context("fork").Process(target=cli, args=([str(a) for a in args], crash_at, env))
     proc.start()
     return proc
