@@ -198,6 +198,12 @@ class TaskRunner:
                 return st
             self.log(f"task {self.task_id}/{self.num_tasks}: {len(todo)} of {len(mine)} units to run "
                      f"({st.units_skipped} already committed), {sum(u.rows for u in todo)} rows")
+            unknown = [u for u in todo if not u.known]
+            if unknown and self.spec.on_error == "fail":  # known from the plan: fail before loading weights
+                names = sorted({u.adapter for u in unknown})
+                raise RowFailure(f"{sum(u.rows for u in unknown)} row(s) name adapters that are not configured "
+                                 f"({', '.join(map(repr, names))}; configured: {', '.join(self.spec.adapters) or 'none'}). "
+                                 "The job stopped (on_error: fail). Add them under adapters:, or set on_error: skip.")
             t0 = time.time()
             engine = self.engine_factory(self.spec)
             st.model_load_s = time.time() - t0

@@ -104,6 +104,14 @@ def test_on_error_fail_stops_with_row_id_and_keeps_committed_units(make_job, tmp
     assert {r["id"] for r in read_output(tmp_path / "out").to_pylist()} == {0, 3, 6, 9}
 
 
+def test_on_error_fail_with_unknown_adapter_fails_before_model_load(make_job):
+    rows = demo_rows(6)
+    rows[4]["adapter"] = "mystery"
+    with pytest.raises(RowFailure, match=r"1 row\(s\) name adapters that are not configured \('mystery'; "
+                                         r"configured: reverse, upper\)"):
+        run(make_job(rows, on_error="fail"), engine_factory=never_load)
+
+
 def test_rerun_skips_committed_units(make_job, tmp_path):
     job = make_job(demo_rows(30))
     run(job)
