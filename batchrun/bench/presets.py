@@ -1,0 +1,49 @@
+"""Model shapes for random-weight benchmarks: a preset name stands in for a model directory.
+
+The dicts are Hugging Face config.json contents, parsed by the same ModelConfig.from_dict as a
+real checkpoint, so a preset model is built exactly like a loaded one (only the weights differ).
+"""
+from __future__ import annotations
+
+from batchrun.models.config import ModelConfig
+
+_LLAMA = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_act="silu",
+              torch_dtype="bfloat16", tie_word_embeddings=False)
+
+PRESETS: dict[str, dict] = {
+    "llama-2-7b": dict(_LLAMA, vocab_size=32000, hidden_size=4096, intermediate_size=11008,
+                       num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
+                       max_position_embeddings=4096, rms_norm_eps=1e-5, rope_theta=10000.0,
+                       bos_token_id=1, eos_token_id=2),
+    "llama-3-8b": dict(_LLAMA, vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                       num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                       max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=500000.0,
+                       rope_scaling={"rope_type": "llama3", "factor": 8.0,
+                                     "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                     "original_max_position_embeddings": 8192},
+                       bos_token_id=128000, eos_token_id=128001),
+    # CPU tests: GQA like llama-3, vocab large enough for prompt ids in [100, vocab)
+    "tiny": dict(_LLAMA, vocab_size=512, hidden_size=64, intermediate_size=128,
+                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 max_position_embeddings=512, rms_norm_eps=1e-5, rope_theta=10000.0,
+                 torch_dtype="float32", bos_token_id=1, eos_token_id=2),
+}
+
+
+def is_preset(name: str) -> bool:
+    return name in PRESETS
+
+
+def preset_config(name: str) -> ModelConfig:
+    if name not in PRESETS:
+        raise ValueError(f"unknown model preset {name!r} (presets: {', '.join(PRESETS)}); "
+                         f"or give a local Hugging Face model directory")
+    return ModelConfig.from_dict(dict(PRESETS[name]), where=f"preset {name}")
+
+
+def num_params(cfg: ModelConfig) -> int:
+    h, i, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    q, kv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
+    layer = h * (q + 2 * kv) + q * h + 3 * h * i + 2 * h
+    head = 0 if cfg.tie_word_embeddings else cfg.vocab_size * h
+    return cfg.vocab_size * h + cfg.num_hidden_layers * layer + h + head

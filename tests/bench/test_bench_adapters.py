@@ -1,0 +1,56 @@
+"""Random PEFT adapters: peft's file format, accepted by the adapter loader, and they change
+the engine's outputs for the rows that use them (B is random, not zero)."""
+import json
+
+import torch
+from safetensors import safe_open
+
+from batchrun.bench.adapters import TARGETS, write_random_adapters
+from batchrun.bench.latency import EngineSpec, build_engine, make_requests, random_prompts
+from batchrun.bench.presets import PRESETS, num_params, preset_config
+from batchrun.lora.adapters import inspect_adapter
+
+
+def test_presets_have_the_real_shapes():
+    assert round(num_params(preset_config("llama-2-7b")) / 1e9, 2) == 6.74
+    l3 = preset_config("llama-3-8b")
+    assert round(num_params(l3) / 1e9, 2) == 8.03
+    assert (l3.num_key_value_heads, l3.vocab_size, l3.rope_scaling["rope_type"]) == (8, 128256, "llama3")
+    assert preset_config("llama-2-7b").torch_dtype == "bfloat16"
+    assert set(PRESETS) >= {"llama-2-7b", "llama-3-8b", "tiny"}
+
+
+def test_random_adapter_files(tmp_path):
+    cfg = preset_config("tiny")
+    dirs = write_random_adapters(tmp_path, cfg, 2, rank=8, base_model="tiny")
+    assert sorted(dirs) == ["lora0", "lora1"]
+    conf = json.loads((tmp_path / "lora0" / "adapter_config.json").read_text())
+    assert conf["peft_type"] == "LORA" and conf["r"] == 8 and conf["lora_alpha"] == 16
+    assert conf["target_modules"] == list(TARGETS) and len(TARGETS) == 7
+    assert conf["bias"] == "none" and conf["task_type"] == "CAUSAL_LM"
+    assert conf["base_model_name_or_path"] == "tiny"
+    with safe_open(str(tmp_path / "lora0" / "adapter_model.safetensors"), "pt") as f:
+        keys = set(f.keys())
+        a = f.get_tensor("base_model.model.model.layers.1.mlp.down_proj.lora_A.weight")
+        b = f.get_tensor("base_model.model.model.layers.1.mlp.down_proj.lora_B.weight")
+    assert len(keys) == cfg.num_hidden_layers * 7 * 2
+    assert a.shape == (8, cfg.intermediate_size) and b.shape == (cfg.hidden_size, 8)
+    assert a.dtype == b.dtype == torch.bfloat16 and b.abs().sum() > 0
+    info = inspect_adapter("lora0", dirs["lora0"], cfg, max_lora_rank=16)
+    assert info.max_rank == 8 and len(info.targets) == cfg.num_hidden_layers * 7
+
+
+def test_random_adapters_change_outputs_through_the_engine(tmp_path):
+    base = build_engine(EngineSpec(model="tiny", device="cpu", max_model_len=32, max_num_seqs=8))
+    lora = build_engine(EngineSpec(model="tiny", device="cpu", max_model_len=32, max_num_seqs=8,
+                                   enable_lora=True, max_loras=2, lora_rank=8, num_adapters=2),
+                        tmp_path)
+    assert lora.weights == "random" and sorted(lora.adapters) == ["lora0", "lora1"]
+    prompts = random_prompts(4, 8, 512, seed=3)
+    rows = ["lora0", "lora1", None, None]
+    out_base = [r.output_token_ids for r in base.engine.generate(make_requests(prompts, 12))]
+    out_lora = [r.output_token_ids for r in lora.engine.generate(make_requests(prompts, 12, rows))]
+    # same seed -> same random base weights: base rows agree, adapter rows differ
+    assert out_lora[2:] == out_base[2:]
+    assert out_lora[0] != out_base[0] and out_lora[1] != out_base[1]
+    assert out_lora[0] != out_lora[1]
