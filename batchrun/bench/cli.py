@@ -1,0 +1,142 @@
+"""`batchrun bench ...`: the `bench` click group, registered by batchrun/cli.py.
+
+Failures print one "batchrun: error:" line and exit 3 for bad configuration (model, adapters)
+or 2 for bad flags, like the rest of the CLI.
+"""
+from __future__ import annotations
+
+import shlex
+import sys
+
+import click
+
+from batchrun.errors import ConfigError
+
+_USAGE, _CONFIG = 2, 3
+
+
+def _fail(code: int, message: str):
+    click.echo(f"batchrun: error: {message}", err=True)
+    sys.exit(code)
+
+
+def _command_line() -> str:
+    """The running bench command with every option spelled out (defaults resolved), so a
+    result file says exactly what ran."""
+    ctx = click.get_current_context()
+    words = ["batchrun", "bench", ctx.info_name]
+    for param in ctx.command.params:
+        if not isinstance(param, click.Option):
+            continue
+        value, flag = ctx.params.get(param.name), param.opts[0]
+        if param.is_flag:
+            if value:
+                words.append(flag)
+        elif value is not None:
+            words += [flag, str(value)]
+    return shlex.join(words)
+
+
+def _echo(msg: str) -> None:
+    click.echo(msg)
+    sys.stdout.flush()
+
+
+@click.group()
+def bench():
+    """Benchmarks on the engine (a preset --model builds random weights of that shape)."""
+
+
+def _common(f):
+    """Flags shared by latency and lora-matrix (vllm bench latency names and defaults)."""
+    opts = [
+        click.option("--model", default="llama-2-7b", show_default=True,
+                     help="Local Hugging Face model directory, or a preset (llama-2-7b, "
+                          "llama-3-8b, tiny) that builds RANDOM bf16 weights of that shape."),
+        click.option("--batch-size", type=int, default=8, show_default=True),
+        click.option("--input-len", type=int, default=32, show_default=True,
+                     help="Prompt tokens per request (random ids in [100, vocab))."),
+        click.option("--output-len", type=int, default=128, show_default=True,
+                     help="Generated tokens per request (fixed: EOS is ignored)."),
+        click.option("--dtype", type=click.Choice(["auto", "float32", "float16", "bfloat16"]),
+                     default="auto", show_default=True,
+                     help="auto = the config's torch_dtype on GPU, float32 on CPU."),
+        click.option("--device", type=click.Choice(["auto", "cuda", "cpu"]), default="auto",
+                     show_default=True),
+        click.option("--max-lora-rank", type=int, default=16, show_default=True),
+        click.option("--lora-rank", type=int, default=16, show_default=True,
+                     help="Rank of the random adapters (all 7 projections: q,k,v,o,gate,up,down)."),
+        click.option("--enforce-eager", is_flag=True, help="No CUDA graphs."),
+        click.option("--seed", type=int, default=0, show_default=True),
+        click.option("--max-num-seqs", type=int, default=None,
+                     help="Engine max_num_seqs (also the largest CUDA-graph size). "
+                          "Default: max(64, batch size)."),
+        click.option("--max-num-batched-tokens", type=int, default=2048, show_default=True),
+        click.option("--output-json", type=click.Path(dir_okay=False), default=None,
+                     help="Write the results (command, commit, device, all numbers) here."),
+    ]
+    for o in reversed(opts):
+        f = o(f)
+    return f
+
+
+@bench.command()
+@_common
+@click.option("--num-iters-warmup", type=int, default=10, show_default=True)
+@click.option("--num-iters", type=int, default=30, show_default=True)
+@click.option("--enable-lora", is_flag=True, help="Engine with LoRA (random adapters are loaded).")
+@click.option("--max-loras", type=int, default=None,
+              help="GPU adapter slots; that many random adapters are loaded. "
+                   "Default: max(--num-active-loras, 1).")
+@click.option("--num-active-loras", type=int, default=0, show_default=True,
+              help="Adapters the batch uses, round-robin over rows; 0 = LoRA enabled but no row "
+                   "has an adapter.")
+def latency(**kw):
+    """Latency of one batch end to end (like `vllm bench latency`)."""
+    from batchrun.bench.latency import LatencyParams, print_latency, run_latency
+    params = LatencyParams(**kw)
+    try:
+        params.check()
+    except ValueError as e:
+        _fail(_USAGE, str(e))
+    try:
+        result = run_latency(params, log=_echo, command=_command_line())
+    except ConfigError as e:
+        _fail(_CONFIG, str(e))
+    print_latency(result, echo=_echo)
+    if params.output_json:
+        _echo(f"results written to {params.output_json}")
+
+
+@bench.command("lora-matrix")
+@_common
+@click.option("--num-iters-warmup", type=int, default=3, show_default=True,
+              help="Warm-up rounds (one iteration of every scenario each).")
+@click.option("--num-iters", type=int, default=15, show_default=True,
+              help="Timed rounds for the CUDA-graph scenarios.")
+@click.option("--num-iters-eager", type=int, default=None,
+              help="Timed rounds for the eager scenarios (default: --num-iters); they run in "
+                   "the first rounds, interleaved with the graph scenarios.")
+@click.option("--max-loras", type=int, default=8, show_default=True,
+              help="GPU slots of the LoRA engine; that many adapters are loaded, and the "
+                   "many-adapter scenario uses all of them.")
+@click.option("--no-eager", is_flag=True, help="Skip the eager comparison scenarios.")
+@click.option("--profile-kernels", is_flag=True,
+              help="Check with torch.profiler that one no-adapter decode step of the LoRA engine "
+                   "launches exactly the kernels of the LoRA-disabled engine.")
+def lora_matrix(**kw):
+    """LoRA disabled vs enabled with 0 / 1 / max-loras active adapters, graphs and eager,
+    A/B interleaved in one process, with ratios against the issue's targets."""
+    from batchrun.bench.matrix import MatrixParams, print_matrix, run_matrix
+    params = MatrixParams(**kw)
+    try:
+        params.check()
+    except ValueError as e:
+        _fail(_USAGE, str(e))
+    try:
+        result = run_matrix(params, log=_echo, command=_command_line())
+    except ConfigError as e:
+        _fail(_CONFIG, str(e))
+    print_matrix(result, echo=_echo)
+    if params.output_json:
+        _echo(f"results written to {params.output_json}")
