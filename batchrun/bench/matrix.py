@@ -144,6 +144,7 @@ def run_matrix(p: MatrixParams, log=print, command: str | None = None) -> dict:
                   "adapters": {"count": len(names), "rank": p.lora_rank,
                                "targets": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
                                            "up_proj", "down_proj"]},
+                  "graphs": {"A": graph_stats(a.engine), "B": graph_stats(b.engine)},
                   "scenarios": {}, "rounds": []}
         gc.collect()
         rounds = max(sc.iters for sc in scs)
@@ -166,7 +167,6 @@ def run_matrix(p: MatrixParams, log=print, command: str | None = None) -> dict:
                 f"{sc.name} {lat[sc.name][-1]:.3f}s" if not warm else sc.name for sc in order)
                 + f"  [{time.perf_counter() - t_start:.0f} s]")
         result["scenarios"] = _summaries(scs, lat, p.output_len)
-        result["graphs"] = {"A": graph_stats(a.engine), "B": graph_stats(b.engine)}
         result["memory"] = {"A": memory_stats(a.engine), "B": memory_stats(b.engine)}
         result["summary"] = _targets(result, have_graphs, p.max_loras)
         if p.profile_kernels:
