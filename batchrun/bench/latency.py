@@ -22,10 +22,11 @@ import torch
 from batchrun.config import EngineConfig, SamplingParams
 from batchrun.engine.engine import Engine, max_position, resolve_device
 from batchrun.engine.request import Request
+from batchrun.errors import ConfigError
 from batchrun.models.config import ModelConfig
 from batchrun.models.loader import random_model, resolve_dtype
 from batchrun.bench.adapters import write_random_adapters
-from batchrun.bench.presets import is_preset, preset_config
+from batchrun.bench.presets import PRESETS, is_preset, preset_config
 
 PERCENTILES = (10, 25, 50, 75, 90, 99)
 MIB = 1 << 20
@@ -62,7 +63,12 @@ class Built:
 
 
 def model_config_of(model: str) -> ModelConfig:
-    return preset_config(model) if is_preset(model) else ModelConfig.from_dir(model)
+    if is_preset(model):
+        return preset_config(model)
+    if not Path(model).is_dir():
+        raise ConfigError(f"--model {model!r} is neither a preset ({', '.join(PRESETS)}) nor "
+                          f"a local Hugging Face model directory")
+    return ModelConfig.from_dir(model)
 
 
 def build_engine(spec: EngineSpec, adapter_root: str | Path | None = None) -> Built:

@@ -21,7 +21,6 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import torch
 
 from batchrun.bench.latency import (RANDOM_BANNER, EngineSpec, build_engine, environment,
                                     graph_stats, make_requests, memory_stats, percentile,

@@ -89,3 +89,8 @@ def test_percentile_matches_numpy_linear():
     xs = [5.0, 1.0, 3.0, 2.0, 4.0]
     assert percentile(xs, 50) == 3.0 and percentile(xs, 0) == 1.0 and percentile(xs, 100) == 5.0
     assert abs(percentile(xs, 10) - 1.4) < 1e-12 and abs(percentile(xs, 99) - 4.96) < 1e-12
+
+
+def test_unknown_model_names_presets():
+    res = _run(["bench", "latency", "--model", "llama-2-13b", "--device", "cpu"])
+    assert res.exit_code == 3 and "llama-2-7b" in res.output and "neither a preset" in res.output
