@@ -133,3 +133,47 @@ def test_no_lora_step_launches_exactly_the_lora_disabled_kernels(tmp_path):
     k_lora = _kernels_of_one_decode_step(lora, prompts)
     assert sum(k_base.values()) > 0
     assert k_lora == k_base, f"extra: {k_lora - k_base}, missing: {k_base - k_lora}"
+
+
+def test_bf16_lora_parity_with_peft(tmp_path):
+    """Mixed base + 5-adapter batch in bf16 with graphs on: greedy match rate against peft.
+    Tolerance from peft's own bf16 drift against its fp32 run (same weights)."""
+    from peft import PeftModel
+    from tests.lora.test_engine_parity import ADAPTERS, _make_adapter
+    from tests.tiny_models import make_hf_model, random_prompts, save_hf_model
+    variant = "llama3_gqa"
+    save_hf_model(variant, tmp_path / "base")
+    paths = {}
+    for i, (name, kw) in enumerate(ADAPTERS.items()):
+        paths[name] = str(tmp_path / name)
+        _make_adapter(variant, paths[name], 100 + i, kw)
+    names = [None, "qv", "all", "mlp1", None, "o", "all", "qkv", "qv", "mlp1", "o", "all", "qkv"]
+    prompts = random_prompts(len(names), [5, 17, 40, 3, 29], 211, seed=3)
+    engine = Engine.from_config(
+        EngineConfig(model=str(tmp_path / "base"), device="cuda", dtype="bfloat16",
+                     max_model_len=128, enable_lora=True, max_loras=2, max_lora_rank=8),
+        adapters=paths)
+    new = 32
+    res = engine.generate([Request(i, p, SamplingParams(max_tokens=new, ignore_eos=True), n)
+                           for i, (p, n) in enumerate(zip(prompts, names))])
+
+    def peft_tokens(dtype):
+        out = []
+        for p, n in zip(prompts, names):
+            m = make_hf_model(variant)
+            if n is not None:
+                m = PeftModel.from_pretrained(m, paths[n])
+            m = m.to("cuda", dtype).eval()
+            ids = torch.tensor([p], device="cuda")
+            with torch.no_grad():
+                o = m.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
+                               min_new_tokens=new, do_sample=False, pad_token_id=0)
+            out.append(o[0, len(p):].tolist())
+        return out
+
+    bf16, fp32 = peft_tokens(torch.bfloat16), peft_tokens(torch.float32)
+    ours = [r.output_token_ids for r in res]
+    rate = lambda a, b: sum(x == y for ra, rb in zip(a, b) for x, y in zip(ra, rb)) / (len(a) * new)  # noqa: E731
+    print(f"LoRA bf16 greedy match: ours vs peft bf16 {rate(ours, bf16):.3f}, ours vs peft fp32 "
+          f"{rate(ours, fp32):.3f}, peft bf16 vs peft fp32 {rate(bf16, fp32):.3f}")
+    assert rate(ours, fp32) >= 0.8 * rate(bf16, fp32) - 0.05

@@ -1,5 +1,5 @@
 """End to end: the engine's greedy tokens with LoRA equal transformers + peft's, in a mixed batch
-(base rows and several adapters) with fewer GPU slots than adapters and a 1-entry CPU cache."""
+(base rows and 5 adapters) with fewer GPU slots (2) than adapters and a 1-entry CPU cache."""
 import pytest
 import torch
 
@@ -13,6 +13,8 @@ ADAPTERS = {
     "all": dict(r=8, lora_alpha=16, use_rslora=True, target_modules="all-linear"),
     "mlp1": dict(r=4, lora_alpha=4, target_modules=["gate_proj", "up_proj", "down_proj", "k_proj"],
                  rank_pattern={"down_proj": 6}, alpha_pattern={"k_proj": 12}, layers_to_transform=[1]),
+    "o": dict(r=2, lora_alpha=8, target_modules=["o_proj"]),
+    "qkv": dict(r=8, lora_alpha=4, target_modules=r".*\.(q|k|v)_proj"),
 }
 NEW = 8
 
@@ -37,7 +39,8 @@ def test_engine_matches_peft(tmp_path, variant):
         paths[name] = tmp_path / name
         _make_adapter(variant, paths[name], 100 + i, kw)
 
-    names = [None, "qv", "all", "mlp1", None, "all", "qv", "mlp1", "all"]
+    # 5 adapters through 2 GPU slots and a 1-entry CPU cache: slots are evicted and reloaded
+    names = [None, "qv", "all", "mlp1", None, "o", "all", "qkv", "qv", "mlp1", "o", "all", "qkv"]
     prompts = random_prompts(len(names), [5, 17, 40, 3, 29], base.config.vocab_size, seed=3)
     engine = Engine.from_config(
         EngineConfig(model=str(tmp_path / "base"), device="cpu", max_model_len=128,
@@ -58,4 +61,4 @@ def test_engine_matches_peft(tmp_path, variant):
         if n is not None and n not in changed and want != hf_greedy(base, p, NEW):
             changed.add(n)
     assert changed == set(ADAPTERS)  # each adapter really changes some output
-    assert engine.lora.num_loads >= 3
+    assert engine.lora.num_loads >= 5
