@@ -29,14 +29,17 @@ class ModelRunner:
                                     cfg.num_key_value_heads, cfg.head_dim, device=device, dtype=dtype)
         for i, attn in enumerate(model.attention_layers()):
             attn.k_cache, attn.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
-        n = config.max_num_seqs
-        i64, i32 = dict(dtype=torch.long, device=device), dict(dtype=torch.int32, device=device)
-        self.input_ids = torch.zeros(n, **i64)
-        self.positions = torch.zeros(n, **i64)
-        self.slot_mapping = torch.zeros(n, **i64)
-        self.block_tables = torch.zeros(n, self.max_blocks_per_seq, **i32)
-        self.context_lens = torch.zeros(n, **i32)
-        self.token_slots = torch.full((n,), -1, **i32)
+        n, mb = config.max_num_seqs, self.max_blocks_per_seq
+        # Static decode inputs live in two device buffers (int64 and int32) with one pinned host
+        # mirror each, so a step's inputs cost two host->device copies. Views:
+        self._i64 = torch.zeros(3, n, dtype=torch.long, device=device)
+        self._i32 = torch.zeros(n * (2 + mb), dtype=torch.int32, device=device)
+        pin = device.type == "cuda"
+        self._host_i64 = torch.zeros(self._i64.shape, dtype=torch.long, pin_memory=pin)
+        self._host_i32 = torch.zeros(self._i32.shape, dtype=torch.int32, pin_memory=pin)
+        self.input_ids, self.positions, self.slot_mapping = self._i64  # [n] each
+        self.context_lens, self.token_slots = self._i32[:n], self._i32[n:2 * n]  # [n] each
+        self.block_tables = self._i32[2 * n:].view(n, mb)  # [n, max_blocks_per_seq]
         self.graphs = None  # graphs.GraphRunner, set by the engine when CUDA graphs are on
 
     # ---- decode -------------------------------------------------------------------------
@@ -59,28 +62,26 @@ class ModelRunner:
         return self.model.compute_logits(hidden)
 
     def _write_decode_inputs(self, seqs: list[Sequence], rows: int) -> None:
-        b = len(seqs)
-        ids, pos, slots, ctx, lora = [], [], [], [], []
-        table = torch.zeros(rows, self.max_blocks_per_seq, dtype=torch.int32)
+        n, mb = self.config.max_num_seqs, self.max_blocks_per_seq
+        h64, h32 = self._host_i64.numpy(), self._host_i32.numpy()
+        tables = h32[2 * n:].reshape(n, mb)
+        lora = []
         for i, s in enumerate(seqs):
             p = s.num_tokens - 1
-            ids.append(s.token_ids[-1]); pos.append(p); slots.append(self.blocks.slot(s, p))
-            ctx.append(s.num_tokens); lora.append(s.lora_slot)
-            table[i, :len(s.block_ids)] = torch.tensor(s.block_ids, dtype=torch.int32)
-        pad = rows - b  # padding rows: scratch block, no context, no LoRA
-        scratch = SCRATCH_BLOCK * self.block_size
-        host = torch.tensor([ids + [0] * pad, pos + [0] * pad, slots + [scratch] * pad],
-                            dtype=torch.long)
-        small = torch.tensor([ctx + [0] * pad, lora + [-1] * pad], dtype=torch.int32)
-        self.input_ids[:rows].copy_(host[0], non_blocking=True)
-        self.positions[:rows].copy_(host[1], non_blocking=True)
-        self.slot_mapping[:rows].copy_(host[2], non_blocking=True)
-        self.context_lens[:rows].copy_(small[0], non_blocking=True)
-        self.token_slots[:rows].copy_(small[1], non_blocking=True)
-        self.block_tables[:rows].copy_(table, non_blocking=True)
-        for s in seqs:
+            h64[0, i], h64[1, i], h64[2, i] = s.token_ids[-1], p, self.blocks.slot(s, p)
+            h32[i], h32[n + i] = s.num_tokens, s.lora_slot
+            tables[i, :len(s.block_ids)] = s.block_ids
+            tables[i, len(s.block_ids):] = 0
+            lora.append(s.lora_slot)
             s.num_computed = s.num_tokens
-        self._prepare_lora(self.token_slots[:rows], any(v >= 0 for v in lora))
+        b = len(seqs)  # rows b..rows are padding: scratch block, no context, no LoRA
+        h64[:, b:rows] = 0
+        h64[2, b:rows] = SCRATCH_BLOCK * self.block_size
+        h32[b:rows], h32[n + b:n + rows] = 0, -1
+        tables[b:rows] = SCRATCH_BLOCK
+        self._i64.copy_(self._host_i64, non_blocking=True)
+        self._i32.copy_(self._host_i32, non_blocking=True)
+        self._prepare_lora(lora + [-1] * (rows - b), any(v >= 0 for v in lora))
 
     # ---- prefill ------------------------------------------------------------------------
     @torch.inference_mode()
@@ -103,8 +104,7 @@ class ModelRunner:
         meta = AttnMetadata(True, torch.tensor(slots, dtype=torch.long, device=dev),
                             table.to(dev), torch.tensor(ctx_lens, dtype=torch.int32, device=dev),
                             query_lens=q_lens, context_lens_host=ctx_lens)
-        self._prepare_lora(torch.tensor(lora, dtype=torch.int32, device=dev),
-                           any(v >= 0 for v in lora))
+        self._prepare_lora(lora, any(v >= 0 for v in lora))
         hidden = self.model(torch.tensor(ids, dtype=torch.long, device=dev),
                             torch.tensor(pos, dtype=torch.long, device=dev), meta)
         if not done:
@@ -116,9 +116,6 @@ class ModelRunner:
     def _has_lora(seqs: list[Sequence]) -> bool:
         return any(s.lora_slot >= 0 for s in seqs)
 
-    def _prepare_lora(self, token_slots: torch.Tensor, has_lora: bool) -> None:
-        if self.lora is None:
-            return
-        if has_lora:
-            self.lora.prepare_step(token_slots)
-        self.lora.has_lora = has_lora
+    def _prepare_lora(self, token_slots: list[int], has_lora: bool) -> None:
+        if self.lora is not None:  # without LoRA rows only the flag is written
+            self.lora.prepare_step(token_slots if has_lora else [], has_lora=has_lora)

@@ -125,7 +125,10 @@ class LoRAManager:
                 has_lora = any(s >= 0 for s in token_slots)
             if has_lora:
                 assert max(token_slots) < self.max_loras and min(token_slots) >= -1, "bad slot id"
-            slots = torch.tensor(token_slots, dtype=torch.int32)
+            self.has_lora = has_lora
+            if has_lora:  # computed on the host, one copy to the device
+                self.meta.prepare_host(token_slots)
+            return
         self.has_lora = has_lora
         if has_lora:  # a no-LoRA step launches no LoRA kernels, so its meta is never read
             self.meta.prepare(slots)

@@ -67,3 +67,17 @@ def test_prepare_rejects_too_many_tokens():
     meta = LoRAKernelMeta.allocate(max_tokens=4, max_loras=2, device=DEVICE)
     with pytest.raises(ValueError, match="exceed"):
         meta.prepare(torch.zeros(5, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("T", [1, 7, 33, 40])
+@pytest.mark.parametrize("num_slots", [1, 4])
+def test_prepare_host_equals_prepare(T, num_slots):
+    gen = torch.Generator().manual_seed(T * 7 + num_slots)
+    slots = mixed_slots(T, num_slots, gen)
+    a = LoRAKernelMeta.allocate(max_tokens=40, max_loras=4, device=DEVICE)
+    b = LoRAKernelMeta.allocate(max_tokens=40, max_loras=4, device=DEVICE)
+    a.prepare(slots.to(DEVICE))
+    b.flat.fill_(12345)  # poison: prepare_host must write every field
+    b.prepare_host(slots.tolist())
+    check_meta(b, slots)
+    assert torch.equal(a.flat.cpu(), b.flat.cpu())
