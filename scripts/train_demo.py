@@ -244,7 +244,7 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=REPO / "demo")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--base-steps", type=int, default=1000)
-    ap.add_argument("--adapter-steps", type=int, default=700)
+    ap.add_argument("--adapter-steps", type=int, default=1000)
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--base-lr", type=float, default=3e-3)
     ap.add_argument("--adapter-lr", type=float, default=3e-3)
