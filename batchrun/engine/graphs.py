@@ -88,7 +88,10 @@ class GraphRunner:
             for size in reversed(self.sizes):
                 self._set_lora(has_lora, size)
                 r.decode_forward(size)
+            # torch.cuda.graph() empties the allocator cache on entry; do it first so the
+            # difference below is only what this set's captures add to the shared pool
             torch.cuda.synchronize()
+            torch.cuda.empty_cache()
             before = torch.cuda.memory_reserved()
             for size in reversed(self.sizes):  # largest first: smaller graphs reuse its memory
                 key = GraphKey(size, has_lora)
