@@ -1,4 +1,8 @@
-"""LoRA expand (Punica SGMV): y[t, slice s] += buf[s, t] @ lora_b[slot[t], slice s].T.
+"""LoRA expand (Punica SGMV): y[t, slice s] += (sum_k buf[k, s, t]) @ lora_b[slot[t], slice s].T.
+
+buf holds lora_shrink's split-K partial products ([SPLIT, S, T_max, R] fp32); each program sums
+the SPLIT partials of its [BLOCK_M, R] tile in registers as it loads them (a fixed order, so the
+result is deterministic) and then does the dot with B as before.
 
 lora_b is stored in the fused output layout of the base layer ([L, N, R]; slice s is rows
 slice_offsets[s]:slice_offsets[s+1], scaling folded in), so one launch covers q/k/v or gate/up
@@ -20,6 +24,7 @@ import triton.language as tl
 from torch import Tensor
 
 from batchrun.kernels.lora_meta import LoRAKernelMeta
+from batchrun.kernels.lora_shrink import MAX_SPLITS
 from batchrun.kernels.utils import FLOAT_DTYPES, check, dot_block
 
 MAX_RANK = 256  # one R tile per program
@@ -28,7 +33,7 @@ MAX_RANK = 256  # one R tile per program
 @triton.jit
 def _lora_expand_kernel(
     # pointers
-    buf_ptr,          # [S, T_max, R] fp32
+    buf_ptr,          # [SPLIT, S, T_max, R] fp32 partials
     b_ptr,            # [L, N, R]
     y_ptr,            # [T, N]
     sorted_ids_ptr,   # int32 [max_tokens]
@@ -39,10 +44,12 @@ def _lora_expand_kernel(
     R, MAX_SLICE_N,
     OFF0, OFF1, OFF2, OFF3,  # slice_offsets padded to 4 entries (unused ones = N)
     # strides (last dims are contiguous)
-    stride_bufs, stride_buft,
+    stride_bufk, stride_bufs, stride_buft,
     stride_bl, stride_bn,
     stride_yt,
     # constexprs
+    SPLIT: tl.constexpr,       # partials to sum
+    SPLIT_BLOCK: tl.constexpr,  # partials loaded per step (a power of two, bounds registers)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
     SPLIT_BUF: tl.constexpr,   # 16-bit weights: dot buf as hi + lo halves
 ):
@@ -75,7 +82,18 @@ def _lora_expand_kernel(
     r_mask = offs_r < R
 
     buf_ptrs = buf_ptr + s.to(tl.int64) * stride_bufs + tok[:, None] * stride_buft + offs_r[None, :]
-    bt = tl.load(buf_ptrs, mask=m_mask[:, None] & r_mask[None, :], other=0.0)      # [BM, BR] fp32
+    mr_mask = m_mask[:, None] & r_mask[None, :]
+    if SPLIT == 1:
+        bt = tl.load(buf_ptrs, mask=mr_mask, other=0.0)                            # [BM, BR] fp32
+    else:
+        # Unrolled: every group's loads are independent, so they are all in flight at once.
+        offs_sp = tl.arange(0, SPLIT_BLOCK)
+        bt = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+        for k0 in tl.static_range(0, SPLIT, SPLIT_BLOCK):
+            sp = k0 + offs_sp
+            part = tl.load(buf_ptrs[None, :, :] + sp[:, None, None] * stride_bufk,
+                           mask=(sp < SPLIT)[:, None, None] & mr_mask[None, :, :], other=0.0)
+            bt += tl.sum(part, axis=0)                                              # [BM, BR]
     b_ptrs = b_ptr + slot.to(tl.int64) * stride_bl + offs_n[None, :] * stride_bn + offs_r[:, None]
     wt = tl.load(b_ptrs, mask=r_mask[:, None] & n_mask[None, :], other=0.0)        # [BR, BN]
 
@@ -93,30 +111,33 @@ def _lora_expand_kernel(
     tl.store(y_ptrs, (y.to(tl.float32) + acc).to(y_ptr.dtype.element_ty), mask=mask)
 
 
-def _config(T: int, R: int, max_slice_n: int) -> tuple[int, int, int, int]:
+def _config(T: int, R: int, max_slice_n: int, splits: int) -> tuple[int, int, int, int, int]:
     # Decode is memory-bound on lora_b and y: many small programs, wide enough n-blocks for
     # coalesced rows.
     block_m = 16 if T <= 128 else 32 if T <= 1024 else 64
     block_r = dot_block(R, MAX_RANK)
     block_n = min(128 if block_r <= 64 else 64, dot_block(max_slice_n, 128))
-    return block_m, block_n, block_r, 4
+    # Partials summed per step: at most 4096 fp32 values (32 registers per thread at 4 warps).
+    split_block = max(1, min(triton.next_power_of_2(splits), 4096 // (block_m * block_r)))
+    return block_m, block_n, block_r, split_block, 4
 
 
 def lora_expand(buf: Tensor, lora_b: Tensor, y: Tensor, slice_offsets: tuple[int, ...],
                 meta: LoRAKernelMeta) -> None:
-    # buf:    [S, T_max, R] fp32 (from lora_shrink)
+    # buf:    [SPLIT, S, T_max, R] fp32 partials from lora_shrink (summed over SPLIT here)
     # lora_b: [L, N, R]     fused output layout, scaling folded in, dtype of y
     # y:      [T, N]        base output, updated in place for tokens with a slot
     # slice_offsets: S + 1 python ints, 0 = first < ... < last = N
     # meta:   prepared for these T tokens, the same metadata lora_shrink used
-    check(buf.dim() == 3 and lora_b.dim() == 3 and y.dim() == 2,
-          f"expected buf [S, T_max, R], lora_b [L, N, R], y [T, N]; got {tuple(buf.shape)}, "
-          f"{tuple(lora_b.shape)}, {tuple(y.shape)}")
-    S, T_max, R = buf.shape
+    check(buf.dim() == 4 and lora_b.dim() == 3 and y.dim() == 2,
+          f"expected buf [SPLIT, S, T_max, R], lora_b [L, N, R], y [T, N]; got "
+          f"{tuple(buf.shape)}, {tuple(lora_b.shape)}, {tuple(y.shape)}")
+    splits, S, T_max, R = buf.shape
     L, N, Rb = lora_b.shape
     T = y.shape[0]
     offs = tuple(int(o) for o in slice_offsets)
     check(1 <= S <= 3, f"1 to 3 slices supported, got {S}")
+    check(1 <= splits <= MAX_SPLITS, f"buf must have 1 to {MAX_SPLITS} splits, got {splits}")
     check(len(offs) == S + 1 and offs[0] == 0 and offs[-1] == N
           and all(a < b for a, b in zip(offs, offs[1:])),
           f"slice_offsets must be S+1={S + 1} increasing ints from 0 to N={N}, got {offs}")
@@ -126,7 +147,7 @@ def lora_expand(buf: Tensor, lora_b: Tensor, y: Tensor, slice_offsets: tuple[int
     check(y.shape[1] == N, f"y has {y.shape[1]} columns, lora_b has N={N}")
     check(Rb == R and R <= MAX_RANK, f"rank mismatch or too large: buf R={R}, lora_b R={Rb}")
     check(T_max >= T, f"buf holds {T_max} tokens, y has {T}")
-    check(buf.stride(2) == 1 and lora_b.is_contiguous() and y.stride(1) == 1,
+    check(buf.stride(3) == 1 and lora_b.is_contiguous() and y.stride(1) == 1,
           "buf rows, lora_b and y rows must be contiguous")
     check(T <= meta.max_tokens, f"{T} tokens exceed the metadata capacity {meta.max_tokens}")
     check(meta.active_slots.shape[0] == L + 1,
@@ -138,16 +159,17 @@ def lora_expand(buf: Tensor, lora_b: Tensor, y: Tensor, slice_offsets: tuple[int
 
     max_slice_n = max(b - a for a, b in zip(offs, offs[1:]))
     padded = offs + (N,) * (4 - len(offs))
-    block_m, block_n, block_r, num_warps = _config(T, R, max_slice_n)
+    block_m, block_n, block_r, split_block, num_warps = _config(T, R, max_slice_n, splits)
     grid = (triton.cdiv(T, block_m) * triton.cdiv(max_slice_n, block_n), S, L + 1)
     _lora_expand_kernel[grid](
         buf, lora_b, y,
         meta.sorted_token_ids, meta.active_slots, meta.slot_token_count, meta.slot_token_start,
         R, max_slice_n,
         *padded,
-        buf.stride(0), buf.stride(1),
+        buf.stride(0), buf.stride(1), buf.stride(2),
         lora_b.stride(0), lora_b.stride(1),
         y.stride(0),
+        SPLIT=splits, SPLIT_BLOCK=split_block,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r,
         SPLIT_BUF=(y.dtype != torch.float32),
         num_warps=num_warps, num_stages=1,

@@ -52,5 +52,7 @@ class LoRALinear:
         m = self.manager
         if not m.has_lora:
             return
-        buf = m.shrink_buffer[: self.num_slices]  # [S, max_tokens, R] fp32, shared by all layers
-        punica.add_lora(x, y, self.lora_a, self.lora_b, buf, self.slice_offsets, m.meta)
+        # m.shrink_buffer: flat fp32 scratch shared by all layers; add_lora views its split-K
+        # partials [splits, S, T, R] out of it.
+        punica.add_lora(x, y, self.lora_a, self.lora_b, m.shrink_buffer, self.slice_offsets,
+                        m.meta)

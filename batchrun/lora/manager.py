@@ -26,6 +26,7 @@ from batchrun.layers.linear import Linear
 from batchrun.lora.adapters import AdapterInfo, LoRAWeights, inspect_adapter, load_adapter
 from batchrun.lora.layer import LoRALinear
 
+MAX_SHRINK_SPLITS = 32  # kernels.lora_shrink.MAX_SPLITS (a test checks they agree)
 _LINEAR = re.compile(r"(?:^|.*\.)layers\.(\d+)\.(?:self_attn|mlp)\.(qkv_proj|o_proj|gate_up_proj|down_proj)$")
 
 
@@ -64,8 +65,11 @@ class LoRAManager:
         missing = targeted - self.hooks.keys()
         assert not missing, f"model has no Linear for LoRA targets {sorted(missing)[:4]}"
         max_slices = max((h.num_slices for h in self.hooks.values()), default=1)
-        # Shared by all hooks (layers run one after another): [S_max, max_num_tokens, R] fp32.
-        self.shrink_buffer = torch.zeros(max_slices, max_num_tokens, self.rank,
+        # Shared by all hooks (layers run one after another), allocated once (captured graphs
+        # hold its address): flat fp32 room for the shrink's split-K partials [splits, S, T, R]
+        # at their largest, splits <= MAX_SHRINK_SPLITS (= kernels.lora_shrink.MAX_SPLITS, not
+        # imported here: that would import triton on the CPU path).
+        self.shrink_buffer = torch.zeros(MAX_SHRINK_SPLITS * max_slices * max_num_tokens * self.rank,
                                          device=device, dtype=torch.float32)
 
         self._slot_owner: list[str | None] = [None] * max_loras

@@ -23,13 +23,22 @@ def use_triton(t: Tensor) -> bool:
 def add_lora(x: Tensor, y: Tensor, lora_a: Tensor, lora_b: Tensor, buf: Tensor,
              slice_offsets: tuple[int, ...], meta: LoRAKernelMeta) -> None:
     # x: [T, K]; y: [T, N] updated in place; lora_a: [S, L, R, K]; lora_b: [L, N, R] (scaling
-    # folded in); buf: [S, T_max, R] fp32 scratch (only rows of LoRA tokens are written/read);
-    # slice_offsets: S + 1 ints into y's columns; meta: prepared for this step's tokens.
+    # folded in); buf: flat fp32 scratch of >= MAX_SPLITS * S * T * R elements, shared by all
+    # layers (only the partials of LoRA tokens are written/read); slice_offsets: S + 1 ints into
+    # y's columns; meta: prepared for this step's tokens.
     if use_triton(x):
         from batchrun.kernels.lora_expand import lora_expand
-        from batchrun.kernels.lora_shrink import lora_shrink
-        lora_shrink(x, lora_a, buf, meta)
-        lora_expand(buf, lora_b, y, slice_offsets, meta)
+        from batchrun.kernels.lora_shrink import lora_shrink, shrink_num_splits
+        T, K = x.shape
+        S, _, R, _ = lora_a.shape
+        # Split-K partials [splits, S, T, R]: a function of static shapes only, so a captured
+        # graph replays with the same view of the same memory.
+        splits = shrink_num_splits(T, K, S)
+        n = splits * S * T * R
+        assert buf.dim() == 1 and buf.numel() >= n, f"shrink buffer holds {buf.numel()}, need {n}"
+        part = buf[:n].view(splits, S, T, R)
+        lora_shrink(x, lora_a, part, meta)
+        lora_expand(part, lora_b, y, slice_offsets, meta)
         return
     from batchrun.kernels.reference import ref_lora_expand, ref_lora_shrink
     slots = meta.token_lora_slot[: x.shape[0]]

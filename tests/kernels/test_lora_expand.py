@@ -15,12 +15,12 @@ def offsets(sizes):
     return (0, *itertools.accumulate(sizes))
 
 
-def run_and_check(T, sizes, R, dtype, slots, gen, T_max=None):
+def run_and_check(T, sizes, R, dtype, slots, gen, T_max=None, splits=1):
     S = len(sizes)
     offs = offsets(sizes)
     N = offs[-1]
     T_max = T_max or T + 3
-    buf = randn(S, T_max, R, dtype=torch.float32, gen=gen)
+    buf = randn(splits, S, T_max, R, dtype=torch.float32, gen=gen)  # split-K partials
     lora_b = randn(NUM_SLOTS, N, R, dtype=dtype, gen=gen, scale=R ** -0.5)
     y = randn(T, N, dtype=dtype, gen=gen)  # the base output: slot -1 rows must keep it exactly
     y0 = y.clone()
@@ -29,12 +29,13 @@ def run_and_check(T, sizes, R, dtype, slots, gen, T_max=None):
 
     lora_expand(buf, lora_b, y, offs, meta)
 
-    ref = ref_lora_expand(y0, buf, lora_b, offs, slots)
-    ref_abs = ref_lora_expand(y0.abs(), buf.abs(), lora_b.abs(), offs, slots).float()
+    ref = ref_lora_expand(y0, buf.sum(0), lora_b, offs, slots)
+    ref_abs = ref_lora_expand(y0.abs(), buf.abs().sum(0), lora_b.abs(), offs, slots).float()
     has = (slots >= 0).to(DEVICE)
     err = (y.float() - ref.float()).abs()
-    # R products plus the y term; 16-bit weights see buf split in hi+lo halves (~2^-16 rel).
-    tol = rounding_tol(ref_abs, dtype, R + 1) + 2.0 ** -15 * ref_abs
+    # The split sum, R products and the y term; 16-bit weights see buf split in hi+lo halves
+    # (~2^-16 rel).
+    tol = rounding_tol(ref_abs, dtype, splits + R + 1) + 2.0 ** -15 * ref_abs
     assert (err <= tol)[has].all(), err[has].max()
     assert torch.equal(y[~has], y0[~has])
 
@@ -42,10 +43,19 @@ def run_and_check(T, sizes, R, dtype, slots, gen, T_max=None):
 @pytest.mark.parametrize("dtype", CPU_DTYPES)
 @pytest.mark.parametrize("R", [1, 8, 16, 64])
 @pytest.mark.parametrize("sizes", [(80,), (40, 40), (64, 16, 16)], ids=["S1", "S2", "S3gqa"])
-def test_expand_mixed_slots(dtype, R, sizes):
+@pytest.mark.parametrize("splits", [1, 2, 4, 8])
+def test_expand_mixed_slots(dtype, R, sizes, splits):
     gen = torch.Generator().manual_seed(R * 3 + len(sizes))
     T = 11
-    run_and_check(T, sizes, R, dtype, mixed_slots(T, NUM_SLOTS, gen), gen)
+    run_and_check(T, sizes, R, dtype, mixed_slots(T, NUM_SLOTS, gen), gen, splits=splits)
+
+
+@pytest.mark.parametrize("splits", [3, 32])
+def test_expand_sums_many_or_odd_splits(splits):
+    # 32 at R=64: the partials are summed in several groups; 3: a masked, partial group.
+    gen = torch.Generator().manual_seed(splits)
+    run_and_check(7, (48, 16), 64, torch.float32, mixed_slots(7, NUM_SLOTS, gen), gen,
+                  splits=splits)
 
 
 @pytest.mark.parametrize("dtype", CPU_DTYPES)
@@ -53,19 +63,19 @@ def test_expand_mixed_slots(dtype, R, sizes):
 def test_expand_odd_output_size(dtype, sizes):
     gen = torch.Generator().manual_seed(sum(sizes) + len(sizes))
     T = 6
-    run_and_check(T, sizes, 16, dtype, mixed_slots(T, NUM_SLOTS, gen), gen)
+    run_and_check(T, sizes, 16, dtype, mixed_slots(T, NUM_SLOTS, gen), gen, splits=4)
 
 
 def test_expand_many_tokens_one_slot():
     gen = torch.Generator().manual_seed(1)
     slots = torch.full((37,), 1, dtype=torch.int32)
     slots[::4] = -1
-    run_and_check(37, (24, 8), 8, torch.float32, slots, gen)
+    run_and_check(37, (24, 8), 8, torch.float32, slots, gen, splits=2)
 
 
 def test_expand_rank_128():
     gen = torch.Generator().manual_seed(5)
-    run_and_check(5, (48,), 128, torch.float16, mixed_slots(5, NUM_SLOTS, gen), gen)
+    run_and_check(5, (48,), 128, torch.float16, mixed_slots(5, NUM_SLOTS, gen), gen, splits=2)
 
 
 def test_expand_no_lora_tokens_is_a_no_op():
@@ -75,9 +85,13 @@ def test_expand_no_lora_tokens_is_a_no_op():
 
 def test_expand_rejects_bad_arguments():
     meta = LoRAKernelMeta.allocate(8, NUM_SLOTS, DEVICE)
-    buf = torch.randn(2, 4, 8, device=DEVICE)
+    buf = torch.randn(1, 2, 4, 8, device=DEVICE)
     b = torch.randn(NUM_SLOTS, 32, 8, device=DEVICE)
     y = torch.randn(4, 32, device=DEVICE)
+    with pytest.raises(ValueError, match="expected"):
+        lora_expand(buf[0], b, y, (0, 16, 32), meta)  # the pre-split 3-D layout
+    with pytest.raises(ValueError, match="splits"):
+        lora_expand(buf.expand(33, 2, 4, 8), b, y, (0, 16, 32), meta)
     with pytest.raises(ValueError, match="slice_offsets"):
         lora_expand(buf, b, y, (0, 16), meta)
     with pytest.raises(ValueError, match="slice_offsets"):
@@ -93,6 +107,8 @@ def test_expand_rejects_bad_arguments():
 @pytest.mark.parametrize("R", [16, 64])
 @pytest.mark.parametrize("sizes", [(4096,), (4096, 1024, 1024), (11008, 11008)],
                          ids=["o4096", "qkv_gqa", "gate_up22016"])
-def test_expand_bf16_realistic(T, R, sizes):
+@pytest.mark.parametrize("splits", [1, 16])
+def test_expand_bf16_realistic(T, R, sizes, splits):
     gen = torch.Generator().manual_seed(T + R)
-    run_and_check(T, sizes, R, torch.bfloat16, mixed_slots(T, NUM_SLOTS, gen), gen, T_max=512)
+    run_and_check(T, sizes, R, torch.bfloat16, mixed_slots(T, NUM_SLOTS, gen), gen, T_max=512,
+                  splits=splits)

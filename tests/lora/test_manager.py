@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from batchrun.errors import AdapterError
-from batchrun.lora.manager import LoRAManager
+from batchrun.lora.manager import MAX_SHRINK_SPLITS, LoRAManager
 from tests.lora.conftest import FakeLlama, make_adapter
 
 TARGETS = [["q_proj", "v_proj"], ["o_proj"], ["gate_proj", "down_proj"], "all-linear", ["k_proj"]]
@@ -97,7 +97,7 @@ def test_only_targeted_linears_hooked(tmp_path, mcfg):
     model, m = _manager(mcfg, {"qv": tmp_path / "qv"})
     assert set(m.hooks) == {(1, "qkv_proj")}
     assert model.model.layers[0].self_attn.qkv_proj.lora is None
-    assert m.shrink_buffer.shape == (3, 16, 8)
+    assert m.shrink_buffer.shape == (MAX_SHRINK_SPLITS * 3 * 16 * 8,)  # flat: splits x S x T x R
 
 
 def test_eager_validation(tmp_path, mcfg):
@@ -123,3 +123,10 @@ def test_prepare_step(mcfg, five):
     assert m.has_lora is True and m.meta.token_lora_slot[:2].tolist() == [0, -1]
     m.prepare_step([-1, 0], has_lora=False)  # caller's word wins (graph dispatch decided it)
     assert m.has_lora is False
+
+
+def test_shrink_buffer_fits_the_kernel_split_cap():
+    # The manager sizes the shared buffer without importing triton; punica views up to
+    # MAX_SPLITS partials out of it.
+    shrink = pytest.importorskip("batchrun.kernels.lora_shrink")
+    assert MAX_SHRINK_SPLITS == shrink.MAX_SPLITS
