@@ -19,7 +19,7 @@ import triton
 
 from batchrun.kernels.lora_expand import lora_expand
 from batchrun.kernels.lora_meta import LoRAKernelMeta
-from batchrun.kernels.lora_shrink import lora_shrink
+from batchrun.kernels.lora_shrink import lora_shrink, shrink_num_splits
 from batchrun.kernels.paged_attention import paged_decode_attention
 
 DT = torch.bfloat16
@@ -41,16 +41,17 @@ def lora_rows(tokens, ranks, active):
         x = torch.randn(T, K, dtype=DT, device="cuda")
         a = torch.randn(S, L, R, K, dtype=DT, device="cuda") * K ** -0.5
         b = torch.randn(L, N, R, dtype=DT, device="cuda") * R ** -0.5
-        buf = torch.empty(S, T, R, dtype=torch.float32, device="cuda")
+        splits = shrink_num_splits(T, K, S)  # as batchrun.lora.punica.add_lora chooses
+        buf = torch.empty(splits, S, T, R, dtype=torch.float32, device="cuda")
         y = torch.randn(T, N, dtype=DT, device="cuda")
         meta = LoRAKernelMeta.allocate(T, L, "cuda")
         meta.prepare((torch.arange(T, device="cuda") % active).to(torch.int32))  # `active` slots in use
         t_s = bench(lambda: lora_shrink(x, a, buf, meta))
         t_e = bench(lambda: lora_expand(buf, b, y, offs, meta))
         n_act = min(active, T)
-        shrink_bytes = x.numel() * 2 + n_act * S * R * K * 2 + S * T * R * 4
-        expand_bytes = n_act * N * R * 2 + 2 * y.numel() * 2 + S * T * R * 4
-        rows.append(dict(op="lora", layer=name, T=T, R=R, active_slots=n_act,
+        shrink_bytes = x.numel() * 2 + n_act * S * R * K * 2 + buf.numel() * 4
+        expand_bytes = n_act * N * R * 2 + 2 * y.numel() * 2 + buf.numel() * 4
+        rows.append(dict(op="lora", layer=name, T=T, R=R, active_slots=n_act, splits=splits,
                          shrink_us=t_s, shrink_GBps=shrink_bytes / t_s / 1e3,
                          expand_us=t_e, expand_GBps=expand_bytes / t_e / 1e3))
     return rows

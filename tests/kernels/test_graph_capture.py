@@ -7,7 +7,7 @@ import torch
 
 from batchrun.kernels.lora_expand import lora_expand
 from batchrun.kernels.lora_meta import LoRAKernelMeta
-from batchrun.kernels.lora_shrink import lora_shrink
+from batchrun.kernels.lora_shrink import lora_shrink, shrink_num_splits
 from batchrun.kernels.paged_attention import paged_decode_attention
 from batchrun.kernels.reference import ref_lora_expand, ref_lora_shrink, ref_paged_decode_attention
 from kernel_testutils import mixed_slots, randn, rounding_tol
@@ -38,7 +38,8 @@ def test_lora_graph_replay_follows_prepare(T):
     x = torch.empty(T, K, dtype=dt, device="cuda")
     a = randn(S, L, R, K, dtype=dt, gen=gen, scale=K ** -0.5)
     b = randn(L, N, R, dtype=dt, gen=gen, scale=R ** -0.5)
-    buf = torch.empty(S, 256, R, dtype=torch.float32, device="cuda")
+    # Split-K partials, never zeroed: every replay must overwrite every partial it sums.
+    buf = torch.full((shrink_num_splits(T, K, S), S, 256, R), float("nan"), device="cuda")
     y = torch.empty(T, N, dtype=dt, device="cuda")
 
     def step():
