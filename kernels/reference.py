@@ -67,3 +67,39 @@ def ref_paged_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, bloc
     probs = torch.nan_to_num(probs, nan=0.0)                   # context_len 0 -> all -inf -> zeros
     out = torch.einsum("bhgn,bnhd->bhgd", probs, v)
     return out.reshape(B, Hq, D).to(q.dtype)
+
+
+# --- elementwise ops (RMSNorm, rotary, SiLU-and-mul): HF op order, also the engine's CPU path ---
+
+def ref_rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    # x: [T, H], weight: [H] -> [T, H]. HF LlamaRMSNorm: fp32 normalise, cast to x's dtype,
+    # THEN multiply by weight (in the promoted dtype, i.e. the model dtype).
+    dtype = x.dtype
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(dtype)
+
+
+def ref_fused_add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float):
+    # x, residual: [T, H] -> (normed [T, H], new residual [T, H]); new tensors, inputs untouched.
+    # The add is in the model dtype, like HF's `hidden_states = residual + hidden_states`.
+    residual = residual + x
+    return ref_rms_norm(residual, weight, eps), residual
+
+
+def ref_rotary(x: Tensor, cos_sin: Tensor, positions: Tensor) -> Tensor:
+    # x: [T, H, D], cos_sin: fp32 [P, D] = cat(cos, sin) of the D/2 frequencies, positions: [T]
+    # -> new [T, H, D]. HF order in x's dtype: (x * cos) + (rotate_half(x) * sin), cos/sin cast
+    # to x's dtype first (three roundings per element: two products and the sum).
+    cos, sin = cos_sin[positions.long()].chunk(2, dim=-1)           # [T, D/2] each
+    cos = torch.cat([cos, cos], -1).unsqueeze(1).to(x.dtype)       # [T, 1, D]
+    sin = torch.cat([sin, sin], -1).unsqueeze(1).to(x.dtype)
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+def ref_silu_and_mul(gate_up: Tensor) -> Tensor:
+    # gate_up: [T, 2I] -> [T, I]: F.silu(gate) (rounded to the input dtype) * up, like HF's MLP.
+    gate, up = gate_up.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up

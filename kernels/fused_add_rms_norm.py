@@ -1,0 +1,88 @@
+"""RMSNorm and fused residual-add + RMSNorm, one program per row (vLLM's fused_add_rms_norm).
+
+Math follows HF's LlamaRMSNorm op for op (see ref_rms_norm / ref_fused_add_rms_norm):
+  h = x + residual                     rounded to the model dtype (HF adds in the model dtype)
+  n = (h.float() * rsqrt(mean(h.float()^2) + eps)).to(dtype)
+  y = weight * n                       product of two model-dtype values, rounded once
+Products and sums of two bf16/fp16 values are exact in fp32, so doing them in fp32 and
+rounding once gives torch's bf16/fp16 result. Only the sum-of-squares order differs.
+
+The fused op updates `residual` in place (it becomes h) and writes the normed rows to a new
+tensor. A row is loaded whole (BLOCK_N = next power of two >= H, masked), so any hidden size
+works. Static grid (T,), no host syncs: CUDA-graph capturable.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from batchrun.kernels.utils import FLOAT_DTYPES, check
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr,            # [T, H]   input rows (the sublayer output when FUSED_ADD)
+    res_ptr,          # [T, H]   residual, updated in place to x + residual (FUSED_ADD only)
+    w_ptr,            # [H]
+    out_ptr,          # [T, H]   normed rows
+    H, eps,
+    stride_x, stride_r, stride_o,   # row strides (last dim contiguous)
+    FUSED_ADD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_N)
+    mask = offs < H
+    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
+    if FUSED_ADD:
+        r_ptrs = res_ptr + row * stride_r + offs
+        r = tl.load(r_ptrs, mask=mask, other=0.0)
+        x = (r.to(tl.float32) + x.to(tl.float32)).to(x.dtype)    # add in the model dtype
+        tl.store(r_ptrs, x, mask=mask)
+    xf = x.to(tl.float32)
+    var = tl.sum(xf * xf, axis=0) / H
+    rstd = tl.math.rsqrt(var + eps)
+    n = (xf * rstd).to(x.dtype).to(tl.float32)                   # HF: cast before the weight
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_o + offs, (w * n).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _launch(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float,
+            out: Tensor | None) -> Tensor:
+    check(x.dim() == 2, f"x must be [T, H], got {tuple(x.shape)}")
+    T, H = x.shape
+    check(x.dtype in FLOAT_DTYPES and weight.dtype in FLOAT_DTYPES, "unsupported dtype")
+    check(weight.shape == (H,) and weight.is_contiguous(), f"weight must be contiguous [{H}]")
+    check(x.stride(1) == 1, "x rows must be contiguous")
+    out_dtype = torch.promote_types(x.dtype, weight.dtype)       # torch's `weight * n` dtype
+    if out is None:
+        out = torch.empty((T, H), dtype=out_dtype, device=x.device)
+    check(out.shape == (T, H) and out.stride(1) == 1 and out.dtype == out_dtype,
+          f"out must be [{T}, {H}] {out_dtype} with contiguous rows")
+    if residual is not None:
+        check(residual.shape == x.shape and residual.dtype == x.dtype and residual.stride(1) == 1,
+              "residual must match x (shape, dtype) with contiguous rows")
+        check(residual.data_ptr() != out.data_ptr(), "out must not alias residual")
+    if T == 0:
+        return out
+    block = triton.next_power_of_2(H)
+    num_warps = 4 if block <= 1024 else (8 if block <= 4096 else 16)
+    res = residual if residual is not None else x
+    _rms_norm_kernel[(T,)](
+        x, res, weight, out, H, eps, x.stride(0), res.stride(0), out.stride(0),
+        FUSED_ADD=residual is not None, BLOCK_N=block, num_warps=num_warps)
+    return out
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float, out: Tensor | None = None) -> Tensor:
+    # x: [T, H], weight: [H] -> normed [T, H] (new tensor unless `out` is given)
+    return _launch(x, None, weight, eps, out)
+
+
+def fused_add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float,
+                       out: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    # x, residual: [T, H], weight: [H] -> (normed [T, H], residual). `residual` is updated in
+    # place to x + residual (model dtype) and returned; normed goes to a new tensor / `out`.
+    return _launch(x, residual, weight, eps, out), residual
