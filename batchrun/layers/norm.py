@@ -1,6 +1,15 @@
-"""RMSNorm, computed in fp32 and cast back like HF's LlamaRMSNorm."""
+"""RMSNorm, computed in fp32 and cast back like HF's LlamaRMSNorm, optionally fused with the
+residual add before it (vLLM pattern): `norm(x, residual) -> (normed, x + residual)`.
+
+On CUDA it runs one Triton kernel (the residual is updated in place); on CPU the torch
+reference (kernels/reference.py: the same ops as before, bit for bit).
+"""
+from __future__ import annotations
+
 import torch
 from torch import nn
+
+from batchrun.kernels.reference import ref_fused_add_rms_norm, ref_rms_norm
 
 
 class RMSNorm(nn.Module):
@@ -9,8 +18,13 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.empty(hidden_size), requires_grad=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        # x: [T, H] -> normed [T, H]; with residual [T, H]: (normed, x + residual)
+        if x.is_cuda:
+            from batchrun.kernels.fused_add_rms_norm import fused_add_rms_norm, rms_norm
+            if residual is None:
+                return rms_norm(x, self.weight, self.eps)
+            return fused_add_rms_norm(x, residual, self.weight, self.eps)
+        if residual is None:
+            return ref_rms_norm(x, self.weight, self.eps)
+        return ref_fused_add_rms_norm(x, residual, self.weight, self.eps)

@@ -10,6 +10,8 @@ import math
 import torch
 from torch import nn
 
+from batchrun.kernels.reference import ref_rotary
+
 
 def inv_frequencies(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
@@ -46,15 +48,10 @@ class RotaryEmbedding(nn.Module):
         self.cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1)  # [P, D] fp32
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        # positions: [T]; q: [T, Hq, D]; k: [T, Hkv, D]
-        cos, sin = self.cos_sin[positions].chunk(2, dim=-1)  # [T, D/2] each
-        cos = torch.cat([cos, cos], -1).unsqueeze(1)  # [T, 1, D]
-        sin = torch.cat([sin, sin], -1).unsqueeze(1)
-        return _apply(q, cos, sin), _apply(k, cos, sin)
-
-
-def _apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # same op order as HF: (x * cos) + (rotate_half(x) * sin), cos/sin cast to x's dtype
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos.to(x.dtype) + rotated * sin.to(x.dtype)
+        # positions: [T]; q: [T, Hq, D]; k: [T, Hkv, D] -> rotated (q, k). On CUDA one Triton
+        # kernel rotates q and k in place (they may be strided views of the qkv output); on
+        # CPU the torch reference returns new tensors (HF op order, same rounding).
+        if q.is_cuda:
+            from batchrun.kernels.rotary import apply_rotary
+            return apply_rotary(q, k, self.cos_sin, positions)
+        return ref_rotary(q, self.cos_sin, positions), ref_rotary(k, self.cos_sin, positions)

@@ -59,9 +59,19 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, positions, x, meta):
-        x = x + self.self_attn(positions, self.input_layernorm(x), meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, positions, x, residual, meta):
+        # vLLM pattern: each residual add is fused into the norm after it, so a layer returns
+        # its MLP output and the residual stream separately: (x, residual), both [T, H].
+        # The first layer gets residual=None (plain norm); LlamaModel fuses the last add into
+        # the final norm. Same values as `x = x + attn(norm(x)); x = x + mlp(norm(x))`.
+        if residual is None:
+            residual = x
+            x = self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
 
 
 class LlamaModel(nn.Module):
@@ -76,9 +86,12 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids, positions, meta):
         x = self.embed_tokens(input_ids)  # [T, H]
+        residual = None
         for layer in self.layers:
-            x = layer(positions, x, meta)
-        return self.norm(x)
+            x, residual = layer(positions, x, residual, meta)
+        if residual is None:
+            return self.norm(x)
+        return self.norm(x, residual)[0]
 
 
 class LlamaForCausalLM(nn.Module):
