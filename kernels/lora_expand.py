@@ -119,7 +119,10 @@ def _config(T: int, R: int, max_slice_n: int, splits: int) -> tuple[int, int, in
     block_n = min(128 if block_r <= 64 else 64, dot_block(max_slice_n, 128))
     # Partials summed per step: at most 4096 fp32 values (32 registers per thread at 4 warps).
     split_block = max(1, min(triton.next_power_of_2(splits), 4096 // (block_m * block_r)))
-    return block_m, block_n, block_r, split_block, 4
+    # Decode at small rank (the hot case) fits 4 warps in ~80 registers; bigger tiles (and the
+    # summed partials) spill there, so they get 8.
+    num_warps = 4 if block_m * block_n <= 2048 and block_r <= 32 else 8
+    return block_m, block_n, block_r, split_block, num_warps
 
 
 def lora_expand(buf: Tensor, lora_b: Tensor, y: Tensor, slice_offsets: tuple[int, ...],

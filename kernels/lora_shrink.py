@@ -91,7 +91,7 @@ def _lora_shrink_kernel(
     tok = tl.load(sorted_ids_ptr + start + offs_m, mask=m_mask, other=0).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < R
-    k0 = pid_k * CHUNK_K
+    k0 = tl.multiple_of(pid_k * CHUNK_K, BLOCK_K)  # tiles stay aligned: vector loads
     offs_k = tl.arange(0, BLOCK_K)
     # K left in this chunk (0 for empty tail chunks: the loop is skipped and zeros are stored).
     k_len = tl.maximum(tl.minimum(CHUNK_K, K - k0), 0)
