@@ -24,7 +24,7 @@ def _check(T, Hq, Hkv, D, dtype, seed, max_pos=4096):
     positions = torch.randint(0, max_pos, (T,), generator=gen).to(DEVICE)
     cs = cos_sin_cache(D, max_pos)
     ref_q, ref_k = ref_rotary(q, cs, positions), ref_rotary(k, cs, positions)
-    v_before = v.clone()
+    v_before, q_in, k_in = v.clone(), q.clone(), k.clone()
     got_q, got_k = apply_rotary(q, k, cs, positions)
     assert got_q.data_ptr() == q.data_ptr() and got_k.data_ptr() == k.data_ptr()
     assert torch.equal(v, v_before)                     # v untouched
@@ -33,6 +33,15 @@ def _check(T, Hq, Hkv, D, dtype, seed, max_pos=4096):
     if dtype == torch.float32:
         tol = 4 * torch.finfo(dtype).eps * (ref_q.abs().max() + 1)
         assert (q - ref_q).abs().max() <= tol and (k - ref_k).abs().max() <= tol
+    elif q.is_cuda:
+        # On the H200 (2026-12-02) bf16 results differed from torch's by one rounding in a few
+        # elements (the backend's fp32 arithmetic inside one kernel vs torch's three kernels):
+        # allow one ulp of the 16-bit type, nothing more.
+        ulp = 2.0 ** -(torch.finfo(dtype).nmant)
+        for got, ref, x in ((q, ref_q, q_in), (k, ref_k, k_in)):
+            # an intermediate product is of the input's size: one rounding of it is the bound
+            scale = ref.float().abs() + x.float().abs().amax(-1, keepdim=True)
+            assert ((got.float() - ref.float()).abs() <= ulp * scale).all()
     else:
         assert torch.equal(q, ref_q) and torch.equal(k, ref_k)
 
