@@ -109,9 +109,12 @@ class LlamaForCausalLM(nn.Module):
         # input_ids, positions: [T] -> hidden states [T, H]
         return self.model(input_ids, positions, meta)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        # hidden: [N, H] -> fp32 logits [N, V]
-        return self.lm_head(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        # hidden: [N, H] -> fp32 logits [N, V] (written into `out` when given)
+        logits = self.lm_head(hidden)
+        if out is None:
+            return logits.float()
+        return out.copy_(logits)
 
     def attention_layers(self) -> list[PagedAttention]:
         return [layer.self_attn.attn for layer in self.model.layers]
