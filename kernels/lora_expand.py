@@ -6,13 +6,10 @@ result is deterministic) and then does the dot with B as before.
 
 lora_b is stored in the fused output layout of the base layer ([L, N, R]; slice s is rows
 slice_offsets[s]:slice_offsets[s+1], scaling folded in), so one launch covers q/k/v or gate/up
-even when slices differ in size (GQA). Grid = (m-blocks x n-blocks of the widest slice, slices):
-no program per slot entry. As in lora_shrink, an m-block is a block of the LoRA tokens' run in
-sorted_token_ids, whatever entries it spans; the program loads its buf rows and y tile once,
-walks the entries a few at a time (their B tiles load together), each row keeping its own
-entry's product, and writes y once. Static shapes only, so it can be captured in a CUDA graph.
-Programs whose n-block lies past their slice's end or whose m-block is past the LoRA tokens
-return at once; slot -1 rows of y are never read or written.
+even when slices differ in size (GQA). Grid = (m-blocks x n-blocks of the widest slice, slices,
+max_loras + 1): static shapes only, so it can be captured in a CUDA graph. Programs whose n-block
+lies past their slice's end, whose entry is unused, or whose m-block is past the entry's token
+count return at once; slot -1 rows of y are never read or written.
 
 Precision: buf is fp32 but tensor-core dots need both operands in the weights' dtype. Rounding
 buf to bf16 would add an error as large as the final rounding, so 16-bit weights get buf split
@@ -39,20 +36,18 @@ def _lora_expand_kernel(
     buf_ptr,          # [SPLIT, S, T_max, R] fp32 partials
     b_ptr,            # [L, N, R]
     y_ptr,            # [T, N]
-    sorted_ids_ptr,   # int32 [MAX_TOKENS]
-    active_ptr,       # int32 [NUM_ENTRIES]
-    count_ptr,        # int32 [NUM_ENTRIES]
-    start_ptr,        # int32 [NUM_ENTRIES]
+    sorted_ids_ptr,   # int32 [max_tokens]
+    active_ptr,       # int32 [L + 1]
+    count_ptr,        # int32 [L + 1]
+    start_ptr,        # int32 [L + 1]
     # sizes
-    R, MAX_SLICE_N, MAX_TOKENS,
+    R, MAX_SLICE_N,
     OFF0, OFF1, OFF2, OFF3,  # slice_offsets padded to 4 entries (unused ones = N)
     # strides (last dims are contiguous)
     stride_bufk, stride_bufs, stride_buft,
     stride_bl, stride_bn,
     stride_yt,
     # constexprs
-    NUM_ENTRIES: tl.constexpr,  # max_loras + 1
-    ENTRY_BLOCK: tl.constexpr,  # entries handled per step (unrolled: their B loads overlap)
     SPLIT: tl.constexpr,       # partials to sum
     SPLIT_BLOCK: tl.constexpr,  # partials loaded per step (a power of two, bounds registers)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
@@ -60,27 +55,27 @@ def _lora_expand_kernel(
 ):
     pid = tl.program_id(0)
     s = tl.program_id(1)
+    entry = tl.program_id(2)
     num_n = tl.cdiv(MAX_SLICE_N, BLOCK_N)
     pid_m = pid // num_n
     pid_n = pid % num_n
 
+    slot = tl.load(active_ptr + entry)
+    if slot < 0:
+        return
+    count = tl.load(count_ptr + entry)
+    if pid_m * BLOCK_M >= count:
+        return
     n_lo = tl.where(s == 0, OFF0, tl.where(s == 1, OFF1, OFF2))
     n_hi = tl.where(s == 0, OFF1, tl.where(s == 1, OFF2, OFF3))
     n0 = n_lo + pid_n * BLOCK_N
     if n0 >= n_hi:  # this slice is narrower than the widest one
         return
-    # The LoRA tokens are sorted positions [start[0], MAX_TOKENS), entry after entry (see
-    # lora_shrink); this program covers positions p0 .. p0 + BLOCK_M of that run.
-    if tl.load(active_ptr) < 0:
-        return  # no LoRA token this step
-    p0 = tl.load(start_ptr) + pid_m * BLOCK_M
-    if p0 >= MAX_TOKENS:
-        return
-    p_end = p0 + BLOCK_M
+    start = tl.load(start_ptr + entry)
 
-    offs_p = p0 + tl.arange(0, BLOCK_M)
-    m_mask = offs_p < MAX_TOKENS
-    tok = tl.load(sorted_ids_ptr + offs_p, mask=m_mask, other=0).to(tl.int64)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_mask = offs_m < count
+    tok = tl.load(sorted_ids_ptr + start + offs_m, mask=m_mask, other=0).to(tl.int64)
     offs_n = n0 + tl.arange(0, BLOCK_N)
     n_mask = offs_n < n_hi
     offs_r = tl.arange(0, BLOCK_R)
@@ -99,47 +94,20 @@ def _lora_expand_kernel(
             part = tl.load(buf_ptrs[None, :, :] + sp[:, None, None] * stride_bufk,
                            mask=(sp < SPLIT)[:, None, None] & mr_mask[None, :, :], other=0.0)
             bt += tl.sum(part, axis=0)                                              # [BM, BR]
+    b_ptrs = b_ptr + slot.to(tl.int64) * stride_bl + offs_n[None, :] * stride_bn + offs_r[:, None]
+    wt = tl.load(b_ptrs, mask=r_mask[:, None] & n_mask[None, :], other=0.0)        # [BR, BN]
+
+    if SPLIT_BUF:
+        hi = bt.to(wt.dtype)
+        lo = (bt - hi.to(tl.float32)).to(wt.dtype)
+        acc = tl.dot(hi, wt)
+        acc = tl.dot(lo, wt, acc)
+    else:
+        acc = tl.dot(bt, wt, input_precision="ieee")
+
     y_ptrs = y_ptr + tok[:, None] * stride_yt + offs_n[None, :]
     mask = m_mask[:, None] & n_mask[None, :]
     y = tl.load(y_ptrs, mask=mask, other=0.0)
-    if SPLIT_BUF:
-        hi_b = bt.to(b_ptr.dtype.element_ty)
-        lo_b = (bt - hi_b.to(tl.float32)).to(b_ptr.dtype.element_ty)
-
-    b_n = b_ptr + offs_n[None, :] * stride_bn + offs_r[:, None]                   # [BR, BN]
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    zero = pid * 0  # entry indices as tensors (the interpreter's loop counters are ints)
-    for g in range(0, NUM_ENTRIES, ENTRY_BLOCK):
-        # Entries g .. g + ENTRY_BLOCK cover positions [g_lo, g_hi): skip the group unless it
-        # has a present slot and overlaps this m-block (decode: one group, one m-block).
-        g_slot = tl.load(active_ptr + g)
-        g_lo = tl.load(start_ptr + g)
-        nxt = zero + g + ENTRY_BLOCK
-        nxt_c = tl.minimum(nxt, NUM_ENTRIES - 1)  # clamped index, no scalar masks
-        nxt_on = (nxt < NUM_ENTRIES) & (tl.load(active_ptr + nxt_c) >= 0)
-        g_hi = tl.where(nxt_on, tl.load(start_ptr + nxt_c), MAX_TOKENS)
-        if (g_slot >= 0) & (g_lo < p_end) & (g_hi > p0):
-            for j in tl.static_range(ENTRY_BLOCK):
-                e = zero + g + j
-                e_c = tl.minimum(e, NUM_ENTRIES - 1)
-                slot = tl.load(active_ptr + e_c)
-                lo = tl.load(start_ptr + e_c)
-                hi = lo + tl.load(count_ptr + e_c)
-                # Absent entries and entries outside this m-block load nothing.
-                use = (e < NUM_ENTRIES) & (slot >= 0) & (lo < p_end) & (hi > p0)
-                hi = tl.where(use, hi, lo)  # an unused entry owns no row
-                wt = tl.load(b_n + tl.maximum(slot, 0).to(tl.int64) * stride_bl,
-                             mask=(offs_r < tl.where(use, R, 0))[:, None] & n_mask[None, :],
-                             other=0.0)                                             # [BR, BN]
-                if SPLIT_BUF:
-                    d = tl.dot(hi_b, wt)
-                    d = tl.dot(lo_b, wt, d)
-                else:
-                    d = tl.dot(bt, wt, input_precision="ieee")
-                # Rows of different entries are disjoint: each keeps its own entry's product.
-                rows = (offs_p >= lo) & (offs_p < hi)
-                acc = tl.where(rows[:, None], d, acc)
-
     tl.store(y_ptrs, (y.to(tl.float32) + acc).to(y_ptr.dtype.element_ty), mask=mask)
 
 
@@ -155,12 +123,6 @@ def _config(T: int, R: int, max_slice_n: int, splits: int) -> tuple[int, int, in
     # summed partials) spill there, so they get 8.
     num_warps = 4 if block_m * block_n <= 2048 and block_r <= 32 else 8
     return block_m, block_n, block_r, split_block, num_warps
-
-
-def _entry_block(num_entries: int, b_tile: int) -> int:
-    # Entries per unrolled step: their B tiles load together (8 adapters at decode: two steps,
-    # not eight dependent ones), bounded so the tiles fit in registers (<= 8K elements).
-    return max(1, min(num_entries, 4, 8192 // b_tile))
 
 
 def lora_expand(buf: Tensor, lora_b: Tensor, y: Tensor, slice_offsets: tuple[int, ...],
@@ -201,17 +163,15 @@ def lora_expand(buf: Tensor, lora_b: Tensor, y: Tensor, slice_offsets: tuple[int
     max_slice_n = max(b - a for a, b in zip(offs, offs[1:]))
     padded = offs + (N,) * (4 - len(offs))
     block_m, block_n, block_r, split_block, num_warps = _config(T, R, max_slice_n, splits)
-    # No program per slot entry: each program walks the entries itself (see the kernel).
-    grid = (triton.cdiv(T, block_m) * triton.cdiv(max_slice_n, block_n), S)
+    grid = (triton.cdiv(T, block_m) * triton.cdiv(max_slice_n, block_n), S, L + 1)
     _lora_expand_kernel[grid](
         buf, lora_b, y,
         meta.sorted_token_ids, meta.active_slots, meta.slot_token_count, meta.slot_token_start,
-        R, max_slice_n, meta.max_tokens,
+        R, max_slice_n,
         *padded,
         buf.stride(0), buf.stride(1), buf.stride(2),
         lora_b.stride(0), lora_b.stride(1),
         y.stride(0),
-        NUM_ENTRIES=L + 1, ENTRY_BLOCK=_entry_block(L + 1, block_r * block_n),
         SPLIT=splits, SPLIT_BLOCK=split_block,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r,
         SPLIT_BUF=(y.dtype != torch.float32),
