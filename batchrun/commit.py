@@ -17,7 +17,8 @@ import pyarrow.parquet as pq
 from batchrun.output import OutputDir
 
 
-def fsync_dir(path: str) -> None:
+def fsync_path(path: str) -> None:
+    """fsync a file or a directory (a directory's fsync makes a rename in it durable)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -34,7 +35,7 @@ def write_json_atomic(path: str, obj, tmp_dir: str | None = None) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    fsync_dir(os.path.dirname(path))
+    fsync_path(os.path.dirname(path))
 
 
 def write_part(out: OutputDir, task_id: int, unit: int, table: pa.Table) -> str:
@@ -51,7 +52,7 @@ def publish_part(out: OutputDir, unit: int, tmp: str) -> str:
     """Rename the finished temp file into the dataset (atomic on one filesystem)."""
     final = out.part(unit)
     os.replace(tmp, final)
-    fsync_dir(out.path)
+    fsync_path(out.path)
     return final
 
 

@@ -21,6 +21,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.dataset as ds
 
+from batchrun.commit import fsync_path
 from batchrun.errors import ConfigError
 from batchrun.inputs import InputSchema, check_schemas, find_input_files
 from batchrun.job import JobSpec
@@ -96,14 +97,14 @@ class Plan:
         np.save(os.path.join(tmp, "row_file.npy"), self.row_file)
         np.save(os.path.join(tmp, "row_index.npy"), self.row_index)
         for name in os.listdir(tmp):
-            _fsync_path(os.path.join(tmp, name))
+            fsync_path(os.path.join(tmp, name))
         try:
             os.rename(tmp, plan_dir)
         except OSError:
             if not os.path.isdir(plan_dir):
                 raise
             shutil.rmtree(tmp, ignore_errors=True)  # another task published the same plan first
-        _fsync_path(parent)
+        fsync_path(parent)
 
     @classmethod
     def load(cls, plan_dir: str) -> "Plan":
@@ -116,14 +117,6 @@ class Plan:
                    row_file=np.load(os.path.join(plan_dir, "row_file.npy"), mmap_mode="r"),
                    row_index=np.load(os.path.join(plan_dir, "row_index.npy"), mmap_mode="r"),
                    **meta)
-
-
-def _fsync_path(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 # ---- planning ---------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 
 from batchrun import __version__
-from batchrun.commit import fsync_dir, write_json_atomic
+from batchrun.commit import fsync_path, write_json_atomic
 from batchrun.errors import ConfigError
 from batchrun.fingerprint import PART_NAMES, combine, job_fingerprint
 from batchrun.inputs import check_schemas, find_input_files
@@ -195,7 +195,7 @@ def _wipe(out: OutputDir) -> None:
         if name not in ("locks", "slurm"):  # slurm/: the running array's own log files
             full = os.path.join(out.meta, name)
             shutil.rmtree(full) if os.path.isdir(full) and not os.path.islink(full) else os.remove(full)
-    fsync_dir(out.path)
+    fsync_path(out.path)
 
 
 __all__ = ["JobChanged", "Prepared", "prepare", "validate", "load_tokenizer", "check_output_writable", "META"]
