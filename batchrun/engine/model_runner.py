@@ -48,9 +48,10 @@ class ModelRunner:
     def decode(self, seqs: list[Sequence]) -> torch.Tensor:
         """One token per sequence -> fp32 logits [len(seqs), V]."""
         b = len(seqs)
-        key = self.graphs.dispatch(b, self._has_lora(seqs)) if self.graphs else None
+        has_lora = any(s.lora_slot >= 0 for s in seqs)
+        key = self.graphs.dispatch(b, has_lora) if self.graphs else None
         rows = key.padded_batch_size if key else b
-        self._write_decode_inputs(seqs, rows)
+        self._write_decode_inputs(seqs, rows, has_lora)
         if key is not None:
             return self.graphs.replay(key)[:b]
         return self.decode_forward(rows)[:b]
@@ -64,7 +65,7 @@ class ModelRunner:
         # per-graph output alive in the pool (35 MiB per set for Llama-2's vocab at 1..64 rows)
         return self.model.compute_logits(hidden, out=self.logits[:rows])
 
-    def _write_decode_inputs(self, seqs: list[Sequence], rows: int) -> None:
+    def _write_decode_inputs(self, seqs: list[Sequence], rows: int, has_lora: bool) -> None:
         n, mb = self.config.max_num_seqs, self.max_blocks_per_seq
         h64, h32 = self._host_i64.numpy(), self._host_i32.numpy()
         tables = h32[2 * n:].reshape(n, mb)
@@ -84,7 +85,7 @@ class ModelRunner:
         tables[b:rows] = SCRATCH_BLOCK
         self._i64.copy_(self._host_i64, non_blocking=True)
         self._i32.copy_(self._host_i32, non_blocking=True)
-        self._prepare_lora(lora + [-1] * (rows - b), any(v >= 0 for v in lora))
+        self._prepare_lora(lora + [-1] * (rows - b), has_lora)
 
     # ---- prefill ------------------------------------------------------------------------
     @torch.inference_mode()
@@ -115,10 +116,6 @@ class ModelRunner:
         return done, self.model.compute_logits(hidden[torch.tensor(last, device=dev)])
 
     # ---- LoRA ---------------------------------------------------------------------------
-    @staticmethod
-    def _has_lora(seqs: list[Sequence]) -> bool:
-        return any(s.lora_slot >= 0 for s in seqs)
-
     def _prepare_lora(self, token_slots: list[int], has_lora: bool) -> None:
         if self.lora is not None:  # without LoRA rows only the flag is written
             self.lora.prepare_step(token_slots if has_lora else [], has_lora=has_lora)
