@@ -94,18 +94,7 @@ def _common(f):
 def latency(**kw):
     """Latency of one batch end to end (like `vllm bench latency`)."""
     from batchrun.bench.latency import LatencyParams, print_latency, run_latency
-    params = LatencyParams(**kw)
-    try:
-        params.check()
-    except ValueError as e:
-        _fail(_USAGE, str(e))
-    try:
-        result = run_latency(params, log=_echo, command=_command_line())
-    except ConfigError as e:
-        _fail(_CONFIG, str(e))
-    print_latency(result, echo=_echo)
-    if params.output_json:
-        _echo(f"results written to {params.output_json}")
+    _run(LatencyParams(**kw), run_latency, print_latency)
 
 
 @bench.command("lora-matrix")
@@ -128,15 +117,19 @@ def lora_matrix(**kw):
     """LoRA disabled vs enabled with 0 / 1 / max-loras active adapters, graphs and eager,
     A/B interleaved in one process, with ratios against the issue's targets."""
     from batchrun.bench.matrix import MatrixParams, print_matrix, run_matrix
-    params = MatrixParams(**kw)
+    _run(MatrixParams(**kw), run_matrix, print_matrix)
+
+
+def _run(params, run, show) -> None:
+    """Check the parameters (usage error), run (config error), print, say where JSON went."""
     try:
         params.check()
     except ValueError as e:
         _fail(_USAGE, str(e))
     try:
-        result = run_matrix(params, log=_echo, command=_command_line())
+        result = run(params, log=_echo, command=_command_line())
     except ConfigError as e:
         _fail(_CONFIG, str(e))
-    print_matrix(result, echo=_echo)
+    show(result, echo=_echo)
     if params.output_json:
         _echo(f"results written to {params.output_json}")
