@@ -10,6 +10,10 @@ rounding once gives torch's bf16/fp16 result. Only the sum-of-squares order diff
 The fused op updates `residual` in place (it becomes h) and writes the normed rows to a new
 tensor. A row is loaded whole (BLOCK_N = next power of two >= H, masked), so any hidden size
 works. Static grid (T,), no host syncs: CUDA-graph capturable.
+
+With `lora` (a LoRADelta for the projection that produced x, see kernels/lora_delta.py) the
+kernel first makes x = rnd(x + delta), exactly the x a separate LoRA expand would have written,
+and then goes on as above: a LoRA decode step pays no extra launch for o_proj / down_proj.
 """
 from __future__ import annotations
 
@@ -18,6 +22,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from batchrun.kernels.lora_delta import delta_args, lora_delta, r_chunk
+from batchrun.kernels.lora_meta import LoRADelta
 from batchrun.kernels.utils import FLOAT_DTYPES, check
 
 
@@ -29,13 +35,20 @@ def _rms_norm_kernel(
     out_ptr,          # [T, H]   normed rows
     H, eps,
     stride_x, stride_r, stride_o,   # row strides (last dim contiguous)
+    s_ptr, stride_s, b_ptr, slot_ptr, LN, LL, LR,   # LoRA delta of x (HAS_LORA only)
     FUSED_ADD: tl.constexpr,
+    HAS_LORA: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr, R_CHUNK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_N)
     mask = offs < H
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
+    if HAS_LORA:
+        d = lora_delta(s_ptr, stride_s, b_ptr, slot_ptr, row, 0, offs[None, :], mask[None, :],
+                       LN, LL, LR, BLOCK_R, R_CHUNK)
+        x = (x.to(tl.float32) + tl.sum(d, axis=0)).to(x.dtype)
     if FUSED_ADD:
         r_ptrs = res_ptr + row * stride_r + offs
         r = tl.load(r_ptrs, mask=mask, other=0.0)
@@ -50,7 +63,7 @@ def _rms_norm_kernel(
 
 
 def _launch(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float,
-            out: Tensor | None) -> Tensor:
+            out: Tensor | None, lora: LoRADelta | None) -> Tensor:
     check(x.dim() == 2, f"x must be [T, H], got {tuple(x.shape)}")
     T, H = x.shape
     check(x.dtype in FLOAT_DTYPES and weight.dtype in FLOAT_DTYPES, "unsupported dtype")
@@ -70,19 +83,26 @@ def _launch(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float,
     block = triton.next_power_of_2(H)
     num_warps = 4 if block <= 1024 else (8 if block <= 4096 else 16)
     res = residual if residual is not None else x
+    largs, block_r = delta_args(lora, x, T, H, 1)
     _rms_norm_kernel[(T,)](
-        x, res, weight, out, H, eps, x.stride(0), res.stride(0), out.stride(0),
-        FUSED_ADD=residual is not None, BLOCK_N=block, num_warps=num_warps)
+        x, res, weight, out, H, eps, x.stride(0), res.stride(0), out.stride(0), *largs,
+        FUSED_ADD=residual is not None, HAS_LORA=lora is not None, BLOCK_N=block,
+        BLOCK_R=block_r, R_CHUNK=r_chunk(block_r, block, budget=32 * 32 * num_warps),
+        num_warps=num_warps)
     return out
 
 
-def rms_norm(x: Tensor, weight: Tensor, eps: float, out: Tensor | None = None) -> Tensor:
-    # x: [T, H], weight: [H] -> normed [T, H] (new tensor unless `out` is given)
-    return _launch(x, None, weight, eps, out)
+def rms_norm(x: Tensor, weight: Tensor, eps: float, out: Tensor | None = None,
+             lora: LoRADelta | None = None) -> Tensor:
+    # x: [T, H], weight: [H] -> normed [T, H] (new tensor unless `out` is given); with `lora`,
+    # normed rnd(x + delta) (x itself is not written).
+    return _launch(x, None, weight, eps, out, lora)
 
 
 def fused_add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float,
-                       out: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                       out: Tensor | None = None,
+                       lora: LoRADelta | None = None) -> tuple[Tensor, Tensor]:
     # x, residual: [T, H], weight: [H] -> (normed [T, H], residual). `residual` is updated in
     # place to x + residual (model dtype) and returned; normed goes to a new tensor / `out`.
-    return _launch(x, residual, weight, eps, out), residual
+    # With `lora`, x + delta (rounded) takes x's place.
+    return _launch(x, residual, weight, eps, out, lora), residual

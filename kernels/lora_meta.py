@@ -116,3 +116,41 @@ class LoRAKernelMeta:
         entries[1, :len(present)] = counts[1:][present]
         entries[2, :len(present)] = starts[1:][present]
         self.flat.copy_(self.staging, non_blocking=True)
+
+
+@dataclass
+class LoRADelta:
+    """A projection's LoRA delta, left for the kernel that consumes the projection's output.
+
+    On a fused LoRA decode step the base GEMM also computed `shrunk` (x @ A.T for every slice
+    and slot, see kernels/lora_delta.py); the consumer adds shrunk . B for each token's slot
+    before its own math, so no separate expand runs.
+    """
+    shrunk: Tensor            # [T, S*L*R] (s*L + l)*R + r = x[t] . A[s, l, r]; rows may be strided
+    lora_b: Tensor            # [L, N, R] fused output layout, scaling folded in
+    token_slots: Tensor       # int32 [>= T] slot per token, -1 = no LoRA (also padding)
+    slice_offsets: tuple[int, ...]  # S + 1 column offsets into N
+
+    @property
+    def num_slices(self) -> int:
+        return len(self.slice_offsets) - 1
+
+    def validate(self, T: int, N: int, num_slices: int, device) -> None:
+        L, Nb, R = self.lora_b.shape
+        S = self.num_slices
+        ok = (Nb == N and S == num_slices and self.slice_offsets[0] == 0
+              and self.slice_offsets[-1] == N and self.shrunk.shape == (T, S * L * R)
+              and self.shrunk.stride(1) == 1 and self.lora_b.is_contiguous()
+              and self.token_slots.dtype == torch.int32 and self.token_slots.numel() >= T
+              and self.shrunk.device == self.lora_b.device == self.token_slots.device == device)
+        if not ok:
+            raise ValueError(
+                f"LoRA delta does not fit its consumer: want T={T}, N={N}, {num_slices} slices on "
+                f"{device}; got shrunk {tuple(self.shrunk.shape)}, lora_b {tuple(self.lora_b.shape)}, "
+                f"slice_offsets {self.slice_offsets}, {self.token_slots.numel()} {self.token_slots.dtype} "
+                f"slots")
+
+    def apply_reference(self, y: Tensor) -> Tensor:
+        """y [T, N] -> new y + delta (torch reference: fp32 math, one rounding)."""
+        from batchrun.kernels.reference import ref_lora_delta
+        return ref_lora_delta(y, self.shrunk, self.lora_b, self.slice_offsets, self.token_slots)

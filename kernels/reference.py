@@ -43,6 +43,20 @@ def ref_lora_expand(y: Tensor, buf: Tensor, lora_b: Tensor, slice_offsets, token
     return new
 
 
+def ref_lora_delta(y: Tensor, shrunk: Tensor, lora_b: Tensor, slice_offsets, token_slots: Tensor) -> Tensor:
+    # y: [T, N]; shrunk: [T, S*L*R] with column (s*L + l)*R + r = x[t] . A[s, l, r] (the fused
+    # base GEMM's extra columns); lora_b: [L, N, R]; token_slots: int [>= T] (-1 = no LoRA).
+    # Returns new y: y + shrunk[t, slice s, slot[t]] @ lora_b[slot[t], slice s].T, fp32 math,
+    # one rounding (ref_lora_expand on the token's own slot's shrunk values).
+    T = y.shape[0]
+    L, _, R = lora_b.shape
+    S = len(slice_offsets) - 1
+    slots = token_slots[:T].to(device=y.device, dtype=torch.long)
+    per_slot = shrunk.float().reshape(T, S, L, R)
+    mid = per_slot[torch.arange(T, device=y.device), :, slots.clamp(min=0)]  # [T, S, R]
+    return ref_lora_expand(y, mid.transpose(0, 1), lora_b, slice_offsets, slots)
+
+
 def ref_paged_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
                                context_lens: Tensor, scale: float) -> Tensor:
     # q: [B, Hq, D], k_cache/v_cache: [num_blocks, block_size, Hkv, D],

@@ -14,6 +14,7 @@ from batchrun.config import EngineConfig
 from batchrun.engine.block_manager import SCRATCH_BLOCK, BlockManager
 from batchrun.engine.sequence import Sequence
 from batchrun.layers.attention import AttnMetadata
+from batchrun.layers.backend import use_triton
 
 
 class ModelRunner:
@@ -85,7 +86,8 @@ class ModelRunner:
         tables[b:rows] = SCRATCH_BLOCK
         self._i64.copy_(self._host_i64, non_blocking=True)
         self._i32.copy_(self._host_i32, non_blocking=True)
-        self._prepare_lora(lora + [-1] * (rows - b), has_lora)
+        # decode on the Triton path: LoRA deltas ride into the kernels after each projection
+        self._prepare_lora(lora + [-1] * (rows - b), has_lora, fuse=use_triton(self._i64))
 
     # ---- prefill ------------------------------------------------------------------------
     @torch.inference_mode()
@@ -108,7 +110,7 @@ class ModelRunner:
         meta = AttnMetadata(True, torch.tensor(slots, dtype=torch.long, device=dev),
                             table.to(dev), torch.tensor(ctx_lens, dtype=torch.int32, device=dev),
                             query_lens=q_lens, context_lens_host=ctx_lens)
-        self._prepare_lora(lora, any(v >= 0 for v in lora))
+        self._prepare_lora(lora, any(v >= 0 for v in lora), fuse=False)
         hidden = self.model(torch.tensor(ids, dtype=torch.long, device=dev),
                             torch.tensor(pos, dtype=torch.long, device=dev), meta)
         if not done:
@@ -116,6 +118,6 @@ class ModelRunner:
         return done, self.model.compute_logits(hidden[torch.tensor(last, device=dev)])
 
     # ---- LoRA ---------------------------------------------------------------------------
-    def _prepare_lora(self, token_slots: list[int], has_lora: bool) -> None:
+    def _prepare_lora(self, token_slots: list[int], has_lora: bool, fuse: bool) -> None:
         if self.lora is not None:  # without LoRA rows only the flag is written
-            self.lora.prepare_step(token_slots if has_lora else [], has_lora=has_lora)
+            self.lora.prepare_step(token_slots if has_lora else [], has_lora=has_lora, fuse=fuse)

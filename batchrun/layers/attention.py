@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from batchrun.layers.backend import use_triton
+
 
 @dataclass
 class AttnMetadata:
@@ -81,7 +83,7 @@ def _causal_sdpa(q, k, v, scale, offset: int) -> torch.Tensor:
 
 
 def decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, out) -> None:
-    if q.is_cuda:
+    if use_triton(q):
         from batchrun.kernels.paged_attention import paged_decode_attention
         paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, out)
     else:

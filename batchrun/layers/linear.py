@@ -1,10 +1,15 @@
 """Linear layers with fused output slices and a LoRA hook.
 
 A fused layer (q/k/v, gate/up) holds one weight of shape [sum(output_sizes), in_features];
-`output_sizes` tells LoRA where each slice starts. LoRA is attached by setting `lora` to an
-object with `apply(x, y)` that adds the adapter delta into y in place; whether it launches any
-work is decided by that object from the step's has_lora flag, so a step without adapters runs
-exactly the base matmul (and a graph captured for it holds exactly the base kernels).
+`output_sizes` tells LoRA where each slice starts. LoRA is attached by setting `lora` to a hook
+(batchrun.lora.layer.LoRALinear) with `forward(linear, x, defer) -> (y, delta)`. Whether it
+launches any LoRA work is decided by the hook from the step's has_lora flag, so a step without
+adapters runs exactly the base matmul (and a graph captured for it holds exactly the base
+kernels).
+
+`defer=True` is for callers whose next op can fuse a LoRA delta (rotary, RMSNorm, SiLU-and-mul
+take a `lora=` argument): they get `(y, delta)` where delta is a LoRADelta to pass on, or None
+when there is nothing left to add (no LoRA this step, or the hook already added it to y).
 """
 from __future__ import annotations
 
@@ -24,11 +29,12 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(self.out_features, in_features), requires_grad=False)
         self.bias = (nn.Parameter(torch.empty(self.out_features), requires_grad=False)
                      if bias else None)
-        self.lora = None  # set by batchrun.lora; must have apply(x: [T, in], y: [T, out]) -> None
+        self.lora = None  # set by batchrun.lora (LoRALinear)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [T, in_features] -> y: [T, out_features]
-        y = F.linear(x, self.weight, self.bias)
-        if self.lora is not None:
-            self.lora.apply(x, y)
-        return y
+    def forward(self, x: torch.Tensor, defer: bool = False):
+        # x: [T, in_features] -> y: [T, out_features], or (y, LoRADelta | None) with defer
+        if self.lora is None:
+            y, delta = F.linear(x, self.weight, self.bias), None
+        else:
+            y, delta = self.lora.forward(self, x, defer)
+        return (y, delta) if defer else y

@@ -10,7 +10,9 @@ import math
 import torch
 from torch import nn
 
+from batchrun.kernels.lora_meta import LoRADelta
 from batchrun.kernels.reference import ref_rotary
+from batchrun.layers.backend import use_triton
 
 
 def inv_frequencies(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
@@ -47,11 +49,19 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.outer(t, inv_freq)  # [P, D/2]
         self.cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1)  # [P, D] fp32
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        # positions: [T]; q: [T, Hq, D]; k: [T, Hkv, D] -> rotated (q, k). On CUDA one Triton
-        # kernel rotates q and k in place (they may be strided views of the qkv output); on
-        # CPU the torch reference returns new tensors (HF op order, same rounding).
-        if q.is_cuda:
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                lora: LoRADelta | None = None):
+        # positions: [T]; q: [T, Hq, D]; k, v: [T, Hkv, D] -> (rotated q, rotated k, v).
+        # lora: the qkv projection's pending LoRA delta, added to q, k, v first.
+        # On CUDA one Triton kernel works in place (q, k, v may be strided views of the qkv
+        # output); on CPU the torch reference returns new tensors (HF op order, same rounding).
+        if use_triton(q):
             from batchrun.kernels.rotary import apply_rotary
-            return apply_rotary(q, k, self.cos_sin, positions)
-        return ref_rotary(q, self.cos_sin, positions), ref_rotary(k, self.cos_sin, positions)
+            q, k = apply_rotary(q, k, self.cos_sin, positions, v=v, lora=lora)
+            return q, k, v
+        if lora is not None:
+            T = q.shape[0]
+            qkv = lora.apply_reference(torch.cat([t.reshape(T, -1) for t in (q, k, v)], dim=1))
+            q, k, v = (t.view_as(o) for t, o in zip(
+                qkv.split([q[0].numel(), k[0].numel(), v[0].numel()], dim=1), (q, k, v)))
+        return ref_rotary(q, self.cos_sin, positions), ref_rotary(k, self.cos_sin, positions), v

@@ -1,32 +1,52 @@
 """The LoRA hook attached to a fused Linear (`Linear.lora`).
 
-`apply(x, y)` adds the step's adapter deltas into y in place. When the step has no LoRA tokens
-(`manager.has_lora` is False) it returns before launching anything, so a no-LoRA step, and a
-CUDA graph captured for one, holds exactly the base model's kernels.
+The hook takes over the Linear's storage: weight and the A matrices of every slot live in one
+tensor `weight_full` [N + S*L*R, K] (rows N + (s*L + l)*R + r hold A[slice s, slot l, rank r]),
+and `linear.weight` becomes the view of its first N rows. Three cases per call:
+
+- no LoRA token in the step (`manager.has_lora` False): F.linear with `linear.weight`, the
+  same call (and kernel) as without LoRA, nothing else;
+- a fused step (`manager.fuse_deltas`, set for decode steps on the Triton path) and a caller
+  that can fuse (`defer`): one GEMM with `weight_full` computes y and the shrink together, and
+  the delta (shrunk . B) is returned as a LoRADelta for the next kernel to add: no LoRA launch
+  of its own;
+- otherwise (prefill, CPU, callers without a fusing consumer): y = x W.T, then the Punica
+  shrink + expand add the delta in place (kernels on CUDA, torch references on CPU).
 """
 from __future__ import annotations
 
 import torch
-from torch import Tensor
+import torch.nn.functional as F
+from torch import Tensor, nn
 
+from batchrun.kernels.lora_meta import LoRADelta
 from batchrun.lora import punica
 
 
 class LoRALinear:
-    def __init__(self, manager, in_features: int, output_sizes: list[int], max_loras: int,
-                 max_rank: int, device, dtype: torch.dtype):
-        self.manager = manager  # owns has_lora, the shared fp32 scratch buffer and the metadata
-        self.output_sizes = list(output_sizes)
-        S = len(output_sizes)
+    def __init__(self, manager, linear, max_loras: int, max_rank: int):
+        self.manager = manager  # owns has_lora, fuse_deltas, the shrink scratch and the metadata
+        self.output_sizes = list(linear.output_sizes)
+        S, N, K = len(self.output_sizes), linear.out_features, linear.in_features
         offs = [0]
-        for n in output_sizes:
+        for n in self.output_sizes:
             offs.append(offs[-1] + n)
         self.slice_offsets = tuple(offs)
-        # Stacked per-slot weights, allocated once and written in place when a slot is loaded
-        # (captured graphs hold their pointers). Zero beyond an adapter's rank and for slices or
-        # layers it does not target, so those contribute nothing.
-        self.lora_a = torch.zeros(S, max_loras, max_rank, in_features, device=device, dtype=dtype)
-        self.lora_b = torch.zeros(max_loras, offs[-1], max_rank, device=device, dtype=dtype)
+        w = linear.weight
+        # Allocated once, written in place when a slot is loaded (captured graphs hold the
+        # pointers). A and B are zero beyond an adapter's rank and for slices or layers it does
+        # not target, so those contribute nothing.
+        self.weight_full = torch.zeros(N + S * max_loras * max_rank, K, device=w.device,
+                                       dtype=w.dtype)
+        self.weight_full[:N].copy_(w)
+        linear.weight = nn.Parameter(self.weight_full[:N], requires_grad=False)
+        self.bias_full = None
+        if linear.bias is not None:
+            self.bias_full = torch.zeros(self.weight_full.shape[0], device=w.device, dtype=w.dtype)
+            self.bias_full[:N].copy_(linear.bias)
+            linear.bias = nn.Parameter(self.bias_full[:N], requires_grad=False)
+        self.lora_a = self.weight_full[N:].view(S, max_loras, max_rank, K)  # [S, L, R, K]
+        self.lora_b = torch.zeros(max_loras, N, max_rank, device=w.device, dtype=w.dtype)
 
     @property
     def num_slices(self) -> int:
@@ -34,8 +54,7 @@ class LoRALinear:
 
     def set_slot(self, slot: int, slices: dict[int, tuple[Tensor, Tensor]]) -> None:
         """Write one adapter into `slot`: slices maps slice index -> (A [r, in], B [out_s, r])."""
-        self.lora_a[:, slot].zero_()
-        self.lora_b[slot].zero_()
+        self.clear_slot(slot)
         for s, (a, b) in slices.items():
             r = a.shape[0]
             lo, hi = self.slice_offsets[s], self.slice_offsets[s + 1]
@@ -47,12 +66,19 @@ class LoRALinear:
         self.lora_a[:, slot].zero_()
         self.lora_b[slot].zero_()
 
-    def apply(self, x: Tensor, y: Tensor) -> None:
-        # x: [T, in], y: [T, out] (base output, updated in place)
+    def forward(self, linear, x: Tensor, defer: bool) -> tuple[Tensor, LoRADelta | None]:
+        # x: [T, in] -> (y [T, out], pending delta or None)
         m = self.manager
         if not m.has_lora:
-            return
+            return F.linear(x, linear.weight, linear.bias), None
+        if defer and m.fuse_deltas:
+            full = F.linear(x, self.weight_full, self.bias_full)  # [T, N + S*L*R]
+            N = linear.out_features
+            return full[:, :N], LoRADelta(full[:, N:], self.lora_b, m.meta.token_lora_slot,
+                                          self.slice_offsets)
+        y = F.linear(x, linear.weight, linear.bias)
         # m.shrink_buffer: flat fp32 scratch shared by all layers; add_lora views its split-K
         # partials [splits, S, T, R] out of it.
         punica.add_lora(x, y, self.lora_a, self.lora_b, m.shrink_buffer, self.slice_offsets,
                         m.meta)
+        return y, None

@@ -2,7 +2,8 @@
 
 Every adapter is validated at construction (shapes from the safetensors header only), so a bad
 adapter fails before any GPU work. Each fused Linear that some adapter targets gets a
-`LoRALinear` hook holding [S, max_loras, R, in] / [max_loras, out, R] weights, where R is the
+`LoRALinear` hook holding [S, max_loras, R, in] (stacked under the base weight, see layer.py) /
+[max_loras, out, R] weights, where R is the
 largest rank among the adapters (<= max_lora_rank): the adapter set is fixed for the engine's
 life, and a smaller R means smaller buffers and cheaper kernels. Linears no adapter targets get
 no hook and launch nothing. Loading an adapter into a slot copies into those buffers in place;
@@ -50,6 +51,10 @@ class LoRAManager:
         targeted = {m for info in self.infos.values() for m in info.modules}
 
         self.has_lora = False  # read by hooks; the model runner sets it directly for capture
+        # Set by the model runner for decode steps on the Triton path: hooks whose caller can
+        # fuse return their delta (LoRADelta) to the next kernel instead of running
+        # shrink + expand (see batchrun/lora/layer.py).
+        self.fuse_deltas = False
         self.meta = LoRAKernelMeta.allocate(max_num_tokens, max_loras, device)
         self.hooks: dict[tuple[int, str], LoRALinear] = {}
         for mod_name, mod in model.named_modules():
@@ -58,10 +63,13 @@ class LoRAManager:
                 continue
             key = (int(m.group(1)), m.group(2))
             if key in targeted:
-                hook = LoRALinear(self, mod.in_features, mod.output_sizes, max_loras, self.rank,
-                                  device, dtype)
+                hook = LoRALinear(self, mod, max_loras, self.rank)
                 mod.lora = hook
                 self.hooks[key] = hook
+        if torch.device(device).type == "cuda":
+            # the hooks re-allocated the targeted weights: hand the old copies back before the
+            # engine sizes the KV cache from free memory
+            torch.cuda.empty_cache()
         missing = targeted - self.hooks.keys()
         assert not missing, f"model has no Linear for LoRA targets {sorted(missing)[:4]}"
         max_slices = max((h.num_slices for h in self.hooks.values()), default=1)
@@ -114,12 +122,17 @@ class LoRAManager:
     def pinned(self, name: str) -> int:
         return self._pins.get(name, 0)
 
-    def prepare_step(self, token_slots: Tensor | list[int], has_lora: bool | None = None) -> None:
+    def prepare_step(self, token_slots: Tensor | list[int], has_lora: bool | None = None,
+                     fuse: bool = False) -> None:
         """Set has_lora and write the kernels' metadata for this step's tokens (-1 = no LoRA).
+
+        fuse=True (decode steps on the Triton path) lets hooks hand their delta to the next
+        kernel (see layer.py) instead of running shrink + expand.
 
         has_lora=None computes it from a list or a CPU tensor. For a CUDA tensor it would need a
         host sync, so it is assumed True instead (correct either way: slot -1 rows are left
         alone by the kernels); callers that know better pass has_lora explicitly."""
+        self.fuse_deltas = fuse
         if isinstance(token_slots, Tensor):
             if has_lora is None:
                 has_lora = bool((token_slots >= 0).any()) if not token_slots.is_cuda else True

@@ -8,16 +8,10 @@ BATCHRUN_FORCE_TRITON=1 under TRITON_INTERPRET=1 to check the wrapper against th
 """
 from __future__ import annotations
 
-import os
-
 from torch import Tensor
 
 from batchrun.kernels.lora_meta import LoRAKernelMeta
-
-
-def use_triton(t: Tensor) -> bool:
-    # Read per call (cheap) so tests can flip the variable; never reached when has_lora is off.
-    return t.is_cuda or os.environ.get("BATCHRUN_FORCE_TRITON") == "1"
+from batchrun.layers.backend import use_triton
 
 
 def add_lora(x: Tensor, y: Tensor, lora_a: Tensor, lora_b: Tensor, buf: Tensor,

@@ -30,14 +30,15 @@ class Attention(nn.Module):
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim)
 
     def forward(self, positions, x, meta: AttnMetadata):
-        # x: [T, H] -> qkv: [T, q + 2*kv]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        # x: [T, H] -> (o_proj output [T, H], its pending LoRA delta or None)
+        qkv, delta = self.qkv_proj(x, defer=True)  # [T, q + 2*kv]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)  # [T, Hq, D]
         k = k.view(-1, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(positions, q, k)
+        q, k, v = self.rotary(positions, q, k, v, lora=delta)
         o = self.attn(q, k, v, meta)  # [T, Hq, D]
-        return self.o_proj(o.reshape(-1, self.q_size))
+        return self.o_proj(o.reshape(-1, self.q_size), defer=True)
 
 
 class MLP(nn.Module):
@@ -48,7 +49,9 @@ class MLP(nn.Module):
         self.down_proj = Linear(i, [cfg.hidden_size], name="down_proj")
 
     def forward(self, x):
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        # x: [T, H] -> (down_proj output [T, H], its pending LoRA delta or None)
+        gate_up, delta = self.gate_up_proj(x, defer=True)
+        return self.down_proj(silu_and_mul(gate_up, lora=delta), defer=True)
 
 
 class DecoderLayer(nn.Module):
@@ -59,19 +62,22 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, positions, x, residual, meta):
+    def forward(self, positions, x, residual, delta, meta):
         # vLLM pattern: each residual add is fused into the norm after it, so a layer returns
         # its MLP output and the residual stream separately: (x, residual), both [T, H].
         # The first layer gets residual=None (plain norm); LlamaModel fuses the last add into
         # the final norm. Same values as `x = x + attn(norm(x)); x = x + mlp(norm(x))`.
+        # A projection's LoRA delta (fused decode steps) rides along to the norm after it:
+        # `delta` is the previous layer's down_proj delta; the layer returns its own.
         if residual is None:
             residual = x
-            x = self.input_layernorm(x)
+            x = self.input_layernorm(x, lora=delta)
         else:
-            x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(positions, x, meta)
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+            x, residual = self.input_layernorm(x, residual, lora=delta)
+        x, delta = self.self_attn(positions, x, meta)
+        x, residual = self.post_attention_layernorm(x, residual, lora=delta)
+        x, delta = self.mlp(x)
+        return x, residual, delta
 
 
 class LlamaModel(nn.Module):
@@ -86,12 +92,12 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids, positions, meta):
         x = self.embed_tokens(input_ids)  # [T, H]
-        residual = None
+        residual, delta = None, None
         for layer in self.layers:
-            x, residual = layer(positions, x, residual, meta)
+            x, residual, delta = layer(positions, x, residual, delta, meta)
         if residual is None:
-            return self.norm(x)
-        return self.norm(x, residual)[0]
+            return self.norm(x, lora=delta)
+        return self.norm(x, residual, lora=delta)[0]
 
 
 class LlamaForCausalLM(nn.Module):

@@ -6,6 +6,7 @@ import torch
 from batchrun.config import EngineConfig, SamplingParams
 from batchrun.engine.engine import Engine
 from batchrun.engine.request import Request
+from batchrun.kernels.lora_meta import LoRADelta
 from tests.tiny_models import hf_greedy, make_hf_model, random_prompts, save_hf_model
 
 ADAPTERS = {
@@ -30,9 +31,27 @@ def _make_adapter(variant, path, seed, kw):
     model.save_pretrained(str(path))
 
 
-@pytest.mark.parametrize("variant", ["llama3_gqa", "qwen2_bias"])
-def test_engine_matches_peft(tmp_path, variant):
+# How decode steps add LoRA: "unfused" = shrink + expand in each projection (the CPU engine's
+# path); "fused_ref" = the GPU decode plumbing (each projection hands its delta to the next op)
+# with the torch references; "fused_triton" = that plumbing with every Triton kernel of the GPU
+# path running under the interpreter.
+@pytest.mark.parametrize("variant,path", [("llama3_gqa", "unfused"), ("qwen2_bias", "unfused"),
+                                          ("llama3_gqa", "fused_ref"), ("qwen2_bias", "fused_ref"),
+                                          ("llama3_gqa", "fused_triton")])
+def test_engine_matches_peft(tmp_path, variant, path, monkeypatch):
     from peft import PeftModel
+    import batchrun.engine.model_runner as model_runner
+    if path != "unfused":
+        monkeypatch.setattr(model_runner, "use_triton", lambda t: True)
+    if path == "fused_triton":
+        pytest.importorskip("triton")
+        monkeypatch.setenv("BATCHRUN_FORCE_TRITON", "1")
+    # count deltas that reached a consumer: the reference applies them, the kernels validate
+    fused = []
+    for name in ("apply_reference", "validate"):
+        orig = getattr(LoRADelta, name)
+        monkeypatch.setattr(LoRADelta, name,
+                            lambda self, *a, _orig=orig, **k: (fused.append(1), _orig(self, *a, **k))[1])
     base = save_hf_model(variant, tmp_path / "base")
     paths = {}
     for i, (name, kw) in enumerate(ADAPTERS.items()):
@@ -51,8 +70,8 @@ def test_engine_matches_peft(tmp_path, variant):
                                for i, (p, n) in enumerate(zip(prompts, names))])
 
     refs = {None: base}
-    for name, path in paths.items():
-        refs[name] = PeftModel.from_pretrained(make_hf_model(variant), str(path)).eval()
+    for name, adapter_dir in paths.items():
+        refs[name] = PeftModel.from_pretrained(make_hf_model(variant), str(adapter_dir)).eval()
     changed = set()
     for p, n, r in zip(prompts, names, results):
         assert r.finish_reason == "length", r.error
@@ -62,3 +81,4 @@ def test_engine_matches_peft(tmp_path, variant):
             changed.add(n)
     assert changed == set(ADAPTERS)  # each adapter really changes some output
     assert engine.lora.num_loads >= 5
+    assert (len(fused) > 0) == (path != "unfused")

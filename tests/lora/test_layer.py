@@ -85,6 +85,38 @@ def test_no_lora_launches_nothing(mcfg, setup, monkeypatch):
     assert torch.equal(lin(x), torch.nn.functional.linear(x, lin.weight))
 
 
+def test_deferred_delta(mcfg, setup):
+    """A fused step: the hook's one GEMM gives the base output plus a LoRADelta that, applied by
+    the consumer, equals the unfused result; without fusing or without LoRA nothing is left."""
+    paths, deltas = setup
+    model = FakeLlama(mcfg)
+    m = LoRAManager(model, paths, max_loras=3, max_lora_rank=8, max_num_tokens=16,
+                    device="cpu", dtype=torch.float32)
+    slots = {n: m.acquire(n) for n in ("x", "y", "z")}
+    names = [None, "x", "y", "z", None, "y", "x"]
+    token_slots = [-1 if n is None else slots[n] for n in names]
+    g = torch.Generator().manual_seed(3)
+    for layer_idx, layer in enumerate(model.model.layers):
+        for module, lin in [("qkv_proj", layer.self_attn.qkv_proj), ("o_proj", layer.self_attn.o_proj),
+                            ("gate_up_proj", layer.mlp.gate_up_proj), ("down_proj", layer.mlp.down_proj)]:
+            x = torch.randn(len(names), lin.in_features, generator=g)
+            m.prepare_step(token_slots, fuse=True)
+            y, delta = lin(x, defer=True)
+            torch.testing.assert_close(y, x @ lin.weight.T, rtol=1e-5, atol=1e-5)
+            assert delta.shrunk.data_ptr() == y.data_ptr() + lin.out_features * 4  # one GEMM
+            want = _expected(lin, x, names, deltas, layer_idx, module)
+            torch.testing.assert_close(delta.apply_reference(y), want, rtol=1e-5, atol=1e-5)
+            assert lin(x) is not None and m.fuse_deltas  # a plain call still adds it itself
+            torch.testing.assert_close(lin(x), want, rtol=1e-5, atol=1e-5)
+            m.prepare_step(token_slots, fuse=False)
+            y, delta = lin(x, defer=True)
+            assert delta is None
+            torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-5)
+            m.prepare_step([-1] * len(names), fuse=True)
+            y, delta = lin(x, defer=True)
+            assert delta is None and torch.equal(y, torch.nn.functional.linear(x, lin.weight))
+
+
 def _expected(lin, x, names, deltas, layer_idx, module):
     # fp32 dense reference from the (rounded) weights actually used
     out = x.float() @ lin.weight.float().T

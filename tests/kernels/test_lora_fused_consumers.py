@@ -1,0 +1,141 @@
+"""The LoRA delta fused into the kernels after each projection (RMSNorm, SiLU-and-mul, rotary)
+against the torch reference: op(apply_reference(x)). Inputs are laid out like a fused decode
+step: y and `shrunk` are column ranges of one GEMM output (strided rows), slots mix -1 with
+every slot, ranks are odd and small. Rows with slot -1 must equal the plain kernel bit for bit.
+"""
+import pytest
+import torch
+
+from batchrun.kernels.fused_add_rms_norm import fused_add_rms_norm, rms_norm
+from batchrun.kernels.lora_meta import LoRADelta
+from batchrun.kernels.reference import (ref_fused_add_rms_norm, ref_rms_norm, ref_rotary,
+                                        ref_silu_and_mul)
+from batchrun.kernels.rotary import apply_rotary
+from batchrun.kernels.silu_and_mul import silu_and_mul
+from kernel_testutils import CPU_DTYPES, DEVICE, mixed_slots, randn
+from test_rotary import cos_sin_cache
+
+
+def _fused_output(T, sizes, L, R, dtype, seed):
+    """(y [T, N] view, LoRADelta, slots) as a fused LoRA GEMM leaves them."""
+    gen = torch.Generator().manual_seed(seed)
+    N, S = sum(sizes), len(sizes)
+    full = randn(T, N + S * L * R + 3, dtype=dtype, gen=gen)  # +3: rows are strided
+    slots = torch.cat([mixed_slots(T, L, gen), torch.randint(0, L, (5,), generator=gen,
+                                                             dtype=torch.int32)]).to(DEVICE)
+    lora_b = randn(L, N, R, dtype=dtype, gen=gen, scale=R ** -0.5)
+    offs = [0]
+    for n in sizes:
+        offs.append(offs[-1] + n)
+    delta = LoRADelta(full[:, N:N + S * L * R], lora_b, slots, tuple(offs))
+    return full[:, :N], delta, slots[:T]
+
+
+def _tol(ref, dtype, scale):
+    # the kernel and the reference sum the R products in different orders, so x + delta may
+    # round one ulp apart; the op carries that through (bounded by eps * scale)
+    eps = torch.finfo(dtype).eps
+    return 4 * eps * (ref.float().abs() + scale) + 1e-6
+
+
+def _same_where_no_lora(got, plain, slots):
+    none = (slots < 0).nonzero().squeeze(1)
+    assert torch.equal(got[none], plain[none])
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+@pytest.mark.parametrize("T,H,L,R", [(1, 64, 1, 16), (7, 96, 3, 5), (5, 300, 4, 8), (9, 128, 2, 1)])
+@pytest.mark.parametrize("fused_add", [True, False])
+def test_norm(T, H, L, R, dtype, fused_add):
+    x, delta, slots = _fused_output(T, [H], L, R, dtype, seed=T * 31 + H + R)
+    gen = torch.Generator().manual_seed(7)
+    w = randn(H, dtype=dtype, gen=gen)
+    x_before = x.clone()
+    fixed = delta.apply_reference(x)
+    if fused_add:
+        res = randn(T, H, dtype=dtype, gen=gen)
+        res_plain, res_before = res.clone(), res.clone()
+        out, res_out = fused_add_rms_norm(x, res, w, 1e-6, lora=delta)
+        ref, ref_res = ref_fused_add_rms_norm(fixed, res_before, w, 1e-6)
+        plain, _ = fused_add_rms_norm(x, res_plain, w, 1e-6)
+        assert res_out is res
+        assert (res.float() - ref_res.float()).abs().le(_tol(ref_res, dtype, 0)).all()
+        _same_where_no_lora(res, res_plain, slots)
+    else:
+        out = rms_norm(x, w, 1e-6, lora=delta)
+        ref, plain = ref_rms_norm(fixed, w, 1e-6), rms_norm(x, w, 1e-6)
+    assert torch.equal(x, x_before)  # the projection output itself is not written
+    scale = ref.float().abs().mean(-1, keepdim=True)
+    assert (out.float() - ref.float()).abs().le(_tol(ref, dtype, scale)).all()
+    _same_where_no_lora(out, plain, slots)
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+@pytest.mark.parametrize("T,I,L,R", [(1, 64, 1, 16), (6, 130, 3, 7), (4, 600, 2, 4)])
+def test_silu_and_mul(T, I, L, R, dtype):
+    gate_up, delta, slots = _fused_output(T, [I, I], L, R, dtype, seed=T + I + R)
+    before = gate_up.clone()
+    out = silu_and_mul(gate_up, lora=delta)
+    ref = ref_silu_and_mul(delta.apply_reference(gate_up))
+    assert torch.equal(gate_up, before)
+    scale = ref.float().abs().mean(-1, keepdim=True)
+    assert (out.float() - ref.float()).abs().le(_tol(ref, dtype, scale)).all()
+    _same_where_no_lora(out, silu_and_mul(gate_up), slots)
+
+
+def _check_rotary(T, Hq, Hkv, D, L, R, dtype, seed):
+    qkv, delta, slots = _fused_output(T, [Hq * D, Hkv * D, Hkv * D], L, R, dtype, seed)
+    plain_qkv = qkv.clone()
+    fixed = delta.apply_reference(qkv)
+    q, k, v = (t.view(T, -1, D) for t in qkv.split([Hq * D, Hkv * D, Hkv * D], dim=-1))
+    fq, fk, fv = (t.view(T, -1, D) for t in fixed.split([Hq * D, Hkv * D, Hkv * D], dim=-1))
+    gen = torch.Generator().manual_seed(seed)
+    positions = torch.randint(0, 256, (T,), generator=gen).to(DEVICE)
+    cs = cos_sin_cache(D, 256)
+    apply_rotary(q, k, cs, positions, v=v, lora=delta)
+    for got, ref in ((q, ref_rotary(fq, cs, positions)), (k, ref_rotary(fk, cs, positions)),
+                     (v, fv)):
+        # a rotated element mixes both halves: bound by the pair's magnitude
+        pair = ref.float().abs() + ref.float().abs().roll(D // 2, dims=-1)
+        assert (got.float() - ref.float()).abs().le(_tol(ref, dtype, pair)).all()
+    pq, pk, _ = (t.view(T, -1, D) for t in plain_qkv.split([Hq * D, Hkv * D, Hkv * D], dim=-1))
+    apply_rotary(pq, pk, cs, positions)
+    _same_where_no_lora(qkv, plain_qkv, slots)
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+@pytest.mark.parametrize("T,Hq,Hkv,D,L,R", [(1, 4, 4, 32, 1, 16), (6, 8, 2, 64, 3, 5),
+                                            (5, 6, 1, 80, 2, 8)])
+def test_rotary(T, Hq, Hkv, D, L, R, dtype):
+    _check_rotary(T, Hq, Hkv, D, L, R, dtype, seed=T + Hq + D)
+
+
+def test_rotary_refuses_a_delta_of_another_layout():
+    qkv, delta, _ = _fused_output(2, [64, 32, 32], 2, 4, torch.float32, seed=1)
+    q, k, v = (t.view(2, -1, 16) for t in qkv.split([64, 32, 32], dim=-1))
+    cs = cos_sin_cache(16, 8)
+    pos = torch.zeros(2, dtype=torch.long, device=DEVICE)
+    with pytest.raises(ValueError, match="needs v"):
+        apply_rotary(q, k, cs, pos, lora=delta)
+    wrong = LoRADelta(delta.shrunk, delta.lora_b, delta.token_slots, (0, 32, 96, 128))
+    with pytest.raises(ValueError, match="slice offsets"):
+        apply_rotary(q, k, cs, pos, v=v, lora=wrong)
+
+
+def test_norm_refuses_a_delta_of_another_size():
+    x, delta, _ = _fused_output(3, [40, 40], 2, 4, torch.float32, seed=2)
+    w = torch.ones(80, device=DEVICE)
+    with pytest.raises(ValueError, match="does not fit"):
+        rms_norm(x, w, 1e-6, lora=delta)  # a 2-slice delta on a norm
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("T", [1, 8, 77])
+@pytest.mark.parametrize("L,R", [(1, 16), (8, 16), (4, 64)])
+def test_bf16_gpu_llama7b_shapes(T, L, R):
+    dt = torch.bfloat16
+    test_norm(T, 4096, L, R, dt, fused_add=True)
+    test_silu_and_mul(T, 11008, L, R, dt)
+    _check_rotary(T, 32, 32, 128, L, R, dt, seed=T + L)
+    _check_rotary(T, 32, 8, 128, L, R, dt, seed=T + L + 1)  # GQA (Llama-3 shape)
