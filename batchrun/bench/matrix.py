@@ -231,6 +231,13 @@ def decode_step_kernels(engine, prompts: list[list[int]]) -> collections.Counter
     Graph replays hide their kernels from the profiler, so the step runs eagerly; a no-LoRA
     graph is captured from exactly this code path. On CPU the aten ops stand in for kernels.
     """
+    return collections.Counter(name for name, _ in decode_step_profile(engine, prompts))
+
+
+def decode_step_profile(engine, prompts: list[list[int]],
+                        adapters: list[str | None] | None = None) -> list[tuple[str, float]]:
+    """(kernel name, device µs) of every kernel of ONE eager decode step; row i runs
+    adapters[i] (None = base). CPU: aten ops and their CPU time."""
     from torch.profiler import ProfilerActivity, profile
     from batchrun.config import SamplingParams
     from batchrun.engine.scheduler import Scheduler
@@ -238,7 +245,7 @@ def decode_step_kernels(engine, prompts: list[list[int]]) -> collections.Counter
     sched = Scheduler(engine.config, engine.blocks, engine.lora)
     for i, ids in enumerate(prompts):
         sched.add(Sequence(i, f"profile{i}", ids, SamplingParams(max_tokens=4, ignore_eos=True),
-                           None, None))
+                           adapters[i] if adapters else None, None))
     runner = engine.runner
     saved, runner.graphs = runner.graphs, None
     cuda = engine.device.type == "cuda"
@@ -259,10 +266,8 @@ def decode_step_kernels(engine, prompts: list[list[int]]) -> collections.Counter
         for seq in list(sched.running):  # give back KV blocks
             sched.finish(seq, "length")
     if cuda:
-        names = [e.name for e in prof.events() if e.device_type.name == "CUDA"]
-    else:
-        names = [e.name for e in prof.events() if e.name.startswith("aten::")]
-    return collections.Counter(names)
+        return [(e.name, e.device_time) for e in prof.events() if e.device_type.name == "CUDA"]
+    return [(e.name, e.cpu_time) for e in prof.events() if e.name.startswith("aten::")]
 
 
 def compare_decode_kernels(engine_a, engine_b, prompts) -> dict:

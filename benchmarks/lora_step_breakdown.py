@@ -1,0 +1,76 @@
+"""Where a LoRA decode step's time goes: per-kernel device time of ONE eager decode step of a
+batch on engine B (LoRA enabled), with no adapter rows, 1 adapter and N adapters, next to the
+LoRA-disabled engine A. Eager (the profiler cannot see inside graph replays), so launch gaps are
+not in these sums: they show kernel time only; `bench lora-matrix` gives the graph step time.
+
+  PYTHONPATH=. python3 benchmarks/lora_step_breakdown.py [--model llama-2-7b] [--batch-size 8]
+      [--output-json F]
+
+Model: Llama-2-7b-SHAPED, RANDOM bf16 weights (presets), rank-16 adapters on all 7 projections.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import tempfile
+from pathlib import Path
+
+from batchrun.bench.latency import build_engine, random_prompts, round_robin
+from batchrun.bench.matrix import MatrixParams, decode_step_profile
+
+
+def _short(name: str) -> str:
+    for key in ("gemm", "gemv", "cutlass", "nvjet", "sm90"):
+        if key in name.lower():
+            return "GEMM (cuBLAS)"
+    return name.split("(")[0][:48]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="llama-2-7b")
+    ap.add_argument("--batch-size", type=int, default=8)
+    ap.add_argument("--max-loras", type=int, default=8)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--output-json")
+    a = ap.parse_args()
+    p = MatrixParams(model=a.model, batch_size=a.batch_size, input_len=32, output_len=8,
+                     max_loras=a.max_loras, max_lora_rank=16, lora_rank=16, enforce_eager=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        eng_a = build_engine(p.spec(False))
+        eng_b = build_engine(p.spec(True), Path(tmp) / "adapters")
+        names = sorted(eng_b.adapters)
+        prompts = random_prompts(a.batch_size, 32, eng_a.engine.model.config.vocab_size, seed=0)
+        cases = {"A lora_disabled": (eng_a.engine, None),
+                 "B 0_active": (eng_b.engine, None),
+                 "B 1_active": (eng_b.engine, round_robin(names[:1], a.batch_size)),
+                 f"B {len(names)}_active": (eng_b.engine, round_robin(names, a.batch_size))}
+        table = {}
+        for case, (engine, adapters) in cases.items():
+            runs = [decode_step_profile(engine, prompts, adapters) for _ in range(a.repeats)]
+            per = collections.defaultdict(list)  # kernel -> per-run totals
+            for run in runs:
+                tot = collections.Counter()
+                for name, us in run:
+                    tot[_short(name)] += us
+                for k, v in tot.items():
+                    per[k].append(v)
+            table[case] = {k: sorted(v)[len(v) // 2] for k, v in per.items()}  # median µs
+            table[case]["launches"] = len(runs[0])
+    kernels = sorted({k for t in table.values() for k in t if k != "launches"},
+                     key=lambda k: -max(t.get(k, 0) for t in table.values()))
+    print("RANDOM weights; per-kernel device time of one eager decode step (median of "
+          f"{a.repeats}), µs; batch {a.batch_size}")
+    print(f"{'kernel':50s}" + "".join(f"{c:>18s}" for c in table))
+    for k in kernels:
+        print(f"{k:50s}" + "".join(f"{table[c].get(k, 0):18.1f}" for c in table))
+    print(f"{'TOTAL kernel time':50s}" + "".join(
+        f"{sum(v for kk, v in table[c].items() if kk != 'launches'):18.1f}" for c in table))
+    print(f"{'launches':50s}" + "".join(f"{table[c]['launches']:18d}" for c in table))
+    if a.output_json:
+        Path(a.output_json).write_text(json.dumps(table, indent=1))
+
+
+if __name__ == "__main__":
+    main()
