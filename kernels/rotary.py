@@ -125,7 +125,10 @@ def apply_rotary(q: Tensor, k: Tensor, cos_sin: Tensor, positions: Tensor,
         return q, k
     largs, block_r = delta_args(lora, q, T, (Hq + 2 * Hkv) * D, 3)
     block_half = triton.next_power_of_2(D // 2)
-    block_h = max(1, min(triton.next_power_of_2(max(Hq, Hkv)), 512 // block_half))
+    # With a LoRA delta each head also needs a [D, R] slice of B: 2 heads per program spread
+    # those loads over many programs (a decode step has only a few tokens).
+    max_h = 512 // block_half if lora is None else max(1, 128 // block_half)
+    block_h = max(1, min(triton.next_power_of_2(max(Hq, Hkv)), max_h))
     q_blocks, k_blocks = triton.cdiv(Hq, block_h), triton.cdiv(Hkv, block_h)
     grid = (T, q_blocks + k_blocks * (2 if lora is not None else 1))
     _rotary_kernel[grid](

@@ -69,7 +69,7 @@ def silu_and_mul(gate_up: Tensor, out: Tensor | None = None,
     largs, block_r = delta_args(lora, gate_up, T, 2 * I, 2)
     # The LoRA variant loads [BLOCK, R] weights twice per program: smaller column blocks (more
     # programs) keep that in registers.
-    block = min(1024 if lora is None else 256, triton.next_power_of_2(I))
+    block = min(1024 if lora is None else 128, triton.next_power_of_2(I))
     grid = (T, triton.cdiv(I, block))
     _silu_and_mul_kernel[grid](gate_up, out, I, gate_up.stride(0), out.stride(0), *largs,
                                BLOCK=block, HAS_LORA=lora is not None, BLOCK_R=block_r,

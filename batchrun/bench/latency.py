@@ -163,10 +163,13 @@ def summarize(latencies: list[float]) -> dict:
 
 # ---- what was measured, where -----------------------------------------------------------
 def git_commit() -> tuple[str, bool | None]:
-    """(HEAD, tree has uncommitted changes). Where the tree is a copy without .git (a device
-    machine), BATCHRUN_COMMIT names the commit it was copied from, else "unknown"."""
+    """(HEAD, tree has uncommitted changes). Where the tree is a copy (a device machine, whose
+    copy may carry a stale .git), BATCHRUN_COMMIT names the commit it was copied from and wins;
+    without it and without git: "unknown"."""
     root = Path(__file__).resolve().parents[2]
-    fallback = os.environ.get("BATCHRUN_COMMIT") or "unknown"
+    if os.environ.get("BATCHRUN_COMMIT"):
+        return os.environ["BATCHRUN_COMMIT"], None
+    fallback = "unknown"
     try:
         head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True,
                               text=True, timeout=10)

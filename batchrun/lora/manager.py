@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from batchrun.kernels.lora_meta import LoRAKernelMeta
+from batchrun.kernels.lora_meta import LoRADelta, LoRAKernelMeta
 from batchrun.layers.linear import Linear
 from batchrun.lora.adapters import AdapterInfo, LoRAWeights, inspect_adapter, load_adapter
 from batchrun.lora.layer import LoRALinear
@@ -56,6 +56,8 @@ class LoRAManager:
         # shrink + expand (see batchrun/lora/layer.py).
         self.fuse_deltas = False
         self.meta = LoRAKernelMeta.allocate(max_num_tokens, max_loras, device)
+        # scratch of the RMSNorms that add a fused delta (shared: layers run one at a time)
+        self.norm_scratch = LoRADelta.allocate_norm_scratch(max_num_tokens, device)
         self.hooks: dict[tuple[int, str], LoRALinear] = {}
         for mod_name, mod in model.named_modules():
             m = _LINEAR.match(mod_name)
