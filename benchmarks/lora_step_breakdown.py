@@ -1,7 +1,9 @@
-"""Where a LoRA decode step's time goes: per-kernel device time of ONE eager decode step of a
-batch on engine B (LoRA enabled), with no adapter rows, 1 adapter and N adapters, next to the
-LoRA-disabled engine A. Eager (the profiler cannot see inside graph replays), so launch gaps are
-not in these sums: they show kernel time only; `bench lora-matrix` gives the graph step time.
+"""Where a LoRA decode step's time goes, on engine B (LoRA enabled) with no adapter rows, 1
+adapter and N adapters, next to the LoRA-disabled engine A:
+- per-kernel device time of ONE eager decode step (the profiler cannot see inside graph
+  replays, so launch gaps are not in these sums: kernel time only);
+- the graph step: median wall time of runner.decode (host input prep + replay + sync) and of
+  the bare graph replay + sync, so host-side and GPU-side costs separate.
 
   PYTHONPATH=. python3 benchmarks/lora_step_breakdown.py [--model llama-2-7b] [--batch-size 8]
       [--output-json F]
@@ -16,8 +18,30 @@ import json
 import tempfile
 from pathlib import Path
 
+import time
+
+import torch
+
 from batchrun.bench.latency import build_engine, random_prompts, round_robin
-from batchrun.bench.matrix import MatrixParams, decode_step_profile
+from batchrun.bench.matrix import MatrixParams, decode_step_profile, decoding_batch
+
+
+def graph_step_us(engine, prompts, adapters, n: int = 60) -> tuple[float, float]:
+    """(median µs of runner.decode + sync, median µs of the bare graph replay + sync)."""
+    def med(fn):
+        times = []
+        for i in range(n + 5):
+            t0 = time.perf_counter()
+            fn()
+            torch.cuda.synchronize()
+            if i >= 5:
+                times.append((time.perf_counter() - t0) * 1e6)
+        return sorted(times)[n // 2]
+    with decoding_batch(engine, prompts, adapters, graphs=True) as (runner, seqs):
+        step = med(lambda: runner.decode(seqs))
+        key = runner.graphs.dispatch(len(seqs), any(s.lora_slot >= 0 for s in seqs))
+        replay = med(lambda: runner.graphs.replay(key))
+    return step, replay
 
 
 def _short(name: str) -> str:
@@ -36,7 +60,7 @@ def main() -> None:
     ap.add_argument("--output-json")
     a = ap.parse_args()
     p = MatrixParams(model=a.model, batch_size=a.batch_size, input_len=32, output_len=8,
-                     max_loras=a.max_loras, max_lora_rank=16, lora_rank=16, enforce_eager=True)
+                     max_loras=a.max_loras, max_lora_rank=16, lora_rank=16)
     with tempfile.TemporaryDirectory() as tmp:
         eng_a = build_engine(p.spec(False))
         eng_b = build_engine(p.spec(True), Path(tmp) / "adapters")
@@ -58,7 +82,11 @@ def main() -> None:
                     per[k].append(v)
             table[case] = {k: sorted(v)[len(v) // 2] for k, v in per.items()}  # median µs
             table[case]["launches"] = len(runs[0])
-    kernels = sorted({k for t in table.values() for k in t if k != "launches"},
+            table[case]["graph step (decode+sync)"], table[case]["graph replay+sync"] = (
+                graph_step_us(engine, prompts, adapters) if engine.runner.graphs
+                else (float("nan"), float("nan")))
+    extra = ("launches", "graph step (decode+sync)", "graph replay+sync")
+    kernels = sorted({k for t in table.values() for k in t if k not in extra},
                      key=lambda k: -max(t.get(k, 0) for t in table.values()))
     print("RANDOM weights; per-kernel device time of one eager decode step (median of "
           f"{a.repeats}), µs; batch {a.batch_size}")
@@ -66,8 +94,10 @@ def main() -> None:
     for k in kernels:
         print(f"{k:50s}" + "".join(f"{table[c].get(k, 0):18.1f}" for c in table))
     print(f"{'TOTAL kernel time':50s}" + "".join(
-        f"{sum(v for kk, v in table[c].items() if kk != 'launches'):18.1f}" for c in table))
+        f"{sum(v for kk, v in table[c].items() if kk not in extra):18.1f}" for c in table))
     print(f"{'launches':50s}" + "".join(f"{table[c]['launches']:18d}" for c in table))
+    for k in extra[1:]:
+        print(f"{k:50s}" + "".join(f"{table[c][k]:18.1f}" for c in table))
     if a.output_json:
         Path(a.output_json).write_text(json.dumps(table, indent=1))
 

@@ -15,6 +15,7 @@ temperature) spreads over all scenarios instead of biasing the ones measured las
 from __future__ import annotations
 
 import collections
+import contextlib
 import gc
 import tempfile
 import time
@@ -234,37 +235,48 @@ def decode_step_kernels(engine, prompts: list[list[int]]) -> collections.Counter
     return collections.Counter(name for name, _ in decode_step_profile(engine, prompts))
 
 
-def decode_step_profile(engine, prompts: list[list[int]],
-                        adapters: list[str | None] | None = None) -> list[tuple[str, float]]:
-    """(kernel name, device µs) of every kernel of ONE eager decode step; row i runs
-    adapters[i] (None = base). CPU: aten ops and their CPU time."""
-    from torch.profiler import ProfilerActivity, profile
+@contextlib.contextmanager
+def decoding_batch(engine, prompts: list[list[int]], adapters: list[str | None] | None = None,
+                   graphs: bool = False):
+    """Prefill `prompts` (row i runs adapters[i], None = base) and yield (runner, seqs): a batch
+    whose next runner.decode(seqs) is one decode step. The step may be repeated (it rewrites the
+    same KV slot). Graphs are off unless graphs=True; KV blocks are given back afterwards."""
     from batchrun.config import SamplingParams
     from batchrun.engine.scheduler import Scheduler
     from batchrun.engine.sequence import Sequence
     sched = Scheduler(engine.config, engine.blocks, engine.lora)
     for i, ids in enumerate(prompts):
-        sched.add(Sequence(i, f"profile{i}", ids, SamplingParams(max_tokens=4, ignore_eos=True),
+        sched.add(Sequence(i, f"probe{i}", ids, SamplingParams(max_tokens=4, ignore_eos=True),
                            adapters[i] if adapters else None, None))
     runner = engine.runner
-    saved, runner.graphs = runner.graphs, None
-    cuda = engine.device.type == "cuda"
+    saved = runner.graphs
+    if not graphs:
+        runner.graphs = None
     try:
-        # prefill (maybe in chunks) until every row is decoding
         while sched.waiting or any(s.needs_prefill for s in sched.running):
-            engine.step(sched)
+            engine.step(sched)  # prefill (maybe in chunks) until every row is decoding
         batch = sched.schedule()
         assert not batch.is_prefill and len(batch.seqs) == len(prompts)
-        runner.decode(batch.seqs)  # one untimed step: allocator, lazy inits
-        sync(engine)
-        acts = [ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
-        with profile(activities=acts) as prof:
-            runner.decode(batch.seqs)
-            sync(engine)
+        yield runner, batch.seqs
     finally:
         runner.graphs = saved
         for seq in list(sched.running):  # give back KV blocks
             sched.finish(seq, "length")
+
+
+def decode_step_profile(engine, prompts: list[list[int]],
+                        adapters: list[str | None] | None = None) -> list[tuple[str, float]]:
+    """(kernel name, device µs) of every kernel of ONE eager decode step; row i runs
+    adapters[i] (None = base). CPU: aten ops and their CPU time."""
+    from torch.profiler import ProfilerActivity, profile
+    cuda = engine.device.type == "cuda"
+    with decoding_batch(engine, prompts, adapters) as (runner, seqs):
+        runner.decode(seqs)  # one untimed step: allocator, lazy inits
+        sync(engine)
+        acts = [ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
+        with profile(activities=acts) as prof:
+            runner.decode(seqs)
+            sync(engine)
     if cuda:
         return [(e.name, e.device_time) for e in prof.events() if e.device_type.name == "CUDA"]
     return [(e.name, e.cpu_time) for e in prof.events() if e.name.startswith("aten::")]

@@ -43,6 +43,8 @@ class ModelRunner:
         self.block_tables = self._i32[2 * n:].view(n, mb)  # [n, max_blocks_per_seq]
         self.logits = torch.empty(n, cfg.vocab_size, dtype=torch.float32, device=device)  # [n, V]
         self.graphs = None  # graphs.GraphRunner, set by the engine when CUDA graphs are on
+        if lora is not None:  # fused decode kernels read the slots straight from token_slots
+            lora.bind_fused_slots(self.token_slots)
 
     # ---- decode -------------------------------------------------------------------------
     @torch.inference_mode()

@@ -74,7 +74,7 @@ class LoRALinear:
         if defer and m.fuse_deltas:
             full = F.linear(x, self.weight_full, self.bias_full)  # [T, N + S*L*R]
             N = linear.out_features
-            return full[:, :N], LoRADelta(full[:, N:], self.lora_b, m.meta.token_lora_slot,
+            return full[:, :N], LoRADelta(full[:, N:], self.lora_b, m.fused_token_slots(),
                                           self.slice_offsets, *m.norm_scratch)
         y = F.linear(x, linear.weight, linear.bias)
         # m.shrink_buffer: flat fp32 scratch shared by all layers; add_lora views its split-K

@@ -55,6 +55,10 @@ class LoRAManager:
         # fuse return their delta (LoRADelta) to the next kernel instead of running
         # shrink + expand (see batchrun/lora/layer.py).
         self.fuse_deltas = False
+        # Slot per token that fused kernels read (LoRADelta.token_slots): the model runner binds
+        # its static decode buffer, which it writes every step anyway, so a fused decode step
+        # needs no metadata of its own (bind_fused_slots). Unbound: meta.token_lora_slot.
+        self.fused_slots: Tensor | None = None
         self.meta = LoRAKernelMeta.allocate(max_num_tokens, max_loras, device)
         # scratch of the RMSNorms that add a fused delta (shared: layers run one at a time)
         self.norm_scratch = LoRADelta.allocate_norm_scratch(max_num_tokens, device)
@@ -135,6 +139,12 @@ class LoRAManager:
         host sync, so it is assumed True instead (correct either way: slot -1 rows are left
         alone by the kernels); callers that know better pass has_lora explicitly."""
         self.fuse_deltas = fuse
+        if fuse and self.fused_slots is not None:
+            # the kernels read the bound buffer, which the caller has written: only the flag
+            if has_lora is None:
+                raise ValueError("a fused step with bound slots must say has_lora")
+            self.has_lora = has_lora
+            return
         if isinstance(token_slots, Tensor):
             if has_lora is None:
                 has_lora = bool((token_slots >= 0).any()) if not token_slots.is_cuda else True
@@ -151,6 +161,16 @@ class LoRAManager:
         self.has_lora = has_lora
         if has_lora:  # a no-LoRA step launches no LoRA kernels, so its meta is never read
             self.meta.prepare(slots)
+
+    def bind_fused_slots(self, slots: Tensor) -> None:
+        """Fused steps read `slots` (int32, written by the caller before each step, -1 = no
+        LoRA) instead of the metadata; it must stay allocated (captured graphs read it)."""
+        if slots.dtype != torch.int32 or slots.dim() != 1:
+            raise ValueError(f"fused slots must be a 1-D int32 tensor, got {slots.dtype} {tuple(slots.shape)}")
+        self.fused_slots = slots
+
+    def fused_token_slots(self) -> Tensor:
+        return self.fused_slots if self.fused_slots is not None else self.meta.token_lora_slot
 
     # ---- internals ----------------------------------------------------------------------
     def _check_name(self, name: str) -> None:

@@ -89,6 +89,9 @@ def test_bf16_gpu(T, H):
     _check(T, H, torch.bfloat16, seed=T + H)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(),
+                    reason="bit-exactness needs the interpreter's IEEE rsqrt; on a GPU rsqrt is "
+                           "approximate (the GPU tests bound the error instead)")
 @pytest.mark.parametrize("dtype", CPU_DTYPES)
 def test_op_order_exact(dtype):
     # Inputs on a coarse grid make the sum of squares exact in any order, so the kernel must

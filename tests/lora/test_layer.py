@@ -67,6 +67,9 @@ def test_mixed_batch_reference(mcfg, setup, monkeypatch):
     _run(mcfg, setup, monkeypatch, force_triton=False)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(),
+                    reason="the interpreter is on only without a GPU (conftest); "
+                           "test_mixed_batch_cuda covers the kernels there")
 def test_mixed_batch_triton_interpreted(mcfg, setup, monkeypatch):
     pytest.importorskip("triton")
     _run(mcfg, setup, monkeypatch, force_triton=True)

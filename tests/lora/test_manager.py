@@ -125,6 +125,24 @@ def test_prepare_step(mcfg, five):
     assert m.has_lora is False
 
 
+def test_fused_steps_read_the_bound_slots(mcfg, five):
+    _, m = _manager(mcfg, five)
+    assert m.fused_token_slots() is m.meta.token_lora_slot  # unbound: the metadata
+    bound = torch.full((4,), -1, dtype=torch.int32)
+    m.bind_fused_slots(bound)
+    before = m.meta.flat.clone()
+    bound[:2] = torch.tensor([1, -1])
+    m.prepare_step([1, -1], has_lora=True, fuse=True)
+    assert m.has_lora and m.fuse_deltas and m.fused_token_slots() is bound
+    assert torch.equal(m.meta.flat, before)  # no metadata written for a fused step
+    with pytest.raises(ValueError, match="has_lora"):
+        m.prepare_step([1, -1], fuse=True)
+    m.prepare_step([0, 1], fuse=False)  # unfused steps (prefill) still get the metadata
+    assert m.meta.token_lora_slot[:2].tolist() == [0, 1] and not m.fuse_deltas
+    with pytest.raises(ValueError, match="int32"):
+        m.bind_fused_slots(torch.zeros(4, dtype=torch.int64))
+
+
 def test_shrink_buffer_fits_the_kernel_split_cap():
     # The manager sizes the shared buffer without importing triton; punica views up to
     # MAX_SPLITS partials out of it.
