@@ -45,6 +45,10 @@ class EngineConfig:
     max_loras: int = 4  # GPU slots
     max_lora_rank: int = 64
     max_cpu_loras: int | None = None  # LRU CPU cache size; None = keep all loaded adapters
+    # GPU steps of at most this many tokens add LoRA deltas inside the kernel after each
+    # projection (no LoRA launches); bigger prefill steps run shrink + expand kernels. Decode
+    # steps are always fused. Same math either way; it only moves the cost.
+    lora_fused_max_tokens: int = 512
     enforce_eager: bool = False
     cuda_graph_sizes: list[int] | None = None  # None = 1, 2, 4, 8, 16, 24, ... up to max_num_seqs
     seed: int = 0
@@ -61,5 +65,8 @@ class EngineConfig:
                 raise ValueError(f"engine.{name} must be an integer >= 1, got {v!r}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"engine.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+        if not isinstance(self.lora_fused_max_tokens, int) or self.lora_fused_max_tokens < 0:
+            raise ValueError(f"engine.lora_fused_max_tokens must be an integer >= 0, got "
+                             f"{self.lora_fused_max_tokens!r}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"engine.num_kv_blocks must be >= 1, got {self.num_kv_blocks!r}")

@@ -51,15 +51,55 @@ def _short(name: str) -> str:
     return name.split("(")[0][:48]
 
 
+def prefill_us(engine, prompts, adapters, n: int = 8) -> float:
+    """Median µs of one engine.step that prefills every prompt (and samples their first token)."""
+    from batchrun.config import SamplingParams
+    from batchrun.engine.scheduler import Scheduler
+    from batchrun.engine.sequence import Sequence
+    times = []
+    for i in range(n + 2):
+        sched = Scheduler(engine.config, engine.blocks, engine.lora)
+        for j, ids in enumerate(prompts):
+            sched.add(Sequence(j, f"pf{j}", ids, SamplingParams(max_tokens=4, ignore_eos=True),
+                               adapters[j] if adapters else None, None))
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        engine.step(sched)
+        torch.cuda.synchronize()
+        if i >= 2:
+            times.append((time.perf_counter() - t0) * 1e6)
+        assert not sched.waiting, "prompts did not fit one prefill step"
+        for seq in list(sched.running):
+            sched.finish(seq, "length")
+    return sorted(times)[n // 2]
+
+
+def prefill_table(cases, batch: int, lens: list[int], vocab: int) -> dict:
+    """One prefill step per case and prompt length; engine B both fused and shrink + expand."""
+    out = {}
+    for length in lens:
+        prompts = random_prompts(batch, length, vocab, seed=length)
+        for case, (engine, adapters) in cases.items():
+            modes = {"": None} if engine.lora is None else {" fused": 10 ** 9, " shrink+expand": 0}
+            for label, limit in modes.items():
+                if limit is not None:
+                    engine.config.lora_fused_max_tokens = limit
+                out[f"{case}{label} T={batch * length}"] = prefill_us(engine, prompts, adapters)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="llama-2-7b")
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--max-loras", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--prefill-lens", default="32,128",
+                    help="prompt lengths for the prefill-step timings (comma separated)")
     ap.add_argument("--output-json")
     a = ap.parse_args()
-    p = MatrixParams(model=a.model, batch_size=a.batch_size, input_len=32, output_len=8,
+    lens = [int(x) for x in a.prefill_lens.split(",") if x]
+    p = MatrixParams(model=a.model, batch_size=a.batch_size, input_len=max(lens + [32]), output_len=8,
                      max_loras=a.max_loras, max_lora_rank=16, lora_rank=16)
     with tempfile.TemporaryDirectory() as tmp:
         eng_a = build_engine(p.spec(False))
@@ -85,6 +125,8 @@ def main() -> None:
             table[case]["graph step (decode+sync)"], table[case]["graph replay+sync"] = (
                 graph_step_us(engine, prompts, adapters) if engine.runner.graphs
                 else (float("nan"), float("nan")))
+        prefill = (prefill_table(cases, a.batch_size, lens, eng_a.engine.model.config.vocab_size)
+                   if torch.cuda.is_available() else {})
     extra = ("launches", "graph step (decode+sync)", "graph replay+sync")
     kernels = sorted({k for t in table.values() for k in t if k not in extra},
                      key=lambda k: -max(t.get(k, 0) for t in table.values()))
@@ -98,8 +140,11 @@ def main() -> None:
     print(f"{'launches':50s}" + "".join(f"{table[c]['launches']:18d}" for c in table))
     for k in extra[1:]:
         print(f"{k:50s}" + "".join(f"{table[c][k]:18.1f}" for c in table))
+    print("prefill step (engine.step incl. first-token sampling), median µs:")
+    for k, v in prefill.items():
+        print(f"  {k:50s}{v:12.1f}")
     if a.output_json:
-        Path(a.output_json).write_text(json.dumps(table, indent=1))
+        Path(a.output_json).write_text(json.dumps({"decode": table, "prefill": prefill}, indent=1))
 
 
 if __name__ == "__main__":

@@ -111,5 +111,6 @@ class GraphRunner:
         if self.lora is None:
             return
         if has_lora:  # meta describing `size` padding tokens (slot -1): kernels launch, skip work
-            self.lora.prepare_step(self.runner.token_slots[:size], has_lora=True, fuse=True)
+            self.lora.prepare_step(self.runner.token_slots[:size], has_lora=True, fuse=True,
+                                   slots_bound=True)
         self.lora.has_lora = has_lora

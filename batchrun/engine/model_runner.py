@@ -88,8 +88,10 @@ class ModelRunner:
         tables[b:rows] = SCRATCH_BLOCK
         self._i64.copy_(self._host_i64, non_blocking=True)
         self._i32.copy_(self._host_i32, non_blocking=True)
-        # decode on the Triton path: LoRA deltas ride into the kernels after each projection
-        self._prepare_lora(lora + [-1] * (rows - b), has_lora, fuse=use_triton(self._i64))
+        # decode on the Triton path: LoRA deltas ride into the kernels after each projection,
+        # which read each row's slot from token_slots (written above)
+        fuse = use_triton(self._i64)
+        self._prepare_lora(lora + [-1] * (rows - b), has_lora, fuse=fuse, slots_bound=fuse)
 
     # ---- prefill ------------------------------------------------------------------------
     @torch.inference_mode()
@@ -112,7 +114,9 @@ class ModelRunner:
         meta = AttnMetadata(True, torch.tensor(slots, dtype=torch.long, device=dev),
                             table.to(dev), torch.tensor(ctx_lens, dtype=torch.int32, device=dev),
                             query_lens=q_lens, context_lens_host=ctx_lens)
-        self._prepare_lora(lora, any(v >= 0 for v in lora), fuse=False)
+        # small prefills fuse too (no launches); big ones amortise shrink + expand launches
+        fuse = use_triton(self._i64) and len(ids) <= self.config.lora_fused_max_tokens
+        self._prepare_lora(lora, any(v >= 0 for v in lora), fuse=fuse)
         hidden = self.model(torch.tensor(ids, dtype=torch.long, device=dev),
                             torch.tensor(pos, dtype=torch.long, device=dev), meta)
         if not done:
@@ -120,6 +124,8 @@ class ModelRunner:
         return done, self.model.compute_logits(hidden[torch.tensor(last, device=dev)])
 
     # ---- LoRA ---------------------------------------------------------------------------
-    def _prepare_lora(self, token_slots: list[int], has_lora: bool, fuse: bool) -> None:
+    def _prepare_lora(self, token_slots: list[int], has_lora: bool, fuse: bool,
+                      slots_bound: bool = False) -> None:
         if self.lora is not None:  # without LoRA rows only the flag is written
-            self.lora.prepare_step(token_slots if has_lora else [], has_lora=has_lora, fuse=fuse)
+            self.lora.prepare_step(token_slots if has_lora else [], has_lora=has_lora, fuse=fuse,
+                                   slots_bound=slots_bound)

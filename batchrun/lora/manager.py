@@ -57,8 +57,10 @@ class LoRAManager:
         self.fuse_deltas = False
         # Slot per token that fused kernels read (LoRADelta.token_slots): the model runner binds
         # its static decode buffer, which it writes every step anyway, so a fused decode step
-        # needs no metadata of its own (bind_fused_slots). Unbound: meta.token_lora_slot.
+        # needs no metadata of its own (bind_fused_slots, prepare_step(slots_bound=True));
+        # other fused steps (small prefills) read meta.token_lora_slot.
         self.fused_slots: Tensor | None = None
+        self._read_bound = False  # this step's slots are in fused_slots (prepare_step)
         self.meta = LoRAKernelMeta.allocate(max_num_tokens, max_loras, device)
         # scratch of the RMSNorms that add a fused delta (shared: layers run one at a time)
         self.norm_scratch = LoRADelta.allocate_norm_scratch(max_num_tokens, device)
@@ -129,20 +131,24 @@ class LoRAManager:
         return self._pins.get(name, 0)
 
     def prepare_step(self, token_slots: Tensor | list[int], has_lora: bool | None = None,
-                     fuse: bool = False) -> None:
+                     fuse: bool = False, slots_bound: bool = False) -> None:
         """Set has_lora and write the kernels' metadata for this step's tokens (-1 = no LoRA).
 
-        fuse=True (decode steps on the Triton path) lets hooks hand their delta to the next
-        kernel (see layer.py) instead of running shrink + expand.
+        fuse=True (steps on the Triton path) lets hooks hand their delta to the next kernel
+        (see layer.py) instead of running shrink + expand. slots_bound=True (fused decode
+        steps): the caller already wrote the slots into the buffer given to bind_fused_slots,
+        so nothing is written here (has_lora must be given).
 
         has_lora=None computes it from a list or a CPU tensor. For a CUDA tensor it would need a
         host sync, so it is assumed True instead (correct either way: slot -1 rows are left
         alone by the kernels); callers that know better pass has_lora explicitly."""
         self.fuse_deltas = fuse
-        if fuse and self.fused_slots is not None:
-            # the kernels read the bound buffer, which the caller has written: only the flag
-            if has_lora is None:
-                raise ValueError("a fused step with bound slots must say has_lora")
+        self._read_bound = slots_bound
+        if slots_bound:
+            # the kernels read the bound buffer, which the caller has written: only the flags
+            if not fuse or self.fused_slots is None or has_lora is None:
+                raise ValueError("slots_bound needs fuse=True, a bind_fused_slots() buffer and "
+                                 "an explicit has_lora")
             self.has_lora = has_lora
             return
         if isinstance(token_slots, Tensor):
@@ -170,7 +176,7 @@ class LoRAManager:
         self.fused_slots = slots
 
     def fused_token_slots(self) -> Tensor:
-        return self.fused_slots if self.fused_slots is not None else self.meta.token_lora_slot
+        return self.fused_slots if self._read_bound else self.meta.token_lora_slot
 
     # ---- internals ----------------------------------------------------------------------
     def _check_name(self, name: str) -> None:

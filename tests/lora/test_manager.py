@@ -132,13 +132,16 @@ def test_fused_steps_read_the_bound_slots(mcfg, five):
     m.bind_fused_slots(bound)
     before = m.meta.flat.clone()
     bound[:2] = torch.tensor([1, -1])
-    m.prepare_step([1, -1], has_lora=True, fuse=True)
+    m.prepare_step([1, -1], has_lora=True, fuse=True, slots_bound=True)
     assert m.has_lora and m.fuse_deltas and m.fused_token_slots() is bound
-    assert torch.equal(m.meta.flat, before)  # no metadata written for a fused step
+    assert torch.equal(m.meta.flat, before)  # no metadata written for a fused decode step
     with pytest.raises(ValueError, match="has_lora"):
-        m.prepare_step([1, -1], fuse=True)
-    m.prepare_step([0, 1], fuse=False)  # unfused steps (prefill) still get the metadata
-    assert m.meta.token_lora_slot[:2].tolist() == [0, 1] and not m.fuse_deltas
+        m.prepare_step([1, -1], fuse=True, slots_bound=True)
+    m.prepare_step([0, 1], fuse=True)  # a fused prefill: slots from the metadata
+    assert m.fused_token_slots() is m.meta.token_lora_slot
+    assert m.meta.token_lora_slot[:2].tolist() == [0, 1]
+    m.prepare_step([1, 0], fuse=False)  # unfused steps get the metadata
+    assert m.meta.token_lora_slot[:2].tolist() == [1, 0] and not m.fuse_deltas
     with pytest.raises(ValueError, match="int32"):
         m.bind_fused_slots(torch.zeros(4, dtype=torch.int64))
 
