@@ -194,7 +194,36 @@ def _summaries(scs: list[Scenario], lat: dict[str, list[float]], output_len: int
             s["ratio_p50"] = s["p50"] / base["p50"]
             s["slowdown_pct_avg"] = (s["ratio_avg"] - 1) * 100
             s["slowdown_pct_p50"] = (s["ratio_p50"] - 1) * 100
+            if len(base["latencies"]) == len(s["latencies"]):
+                s.update(paired_slowdown(base["latencies"], s["latencies"]))
     return out
+
+
+def add_paired(result: dict) -> dict:
+    """Recompute the paired statistics of a saved matrix JSON (files written before they
+    existed) in place, from its per-round latencies; returns it."""
+    sc = result["scenarios"]
+    for s in sc.values():
+        base = sc.get(s["baseline"])
+        if base is not None and base is not s and len(base["latencies"]) == len(s["latencies"]):
+            s.update(paired_slowdown(base["latencies"], s["latencies"]))
+    for name, t in result.get("summary", {}).items():
+        if name in sc and "target_pct" in t:
+            t["paired_slowdown_pct_median"] = sc[name].get("paired_slowdown_pct_median")
+            t["paired_slowdown_pct_ci95"] = sc[name].get("paired_slowdown_pct_ci95")
+    return result
+
+
+def paired_slowdown(base: list[float], xs: list[float], n_boot: int = 2000) -> dict:
+    """Scenario vs baseline per timed round (each round runs both, so pairing cancels drift
+    between rounds): median of xs[i] / base[i] - 1 in %, with a 95 % bootstrap interval of
+    that median (fixed seed: the same JSON gives the same numbers)."""
+    import random
+    rel = sorted((x / b - 1) * 100 for b, x in zip(base, xs))
+    rng = random.Random(0)
+    boots = sorted(percentile(rng.choices(rel, k=len(rel)), 50) for _ in range(n_boot))
+    return {"paired_slowdown_pct_median": percentile(rel, 50),
+            "paired_slowdown_pct_ci95": [percentile(boots, 2.5), percentile(boots, 97.5)]}
 
 
 def _targets(result: dict, have_graphs: bool, max_loras: int) -> dict:
@@ -206,6 +235,8 @@ def _targets(result: dict, have_graphs: bool, max_loras: int) -> dict:
         if name in sc and "slowdown_pct_p50" in sc[name]:
             v = sc[name]["slowdown_pct_p50"]
             out[name] = {"slowdown_pct_p50": v, "slowdown_pct_avg": sc[name]["slowdown_pct_avg"],
+                         "paired_slowdown_pct_median": sc[name].get("paired_slowdown_pct_median"),
+                         "paired_slowdown_pct_ci95": sc[name].get("paired_slowdown_pct_ci95"),
                          "graphs": sc[name]["graphs"], "target_pct": TARGETS[key],
                          "met": v <= TARGETS[key]}
     ga, gb = result["graphs"]["A"], result["graphs"]["B"]
@@ -338,7 +369,7 @@ def print_matrix(r: dict, echo=print) -> None:
                      f"{m['target_s']:.0f} s: {_met(m['met'])})")
     echo("")
     head = f"{'scenario':<28}{'n':>4}{'avg s':>10}{'p50 s':>10}{'p90 s':>10}{'ms/tok':>9}" \
-           f"{'vs base p50':>13}{'vs base avg':>13}  target"
+           f"{'vs base p50':>13}{'vs base avg':>13}{'paired [95% CI]':>26}  target (p50)"
     echo(head)
     echo("-" * len(head))
     for name, sc in r["scenarios"].items():
@@ -346,10 +377,15 @@ def print_matrix(r: dict, echo=print) -> None:
         target = f"<= {tgt['target_pct']}%: {_met(tgt['met'])}" if tgt else ""
         rel_p50 = f"{sc['slowdown_pct_p50']:+.2f}%" if "slowdown_pct_p50" in sc else ""
         rel_avg = f"{sc['slowdown_pct_avg']:+.2f}%" if "slowdown_pct_avg" in sc else ""
+        paired = ""
+        if "paired_slowdown_pct_median" in sc:
+            lo, hi = sc["paired_slowdown_pct_ci95"]
+            paired = f"{sc['paired_slowdown_pct_median']:+.2f}% [{lo:+.2f}, {hi:+.2f}]"
         if name == sc["baseline"]:
-            rel_p50, rel_avg = "(base)", "(base)"
+            rel_p50, rel_avg, paired = "(base)", "(base)", "(base)"
         echo(f"{name:<28}{sc['n']:>4}{sc['avg']:>10.4f}{sc['p50']:>10.4f}{sc['p90']:>10.4f}"
-             f"{sc['ms_per_token_incl_prefill']:>9.3f}{rel_p50:>13}{rel_avg:>13}  {target}")
+             f"{sc['ms_per_token_incl_prefill']:>9.3f}{rel_p50:>13}{rel_avg:>13}{paired:>26}"
+             f"  {target}")
 
 
 def _met(v) -> str:

@@ -65,10 +65,24 @@ def test_lora_matrix_tiny_eager(tmp_path):
     assert r["profile_kernels"]["passed"] and r["profile_kernels"]["num_kernels_A"] > 0
     assert len(r["rounds"]) == 2 and r["rounds"][0] != r["rounds"][1]  # rotating order
     assert r["summary"]["lora_1_active"]["target_pct"] == 8.0
+    lo, hi = sc["lora_1_active"]["paired_slowdown_pct_ci95"]
+    assert lo <= sc["lora_1_active"]["paired_slowdown_pct_median"] <= hi
     assert r["graphs"]["B"] == {"enabled": False} and r["weights"] == "random"
     # the table is printed last
     assert res.output.rstrip().splitlines()[-1].startswith("results written")
     assert "lora_4_active" in res.output.rstrip().splitlines()[-2]
+
+
+def test_paired_slowdown():
+    from batchrun.bench.matrix import paired_slowdown
+    base = [1.0, 2.0, 1.0, 2.0, 1.0]  # drift between rounds that pairing cancels
+    r = paired_slowdown(base, [b * 1.05 for b in base])
+    assert abs(r["paired_slowdown_pct_median"] - 5.0) < 1e-9
+    assert all(abs(v - 5.0) < 1e-9 for v in r["paired_slowdown_pct_ci95"])
+    r = paired_slowdown(base, [1.0, 2.2, 1.0, 2.0, 1.02])
+    lo, hi = r["paired_slowdown_pct_ci95"]
+    assert r["paired_slowdown_pct_median"] == 0.0 and lo == 0.0 and hi > 0
+    assert paired_slowdown(base, [1.0, 2.2, 1.0, 2.0, 1.02]) == r  # seeded: reproducible
 
 
 def test_matrix_scenarios_with_graphs():
