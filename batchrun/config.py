@@ -48,7 +48,7 @@ class EngineConfig:
     # GPU steps of at most this many tokens add LoRA deltas inside the kernel after each
     # projection (no LoRA launches); bigger prefill steps run shrink + expand kernels. Decode
     # steps are always fused. Same math either way; it only moves the cost.
-    lora_fused_max_tokens: int = 512
+    lora_fused_max_tokens: int = 1024
     enforce_eager: bool = False
     cuda_graph_sizes: list[int] | None = None  # None = 1, 2, 4, 8, 16, 24, ... up to max_num_seqs
     seed: int = 0
