@@ -34,6 +34,12 @@ def _dense_delta(deltas, layer, module, lin):
     return torch.cat(parts)
 
 
+def _linears(layer):
+    """(module name, Linear) for the four LoRA-able Linears of a layer."""
+    return [("qkv_proj", layer.self_attn.qkv_proj), ("o_proj", layer.self_attn.o_proj),
+            ("gate_up_proj", layer.mlp.gate_up_proj), ("down_proj", layer.mlp.down_proj)]
+
+
 def _run(mcfg, setup, monkeypatch, force_triton):
     if force_triton:
         monkeypatch.setenv("BATCHRUN_FORCE_TRITON", "1")
@@ -46,17 +52,12 @@ def _run(mcfg, setup, monkeypatch, force_triton):
     token_slots = [-1 if n is None else slots[n] for n in names]
     g = torch.Generator().manual_seed(0)
     for layer_idx, layer in enumerate(model.model.layers):
-        for module, lin in [("qkv_proj", layer.self_attn.qkv_proj), ("o_proj", layer.self_attn.o_proj),
-                            ("gate_up_proj", layer.mlp.gate_up_proj), ("down_proj", layer.mlp.down_proj)]:
+        for module, lin in _linears(layer):
             x = torch.randn(len(names), lin.in_features, generator=g)
-            base = x @ lin.weight.T
             assert punica.use_triton(x) == force_triton
             m.prepare_step(token_slots)
             y = lin(x)
-            expected = base.clone()
-            for t, n in enumerate(names):
-                if n is not None:
-                    expected[t] += x[t] @ _dense_delta(deltas[n], layer_idx, module, lin).T
+            expected = _expected(lin, x, names, deltas, layer_idx, module)
             torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5)
             # A no-LoRA step: exactly the base output, with adapters still loaded.
             m.prepare_step([-1] * len(names))
@@ -100,8 +101,7 @@ def test_deferred_delta(mcfg, setup):
     token_slots = [-1 if n is None else slots[n] for n in names]
     g = torch.Generator().manual_seed(3)
     for layer_idx, layer in enumerate(model.model.layers):
-        for module, lin in [("qkv_proj", layer.self_attn.qkv_proj), ("o_proj", layer.self_attn.o_proj),
-                            ("gate_up_proj", layer.mlp.gate_up_proj), ("down_proj", layer.mlp.down_proj)]:
+        for module, lin in _linears(layer):
             x = torch.randn(len(names), lin.in_features, generator=g)
             m.prepare_step(token_slots, fuse=True)
             y, delta = lin(x, defer=True)
