@@ -16,14 +16,14 @@ import argparse
 import collections
 import json
 import tempfile
-from pathlib import Path
-
 import time
+from pathlib import Path
 
 import torch
 
 from batchrun.bench.latency import build_engine, random_prompts, round_robin
-from batchrun.bench.matrix import MatrixParams, decode_step_profile, decoding_batch
+from batchrun.bench.matrix import (MatrixParams, decode_step_profile, decoding_batch,
+                                   probe_scheduler)
 
 
 def graph_step_us(engine, prompts, adapters, n: int = 60) -> tuple[float, float]:
@@ -53,24 +53,16 @@ def _short(name: str) -> str:
 
 def prefill_us(engine, prompts, adapters, n: int = 8) -> float:
     """Median µs of one engine.step that prefills every prompt (and samples their first token)."""
-    from batchrun.config import SamplingParams
-    from batchrun.engine.scheduler import Scheduler
-    from batchrun.engine.sequence import Sequence
     times = []
     for i in range(n + 2):
-        sched = Scheduler(engine.config, engine.blocks, engine.lora)
-        for j, ids in enumerate(prompts):
-            sched.add(Sequence(j, f"pf{j}", ids, SamplingParams(max_tokens=4, ignore_eos=True),
-                               adapters[j] if adapters else None, None))
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        engine.step(sched)
-        torch.cuda.synchronize()
-        if i >= 2:
-            times.append((time.perf_counter() - t0) * 1e6)
-        assert not sched.waiting, "prompts did not fit one prefill step"
-        for seq in list(sched.running):
-            sched.finish(seq, "length")
+        with probe_scheduler(engine, prompts, adapters) as sched:
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            engine.step(sched)
+            torch.cuda.synchronize()
+            if i >= 2:
+                times.append((time.perf_counter() - t0) * 1e6)
+            assert not sched.waiting, "prompts did not fit one prefill step"
     return sorted(times)[n // 2]
 
 

@@ -194,23 +194,30 @@ def _summaries(scs: list[Scenario], lat: dict[str, list[float]], output_len: int
             s["ratio_p50"] = s["p50"] / base["p50"]
             s["slowdown_pct_avg"] = (s["ratio_avg"] - 1) * 100
             s["slowdown_pct_p50"] = (s["ratio_p50"] - 1) * 100
-            if len(base["latencies"]) == len(s["latencies"]):
-                s.update(paired_slowdown(base["latencies"], s["latencies"]))
+    _add_paired_to_scenarios(out)
     return out
+
+
+def _add_paired_to_scenarios(scenarios: dict) -> None:
+    # each scenario against its baseline, where both ran in the same rounds
+    for s in scenarios.values():
+        base = scenarios.get(s["baseline"])
+        if base is not None and base is not s and len(base["latencies"]) == len(s["latencies"]):
+            s.update(paired_slowdown(base["latencies"], s["latencies"]))
+
+
+def _paired_fields(scenario: dict) -> dict:
+    return {k: scenario.get(k) for k in ("paired_slowdown_pct_median", "paired_slowdown_pct_ci95")}
 
 
 def add_paired(result: dict) -> dict:
     """Recompute the paired statistics of a saved matrix JSON (files written before they
     existed) in place, from its per-round latencies; returns it."""
     sc = result["scenarios"]
-    for s in sc.values():
-        base = sc.get(s["baseline"])
-        if base is not None and base is not s and len(base["latencies"]) == len(s["latencies"]):
-            s.update(paired_slowdown(base["latencies"], s["latencies"]))
+    _add_paired_to_scenarios(sc)
     for name, t in result.get("summary", {}).items():
         if name in sc and "target_pct" in t:
-            t["paired_slowdown_pct_median"] = sc[name].get("paired_slowdown_pct_median")
-            t["paired_slowdown_pct_ci95"] = sc[name].get("paired_slowdown_pct_ci95")
+            t.update(_paired_fields(sc[name]))
     return result
 
 
@@ -235,8 +242,7 @@ def _targets(result: dict, have_graphs: bool, max_loras: int) -> dict:
         if name in sc and "slowdown_pct_p50" in sc[name]:
             v = sc[name]["slowdown_pct_p50"]
             out[name] = {"slowdown_pct_p50": v, "slowdown_pct_avg": sc[name]["slowdown_pct_avg"],
-                         "paired_slowdown_pct_median": sc[name].get("paired_slowdown_pct_median"),
-                         "paired_slowdown_pct_ci95": sc[name].get("paired_slowdown_pct_ci95"),
+                         **_paired_fields(sc[name]),
                          "graphs": sc[name]["graphs"], "target_pct": TARGETS[key],
                          "met": v <= TARGETS[key]}
     ga, gb = result["graphs"]["A"], result["graphs"]["B"]
@@ -267,11 +273,10 @@ def decode_step_kernels(engine, prompts: list[list[int]]) -> collections.Counter
 
 
 @contextlib.contextmanager
-def decoding_batch(engine, prompts: list[list[int]], adapters: list[str | None] | None = None,
-                   graphs: bool = False):
-    """Prefill `prompts` (row i runs adapters[i], None = base) and yield (runner, seqs): a batch
-    whose next runner.decode(seqs) is one decode step. The step may be repeated (it rewrites the
-    same KV slot). Graphs are off unless graphs=True; KV blocks are given back afterwards."""
+def probe_scheduler(engine, prompts: list[list[int]], adapters: list[str | None] | None = None):
+    """A scheduler of its own holding one request per prompt (row i runs adapters[i], None =
+    base), for stepping the engine by hand; rows still running on exit are finished, which
+    gives back their KV blocks and LoRA pins."""
     from batchrun.config import SamplingParams
     from batchrun.engine.scheduler import Scheduler
     from batchrun.engine.sequence import Sequence
@@ -279,20 +284,32 @@ def decoding_batch(engine, prompts: list[list[int]], adapters: list[str | None] 
     for i, ids in enumerate(prompts):
         sched.add(Sequence(i, f"probe{i}", ids, SamplingParams(max_tokens=4, ignore_eos=True),
                            adapters[i] if adapters else None, None))
+    try:
+        yield sched
+    finally:
+        for seq in list(sched.running):
+            sched.finish(seq, "length")
+
+
+@contextlib.contextmanager
+def decoding_batch(engine, prompts: list[list[int]], adapters: list[str | None] | None = None,
+                   graphs: bool = False):
+    """Prefill `prompts` (row i runs adapters[i], None = base) and yield (runner, seqs): a batch
+    whose next runner.decode(seqs) is one decode step. The step may be repeated (it rewrites the
+    same KV slot). Graphs are off unless graphs=True; KV blocks are given back afterwards."""
     runner = engine.runner
     saved = runner.graphs
     if not graphs:
         runner.graphs = None
     try:
-        while sched.waiting or any(s.needs_prefill for s in sched.running):
-            engine.step(sched)  # prefill (maybe in chunks) until every row is decoding
-        batch = sched.schedule()
-        assert not batch.is_prefill and len(batch.seqs) == len(prompts)
-        yield runner, batch.seqs
+        with probe_scheduler(engine, prompts, adapters) as sched:
+            while sched.waiting or any(s.needs_prefill for s in sched.running):
+                engine.step(sched)  # prefill (maybe in chunks) until every row is decoding
+            batch = sched.schedule()
+            assert not batch.is_prefill and len(batch.seqs) == len(prompts)
+            yield runner, batch.seqs
     finally:
         runner.graphs = saved
-        for seq in list(sched.running):  # give back KV blocks
-            sched.finish(seq, "length")
 
 
 def decode_step_profile(engine, prompts: list[list[int]],
