@@ -6,12 +6,12 @@ and `linear.weight` becomes the view of its first N rows. Three cases per call:
 
 - no LoRA token in the step (`manager.has_lora` False): F.linear with `linear.weight`, the
   same call (and kernel) as without LoRA, nothing else;
-- a fused step (`manager.fuse_deltas`, set for decode steps on the Triton path) and a caller
-  that can fuse (`defer`): one GEMM with `weight_full` computes y and the shrink together, and
-  the delta (shrunk . B) is returned as a LoRADelta for the next kernel to add: no LoRA launch
-  of its own;
-- otherwise (prefill, CPU, callers without a fusing consumer): y = x W.T, then the Punica
-  shrink + expand add the delta in place (kernels on CUDA, torch references on CPU).
+- a fused step (`manager.fuse_deltas`, set on the Triton path for decode steps and for
+  prefill steps of up to `lora_fused_max_tokens` tokens) and a caller that can fuse (`defer`):
+  one GEMM with `weight_full` computes y and the shrink together, and the delta (shrunk . B) is
+  returned as a LoRADelta for the next kernel to add: no LoRA launch of its own;
+- otherwise (larger prefills, CPU, callers without a fusing consumer): y = x W.T, then the
+  Punica shrink + expand add the delta in place (kernels on CUDA, torch references on CPU).
 """
 from __future__ import annotations
 

@@ -51,9 +51,9 @@ class LoRAManager:
         targeted = {m for info in self.infos.values() for m in info.modules}
 
         self.has_lora = False  # read by hooks; the model runner sets it directly for capture
-        # Set by the model runner for decode steps on the Triton path: hooks whose caller can
-        # fuse return their delta (LoRADelta) to the next kernel instead of running
-        # shrink + expand (see batchrun/lora/layer.py).
+        # Set per step by the model runner (Triton path: decode steps and small prefills):
+        # hooks whose caller can fuse return their delta (LoRADelta) to the next kernel instead
+        # of running shrink + expand (see batchrun/lora/layer.py).
         self.fuse_deltas = False
         # Slot per token that fused kernels read (LoRADelta.token_slots): the model runner binds
         # its static decode buffer, which it writes every step anyway, so a fused decode step
