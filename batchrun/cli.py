@@ -1,4 +1,4 @@
-"""batchrun command line: run, plan, status, show, slurm, bench.
+"""batchrun command line: run, plan, status, show, verify, slurm, bench.
 
 Exit codes (README "Exit codes"): see ExitCode. Each failure prints one line starting with
 "batchrun: error:" that names the file/field and the fix; only internal errors print a traceback.
@@ -9,11 +9,12 @@ import importlib.util
 import os
 import sys
 import traceback
+from contextlib import contextmanager
 from enum import IntEnum
 
 import click
 
-from batchrun.errors import ConfigError
+from batchrun.errors import ConfigError, JobChanged, OutputIOError, io_message
 
 
 class ExitCode(IntEnum):
@@ -24,6 +25,8 @@ class ExitCode(IntEnum):
     ROW_ERROR = 4  # on_error: fail and a row could not run; committed units are kept
     JOB_CHANGED = 5  # output dir holds a different job; rerun with --restart or change output.path
     LOCKED = 6  # another run of this task (or a run being restarted) holds the output dir's lock
+    OUTPUT_IO = 7  # the output dir cannot be written/read (disk full, read-only, permissions); kept
+    DAMAGED = 8  # `verify` found missing/damaged part files; rerun the job to rewrite them
     INTERRUPTED = 130  # SIGINT/SIGTERM: stopped between units, no partial file; rerun to resume
 
 
@@ -62,19 +65,19 @@ def main():
 
 @main.command()
 @click.argument("job", type=click.Path(dir_okay=False))
-@click.option("--task-id", type=int, default=None,
+@click.option("--task-id", type=click.IntRange(min=0), default=None,
               help="This task's index, 0-based. Default: from SLURM_ARRAY_TASK_ID (minus SLURM_ARRAY_TASK_MIN), else 0.")
-@click.option("--num-tasks", type=int, default=None,
+@click.option("--num-tasks", type=click.IntRange(min=1), default=None,
               help="How many tasks share the job. Default: SLURM_ARRAY_TASK_COUNT, else 1.")
 @click.option("--restart", is_flag=True,
               help="Discard a previous run's outputs in output.path and start over (needed when the job changed).")
 @click.option("--no-progress", is_flag=True, help="No progress bar (the summary is still printed).")
 def run(job, task_id, num_tasks, restart, no_progress):
     """Run JOB (a job.yaml), or this task's share of it; resumes a previous run."""
+    from batchrun.interrupt import Interrupted
     from batchrun.job import load_job
     from batchrun.lock import LockBusy
-    from batchrun.prepare import JobChanged
-    from batchrun.runner import Interrupted, RowFailure, run_job
+    from batchrun.runner import RowFailure, run_job
 
     env_tid, env_n = slurm_task_defaults()
     task_id = task_id if task_id is not None else (env_tid or 0)
@@ -94,9 +97,16 @@ def run(job, task_id, num_tasks, restart, no_progress):
         _fail(ExitCode.LOCKED, str(e))
     except RowFailure as e:
         _fail(ExitCode.ROW_ERROR, str(e))
+    except OutputIOError as e:
+        _fail(ExitCode.OUTPUT_IO, str(e))
     except (Interrupted, KeyboardInterrupt) as e:
         _fail(ExitCode.INTERRUPTED, f"interrupted ({e}); no partial file was left. "
               "Rerun the same command to resume after the committed units.")
+    except OSError as e:
+        if e.filename is None:
+            traceback.print_exc()
+            _fail(ExitCode.INTERNAL, "internal error (traceback above); committed units are kept, a rerun resumes")
+        _fail(ExitCode.OUTPUT_IO, io_message(e, "cannot access a file"))
     except Exception:
         traceback.print_exc()
         _fail(ExitCode.INTERNAL, "internal error (traceback above); committed units are kept, a rerun resumes")
@@ -123,17 +133,16 @@ def _summary(spec, st) -> None:
 
 @main.command()
 @click.argument("job", type=click.Path(dir_okay=False))
-@click.option("--num-tasks", type=int, default=None, help="Show task shares for this many tasks (default: Slurm env or 1).")
+@click.option("--num-tasks", type=click.IntRange(min=1), default=None,
+              help="Show task shares for this many tasks (default: Slurm env or 1).")
 @click.option("--no-tokens", is_flag=True, help="Skip tokenizing prompts (faster on huge inputs).")
 def plan(job, num_tasks, no_tokens):
     """Validate JOB without loading weights and print its shards, work units and task shares."""
     from batchrun.job import load_job
     from batchrun.report import plan_report
     num_tasks = num_tasks or slurm_task_defaults()[1] or 1
-    try:
+    with _read_errors():
         click.echo(plan_report(load_job(job), num_tasks, count_tokens=not no_tokens))
-    except ConfigError as e:
-        _fail(ExitCode.CONFIG, str(e))
 
 
 @main.command()
@@ -141,29 +150,40 @@ def plan(job, num_tasks, no_tokens):
 def status(out):
     """Progress of the job whose output directory is OUT: units, rows, errors, running tasks."""
     from batchrun.report import status_report
-    try:
+    with _read_errors():
         text, _ = status_report(out)
-    except ConfigError as e:
-        _fail(ExitCode.CONFIG, str(e))
     click.echo(text)
 
 
 @main.command()
 @click.argument("out", type=click.Path(file_okay=False))
-@click.option("--limit", type=int, default=10, show_default=True, help="Rows to print (spread over adapters).")
+def verify(out):
+    """Read every part file of OUT and check it against its commit (sha256, rows, unique ids).
+
+    Exit 0 when every committed unit is whole, 8 when some are missing or damaged (a rerun of the
+    job rewrites them)."""
+    from batchrun.verify import verify as run_verify
+    with _read_errors():
+        text, ok = run_verify(out)
+    click.echo(text)
+    if not ok:
+        sys.exit(int(ExitCode.DAMAGED))
+
+
+@main.command()
+@click.argument("out", type=click.Path(file_okay=False))
+@click.option("--limit", type=click.IntRange(min=0), default=10, show_default=True, help="Rows to print (spread over adapters).")
 @click.option("--prompts/--no-prompts", default=True, show_default=True, help="Also print each row's prompt.")
 def show(out, limit, prompts):
     """Print a few output rows of OUT."""
     from batchrun.report import show_rows
-    try:
+    with _read_errors():
         click.echo(show_rows(out, limit, prompts))
-    except ConfigError as e:
-        _fail(ExitCode.CONFIG, str(e))
 
 
 @main.command()
 @click.argument("job", type=click.Path(dir_okay=False))
-@click.option("--array", "array", type=int, required=True, help="Number of array tasks (one GPU each).")
+@click.option("--array", "array", type=click.IntRange(min=1), required=True, help="Number of array tasks (one GPU each).")
 @click.option("--script", type=click.Path(dir_okay=False), default=None,
               help="Where to write the sbatch script. Default: next to JOB, as <job>.sbatch.")
 @click.option("--time", "time_", default="24:00:00", show_default=True, help="#SBATCH --time")
@@ -192,6 +212,22 @@ def slurm(job, array, script, time_, cpus, mem, partition, account, restart, sub
         _fail(ExitCode.CONFIG, str(e))
     except OSError as e:
         _fail(ExitCode.CONFIG, f"cannot write the sbatch script: {e}")
+
+
+@contextmanager
+def _read_errors():
+    """plan/status/show/verify: a bad job, directory or file is one error line, not a traceback."""
+    import pyarrow as pa
+    try:
+        yield
+    except ConfigError as e:
+        _fail(ExitCode.CONFIG, str(e))
+    except OSError as e:
+        _fail(ExitCode.OUTPUT_IO, f"cannot read {e.filename or 'a file'}: {e.strerror or e}; check that it "
+              "exists and is readable")
+    except pa.ArrowException as e:
+        _fail(ExitCode.CONFIG, f"a Parquet file cannot be read: {e}; run `batchrun verify` on the output "
+              "directory, or check the input files")
 
 
 def _register_bench() -> None:

@@ -59,13 +59,17 @@ def _digest(obj) -> str:
 
 
 def job_fingerprint(spec: JobSpec, files: list[str], file_names: list[str],
-                    override_columns: list[str]) -> dict[str, str]:
-    """{part: digest}; the manifest stores it, so a mismatch can say which part changed."""
+                    override_columns: list[str], digests: list[str] | None = None) -> dict[str, str]:
+    """{part: digest}; the manifest stores it, so a mismatch can say which part changed.
+
+    ``digests``: the input files' file_digest, when the caller already has them (prepare pins them).
+    """
     inp, eng = spec.input, spec.engine
+    digests = digests if digests is not None else [file_digest(f) for f in files]
     return {
         "model": dir_digest(spec.model),
         "adapters": _digest({name: dir_digest(p) for name, p in spec.adapters.items()}),
-        "inputs": _digest([[n, file_digest(f)] for n, f in zip(file_names, files)]),
+        "inputs": _digest([[n, d] for n, d in zip(file_names, digests)]),
         "sampling": _digest({**spec.sampling.__dict__, "override_columns": list(override_columns)}),
         "engine": _digest({"device": eng.device, "dtype": eng.dtype, "max_model_len": eng.max_model_len}),
         "layout": _digest({k: getattr(inp, k) for k in

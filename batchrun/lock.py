@@ -51,9 +51,11 @@ def is_locked(path: str) -> str | None:
     """Owner text if some process holds the lock at ``path``, else None (for status/restart)."""
     if not os.path.exists(path):
         return None
-    fd = os.open(path, os.O_RDWR)
+    # Read-only and a shared lock: works on a read-only directory too, and conflicts with the
+    # exclusive lock a running task holds.
+    fd = os.open(path, os.O_RDONLY)
     try:
-        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.lockf(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
     except OSError:
         return os.read(fd, 200).decode(errors="replace").strip() or "another process"
     else:

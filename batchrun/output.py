@@ -3,7 +3,8 @@
     output.path/
       part-000000.parquet ...      the dataset (one file per committed work unit)
       _batchrun/                   metadata; pyarrow/pandas/duckdb skip "_"-prefixed names
-        manifest.json              job fingerprint, creation time
+        manifest.json              job fingerprint, creation time, the part-file names it owns
+        restarting.json            only while a --restart is deleting the previous run (crash-safe)
         plan/                      plan.json + row_file.npy + row_index.npy
         commits/unit-000000.json   one marker per committed unit (rows, errors, tokens)
         tmp/task-0/                part files being written (never visible in the dataset)
@@ -34,6 +35,10 @@ def output_schema(id_type: pa.DataType) -> pa.Schema:
     ])
 
 
+def part_name(unit: int) -> str:
+    return f"part-{unit:06d}.parquet"
+
+
 @dataclass(frozen=True)
 class OutputDir:
     path: str
@@ -45,6 +50,10 @@ class OutputDir:
     @property
     def manifest(self) -> str:
         return os.path.join(self.meta, "manifest.json")
+
+    @property
+    def restart_mark(self) -> str:
+        return os.path.join(self.meta, "restarting.json")
 
     @property
     def plan_dir(self) -> str:
@@ -70,7 +79,7 @@ class OutputDir:
         return os.path.join(self.meta, "tmp", f"task-{task_id}")
 
     def part(self, unit: int) -> str:
-        return os.path.join(self.path, f"part-{unit:06d}.parquet")
+        return os.path.join(self.path, part_name(unit))
 
     def commit_marker(self, unit: int) -> str:
         return os.path.join(self.commits, f"unit-{unit:06d}.json")

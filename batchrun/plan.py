@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import numpy as np
 import pyarrow as pa
@@ -57,6 +57,7 @@ class Plan:
     row_file: np.ndarray  # int32 [total_rows], unit order
     row_index: np.ndarray  # int64 [total_rows], unit order
     fingerprint: str = ""
+    file_ids: list = field(default_factory=list)  # per file [size, mtime_ns, digest] when planned/run
 
     @property
     def total_rows(self) -> int:

@@ -1,9 +1,10 @@
 """Everything a run checks and sets up before loading any weights.
 
 Inputs (files, schemas, ids), model and adapter directories (headers only), tokenizer, output
-directory (writable), then the output directory's manifest: a fresh directory gets a plan and a
+directory (safe and writable: output_path.py), then the output directory's manifest: a fresh directory gets a plan and a
 manifest; a directory holding the same job is resumed; one holding a different job is refused
-unless --restart.
+unless --restart (restart.py: crash-safe, deletes only batchrun's files). The input files are
+pinned (pins.py) so the runner notices a change under it.
 """
 from __future__ import annotations
 
@@ -14,18 +15,17 @@ import time
 from dataclasses import dataclass
 
 from batchrun import __version__
-from batchrun.commit import fsync_path, write_json_atomic
-from batchrun.errors import ConfigError
+from batchrun.commit import write_json_atomic
+from batchrun.errors import ConfigError, JobChanged, OutputIOError, io_message
 from batchrun.fingerprint import PART_NAMES, combine, job_fingerprint
 from batchrun.inputs import check_schemas, find_input_files
 from batchrun.job import JobSpec
-from batchrun.lock import LockBusy, TaskLock, is_locked
+from batchrun.lock import LockBusy, TaskLock
 from batchrun.output import META, OutputDir
+from batchrun.output_path import check_output_path, check_unowned_dir
+from batchrun.pins import InputPins, identity
 from batchrun.plan import Plan, make_plan
-
-
-class JobChanged(ConfigError):
-    """The output directory holds results of a different job (fingerprint mismatch)."""
+from batchrun.restart import begin_wipe, check_no_active_task, finish_wipe, pending_wipe
 
 
 @dataclass
@@ -35,6 +35,7 @@ class Prepared:
     plan: Plan
     fingerprint: str
     model_config: object | None  # batchrun.models ModelConfig when the loader exists
+    pins: InputPins | None = None  # the input files as this run found them
 
 
 def check_model_and_adapters(spec: JobSpec) -> object | None:
@@ -53,6 +54,8 @@ def check_model_and_adapters(spec: JobSpec) -> object | None:
             model_config = inspect_model(spec.model)
         except ConfigError as e:
             raise type(e)(f"model: {e}") from None
+        from batchrun.models.config import check_context_length
+        check_context_length(model_config, spec.engine.max_model_len, spec.model)
     for name, path in spec.adapters.items():
         if not os.path.isdir(path):
             raise ConfigError(f"adapters.{name}: {path} is not a directory (expected a PEFT adapter directory)")
@@ -101,59 +104,86 @@ def validate(spec: JobSpec) -> tuple[list[str], str, object, object]:
     schema = check_schemas(files, spec.input)
     model_config = check_model_and_adapters(spec)
     load_tokenizer(spec)  # a broken tokenizer or missing chat template fails before the weights load
+    check_output_path(spec, files)
     return files, root, schema, model_config
 
 
-def prepare(spec: JobSpec, restart: bool = False) -> Prepared:
+def prepare(spec: JobSpec, restart: bool = False, log=None) -> Prepared:
     """Validate, fingerprint, and create/resume/refuse the output directory's job state.
 
     Runs under the output dir's manifest lock so concurrent array tasks agree on one plan.
     """
     files, root, schema, model_config = validate(spec)
     out = OutputDir(spec.output.path)
-    check_output_writable(out)
     names = [os.path.relpath(f, root) for f in files]
-    parts = job_fingerprint(spec, files, names, list(schema.override_columns))
+    pins = [identity(f) for f in files]  # each input read once: its digest serves the fingerprint too
+    parts = job_fingerprint(spec, files, names, list(schema.override_columns), digests=[p.digest for p in pins])
     fp = combine(parts)
     token = os.environ.get("SLURM_ARRAY_JOB_ID")  # siblings of one array restart only once
+    check_output_writable(out)
 
     meta_lock = TaskLock(os.path.join(out.locks, "manifest.lock"), "planning")
     _acquire_blocking(meta_lock)
     try:
-        manifest = _read_manifest(out)
-        if manifest is not None and manifest.get("fingerprint") != fp and not restart:
-            changed = [PART_NAMES[k] for k, v in parts.items() if manifest.get("parts", {}).get(k) != v]
-            raise JobChanged(
-                f"output.path: {out.path} holds results of a different job (changed: "
-                f"{'; '.join(changed) or 'batchrun version'}). Rerun with --restart to discard them, "
-                "or choose another output.path.")
-        if manifest is not None and restart and not (token and manifest.get("restart_token") == token):
-            _wipe(out)
-            manifest = None
-        if manifest is None and out.part_files():
-            raise ConfigError(f"output.path: {out.path} holds part-*.parquet files that batchrun did not "
-                              "write (no _batchrun/manifest.json); choose an empty or new directory")
-        plan = None
-        if manifest is not None:
-            try:
-                plan = Plan.load(out.plan_dir)
-            except (OSError, ValueError):
-                plan = None  # manifest without a complete plan: a crash while planning
-        if plan is None:
-            plan = make_plan(spec, files, root, schema)
-            plan.fingerprint = fp
-            if os.path.isdir(out.plan_dir):
-                shutil.rmtree(out.plan_dir)
-            plan.save(out.plan_dir)
-            write_json_atomic(out.manifest, {
-                "fingerprint": fp, "parts": parts, "restart_token": token,
-                "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "batchrun_version": __version__,
-                "job_file": spec.job_file, "job": spec.to_dict(),
-                "total_rows": plan.total_rows, "total_units": len(plan.units),
-            })
+        file_ids = [[p.size, p.mtime_ns, p.digest] for p in pins]
+        plan = _job_state(spec, out, restart, parts, fp, token, files, root, schema, file_ids,
+                          log or (lambda m: None))
+    except OSError as e:
+        raise OutputIOError(io_message(e, "output.path")) from None
     finally:
         meta_lock.release()
-    return Prepared(spec, out, plan, fp, model_config)
+    if plan.files != files:  # same content (the fingerprint says so), found at new paths: read those
+        plan.files = list(files)
+    plan.file_ids = file_ids
+    return Prepared(spec, out, plan, fp, model_config, InputPins(plan.files, pins))
+
+
+def _job_state(spec, out, restart, parts, fp, token, files, root, schema, file_ids, log) -> Plan:
+    """Under the manifest lock: finish an interrupted restart, then resume, refuse, or restart."""
+    if pending_wipe(out):
+        log(f"finishing an interrupted --restart of {out.path} first")
+        finish_wipe(out)
+    try:
+        manifest = _read_manifest(out)
+    except ConfigError:
+        if not restart:
+            raise
+        manifest = None  # damaged: --restart deletes what the commit markers name
+    if manifest is not None and manifest.get("fingerprint") != fp and not restart:
+        changed = [PART_NAMES[k] for k, v in parts.items() if manifest.get("parts", {}).get(k) != v]
+        raise JobChanged(
+            f"output.path: {out.path} holds results of a different job (changed: "
+            f"{'; '.join(changed) or 'batchrun version'}). Rerun with --restart to discard them, "
+            "or choose another output.path.")
+    if restart and not (manifest is not None and token and manifest.get("restart_token") == token):
+        begin_wipe(out, manifest)
+        manifest = None
+    plan = None
+    if manifest is None:
+        check_unowned_dir(out)
+        if os.path.isdir(out.commits):  # markers without the manifest that made them prove nothing
+            check_no_active_task(out)
+            shutil.rmtree(out.commits)
+    else:
+        try:
+            plan = Plan.load(out.plan_dir)
+        except (OSError, ValueError):
+            plan = None  # manifest without a complete plan: a crash while planning
+    if plan is None:
+        plan = make_plan(spec, files, root, schema)
+        plan.fingerprint = fp
+        plan.file_ids = file_ids
+        if os.path.isdir(out.plan_dir):
+            shutil.rmtree(out.plan_dir)
+        plan.save(out.plan_dir)
+        write_json_atomic(out.manifest, {
+            "fingerprint": fp, "parts": parts, "restart_token": token,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "batchrun_version": __version__,
+            "job_file": spec.job_file, "job": spec.to_dict(),
+            "total_rows": plan.total_rows, "total_units": len(plan.units),
+            "part_files": "part-NNNNNN.parquet for units 0 .. total_units-1 (only these are ever deleted)",
+        })
+    return plan
 
 
 def _acquire_blocking(lock: TaskLock, timeout: float = 600.0) -> None:
@@ -171,31 +201,16 @@ def _acquire_blocking(lock: TaskLock, timeout: float = 600.0) -> None:
 def _read_manifest(out: OutputDir) -> dict | None:
     try:
         with open(out.manifest) as f:
-            return json.load(f)
+            manifest = json.load(f)
     except FileNotFoundError:
         return None
     except (OSError, ValueError) as e:
-        raise ConfigError(f"output.path: {out.manifest} is unreadable ({e}); rerun with --restart") from None
-
-
-def _wipe(out: OutputDir) -> None:
-    """--restart: delete the previous run's parts and metadata, unless a run is still active.
-
-    Called under the manifest lock; task locks are taken only after it is released, so a held
-    task lock means a task really is running.
-    """
-    if os.path.isdir(out.locks):
-        for name in sorted(os.listdir(out.locks)):
-            if name.startswith("task-") and (owner := is_locked(os.path.join(out.locks, name))):
-                raise LockBusy(f"--restart: a run is still active in {out.path} ({owner}, {name}); "
-                               "stop it before restarting")
-    for part in out.part_files():
-        os.remove(part)
-    for name in os.listdir(out.meta):
-        if name not in ("locks", "slurm"):  # slurm/: the running array's own log files
-            full = os.path.join(out.meta, name)
-            shutil.rmtree(full) if os.path.isdir(full) and not os.path.islink(full) else os.remove(full)
-    fsync_path(out.path)
+        raise ConfigError(f"output.path: {out.manifest} is damaged ({e}); rerun with --restart "
+                          "to start over") from None
+    if not isinstance(manifest, dict) or "fingerprint" not in manifest:
+        raise ConfigError(f"output.path: {out.manifest} is damaged (not a batchrun manifest); rerun with "
+                          "--restart to start over")
+    return manifest
 
 
 __all__ = ["JobChanged", "Prepared", "prepare", "validate", "load_tokenizer", "check_output_writable", "META"]

@@ -7,12 +7,13 @@ import os
 import numpy as np
 import pyarrow.parquet as pq
 
-from batchrun.commit import committed_units
+from batchrun.commit import check_part, committed_units, read_commits
 from batchrun.errors import ConfigError
 from batchrun.inputs import RowReader
 from batchrun.job import JobSpec
 from batchrun.lock import is_locked
 from batchrun.output import OutputDir
+from batchrun.output_path import check_unowned_dir
 from batchrun.plan import Plan, assign_tasks, make_plan
 from batchrun.prepare import load_tokenizer, validate
 
@@ -30,6 +31,9 @@ def _table(header: list[str], rows: list[list]) -> str:
 
 def plan_report(spec: JobSpec, num_tasks: int, count_tokens: bool = True) -> str:
     files, root, schema, _ = validate(spec)
+    out = OutputDir(spec.output.path)
+    if not os.path.lexists(out.manifest):
+        check_unowned_dir(out)  # what run would refuse, plan refuses too
     plan = make_plan(spec, files, root, schema)
     lines = [f"job:      {spec.job_file}",
              f"model:    {spec.model}",
@@ -103,22 +107,33 @@ def _prompt_tokens(spec: JobSpec, plan: Plan) -> tuple[dict, dict]:
     return ({k: int(tokens[i]) for k, i in code_of.items()}, {k: int(bad[i]) for k, i in code_of.items()})
 
 
-def _load_state(out_path: str) -> tuple[OutputDir, dict, list]:
+def load_state(out_path: str) -> tuple[OutputDir, dict, list]:
+    """(output dir, manifest, plan units) of an existing run; ConfigError naming what is wrong."""
     out = OutputDir(os.path.abspath(out_path))
     try:
         with open(out.manifest) as f:
             manifest = json.load(f)
         with open(os.path.join(out.plan_dir, "plan.json")) as f:
             units = json.load(f)["units"]
+        if not isinstance(manifest, dict) or "fingerprint" not in manifest:
+            raise ValueError("not a batchrun manifest")
     except FileNotFoundError:
         raise ConfigError(f"{out.path} is not a batchrun output directory (no _batchrun/manifest.json "
                           "or plan); has a run started there?") from None
+    except (ValueError, KeyError, TypeError) as e:
+        raise ConfigError(f"{out.path}: its batchrun metadata is damaged ({e}); the part files are "
+                          "untouched. Rerun the job with --restart to start over") from None
     return out, manifest, units
 
 
 def status_report(out_path: str) -> tuple[str, bool]:
-    out, manifest, units = _load_state(out_path)
-    done = committed_units(out)
+    out, manifest, units = load_state(out_path)
+    commits = read_commits(out)
+    damaged = dict(commits.damaged)
+    for unit, marker in commits.valid.items():
+        if (why := check_part(out, unit, marker, manifest.get("fingerprint"))) is not None:
+            damaged[unit] = why
+    done = {u: m for u, m in commits.valid.items() if u not in damaged}
     lines = [f"output:  {out.path}", f"job:     {manifest.get('job_file')} (fingerprint {manifest['fingerprint']})",
              f"created: {manifest.get('created')}"]
     total_rows = sum(u[4] for u in units)
@@ -143,7 +158,11 @@ def status_report(out_path: str) -> tuple[str, bool]:
             if name.startswith("task-") and (owner := is_locked(os.path.join(out.locks, name))):
                 running.append(f"{name[:-5]} ({owner})")
     lines += ["", f"running: {', '.join(running) if running else 'none'}"]
-    orphans = [p for p in out.part_files() if int(os.path.basename(p)[5:-8]) not in done]
+    orphans = [u for u in range(len(units)) if u not in commits.valid and os.path.lexists(out.part(u))]
+    if damaged:
+        shown = "; ".join(f"unit {u}: {why}" for u, why in sorted(damaged.items())[:3])
+        lines.append(f"damaged: {len(damaged)} committed unit(s) whose part file is missing or damaged "
+                     f"({shown}{' ...' if len(damaged) > 3 else ''}); the next run rewrites them")
     if orphans:
         lines.append(f"note: {len(orphans)} part file(s) finished but not yet committed (a run stopped "
                      "between writing and committing); the next run rewrites them")
@@ -153,8 +172,9 @@ def status_report(out_path: str) -> tuple[str, bool]:
 
 
 def show_rows(out_path: str, limit: int, prompts: bool) -> str:
-    out, manifest, _ = _load_state(out_path)
-    done = committed_units(out)
+    out, manifest, _ = load_state(out_path)
+    done = {u: m for u, m in committed_units(out).items()
+            if check_part(out, u, m, manifest.get("fingerprint")) is None}
     if not done:
         return "(no units committed yet)"
     # A few committed part files per shard (not the whole dataset), then round-robin over shards

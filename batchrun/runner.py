@@ -8,19 +8,18 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import sys
 import time
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from typing import Callable
 
 from tqdm import tqdm
 
 from batchrun import commit
-from batchrun.commit import committed_units, write_json_atomic
+from batchrun.commit import check_part, committed_units, read_commits, write_json_atomic
 from batchrun.engine.request import Result
-from batchrun.errors import ConfigError
+from batchrun.errors import ConfigError, OutputIOError, io_message
+from batchrun.interrupt import Interrupted, Signals
 from batchrun.inputs import RowReader
 from batchrun.job import JobSpec
 from batchrun.lock import TaskLock
@@ -34,14 +33,6 @@ class RowFailure(Exception):
     """on_error: fail and a row could not run."""
 
 
-class Interrupted(BaseException):
-    """SIGTERM/SIGINT. BaseException so no ``except Exception`` in the engine swallows it."""
-
-    def __init__(self, signum: int):
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
-
-
 @dataclass
 class TaskStats:
     task_id: int
@@ -50,6 +41,7 @@ class TaskStats:
     units_total: int = 0  # this task's units
     units_skipped: int = 0  # committed by an earlier run
     units_done: int = 0  # committed by this run
+    units_repaired: int = 0  # committed earlier, but the part file was missing/damaged: rewritten
     rows: int = 0
     error_rows: int = 0
     prompt_tokens: int = 0
@@ -77,39 +69,6 @@ def load_engine(spec: JobSpec):
     return Engine.from_config(cfg, adapters=dict(spec.adapters))
 
 
-class _Signals:
-    """Turn SIGTERM/SIGINT into Interrupted, but never inside a commit (deferred until it ends)."""
-
-    def __init__(self):
-        self.critical = False
-        self.pending: int | None = None
-        self._old = {}
-
-    def install(self):
-        for s in (signal.SIGTERM, signal.SIGINT):
-            self._old[s] = signal.signal(s, self._handle)
-
-    def restore(self):
-        for s, h in self._old.items():
-            signal.signal(s, h)
-
-    def _handle(self, signum, frame):
-        if self.critical:
-            self.pending = signum
-        else:
-            raise Interrupted(signum)
-
-    @contextmanager
-    def deferred(self):
-        self.critical = True
-        try:
-            yield
-        finally:
-            self.critical = False
-        if self.pending is not None:
-            raise Interrupted(self.pending)
-
-
 class TaskRunner:
     def __init__(self, prep: Prepared, task_id: int, num_tasks: int, engine_factory: Callable,
                  progress: bool = True, log=print):
@@ -118,7 +77,7 @@ class TaskRunner:
         self.engine_factory = engine_factory
         self.progress, self.log = progress, log
         self.stats = TaskStats(task_id, num_tasks)
-        self.signals = _Signals()
+        self.signals = Signals()
         self.bar = None
 
     # ---- commit -----------------------------------------------------------------------------
@@ -127,14 +86,19 @@ class TaskRunner:
         table = unit_table(work, self.plan.input_schema.id_type)
         errors = sum(r.finish_reason == "error" for r in work.results)
         info = {"task": self.task_id, "adapter": work.unit.adapter, "rows": work.unit.rows,
-                "error_rows": errors, "part": os.path.basename(self.out.part(work.unit.index)),
+                "error_rows": errors,
                 "prompt_tokens": sum(r.prompt_tokens for r in work.results),
                 "output_tokens": sum(len(r.output_token_ids) for r in work.results),
                 "time": time.time()}
+        unit = work.unit.index
         with self.signals.deferred():
-            tmp = commit.write_part(self.out, self.task_id, work.unit.index, table)
-            commit.publish_part(self.out, work.unit.index, tmp)
-            commit.record_commit(self.out, work.unit.index, info)
+            try:
+                written = commit.write_part(self.out, self.task_id, unit, table)
+                commit.publish_part(self.out, unit, written.tmp)
+                info.update(commit.part_record(self.out, unit, written, self.prep.fingerprint))
+                commit.record_commit(self.out, unit, info)
+            except OSError as e:  # disk full, read-only, quota: the unit stays uncommitted
+                raise OutputIOError(io_message(e, f"cannot commit unit {unit}")) from None
         st = self.stats
         st.units_done += 1
         st.error_rows += errors
@@ -170,6 +134,27 @@ class TaskRunner:
 
     # ---- main loop --------------------------------------------------------------------------
 
+    def _verified_commits(self, mine: list[Unit]) -> set[int]:
+        """This task's units whose marker is readable and whose part file is the one it recorded.
+
+        A unit with a missing, truncated or changed part (or an unreadable marker) loses its
+        marker here (markers go before parts, as in a restart) and is run again.
+        """
+        commits = read_commits(self.out)
+        done = set()
+        for u in mine:
+            reason = commits.damaged.get(u.index)
+            if reason is None and u.index in commits.valid:
+                reason = check_part(self.out, u.index, commits.valid[u.index], self.prep.fingerprint)
+                if reason is None:
+                    done.add(u.index)
+                    continue
+            if reason is not None:
+                self.log(f"task {self.task_id}: unit {u.index} was committed but {reason}; rewriting it")
+                os.remove(self.out.commit_marker(u.index))
+                self.stats.units_repaired += 1
+        return done
+
     def _groups(self, units: list[Unit], cap: int) -> list[list[Unit]]:
         groups: list[list[Unit]] = []
         for u in units:
@@ -183,7 +168,7 @@ class TaskRunner:
     def run(self) -> TaskStats:
         st = self.stats
         mine = task_units(self.plan, self.task_id, self.num_tasks)
-        done = committed_units(self.out)
+        done = self._verified_commits(mine)
         todo = [u for u in mine if u.index not in done]
         st.units_total, st.units_skipped = len(mine), len(mine) - len(todo)
         tmp_dir = self.out.tmp(self.task_id)
@@ -241,7 +226,17 @@ class TaskRunner:
             requests = []
             for unit in group:
                 rf, ri = self.plan.unit_rows(unit)
-                rows = reader.read(rf, ri)
+                pins = self.prep.pins
+                if pins is not None:
+                    pins.check(rf)  # before and after: a file replaced mid-read mixes rows
+                try:
+                    rows = reader.read(rf, ri)
+                except Exception:
+                    if pins is not None:
+                        pins.check(rf)  # a file that changed under the reader says so ...
+                    raise  # ... anything else is a real failure
+                if pins is not None:
+                    pins.check(rf)
                 work = build_unit(unit, rows, rf, ri, self.plan, spec, engine.tokenizer, max_len,
                                   engine.check_request)
                 bad = work.first_error()
@@ -303,7 +298,7 @@ def run_job(spec: JobSpec, task_id: int = 0, num_tasks: int = 1, restart: bool =
     """Validate + plan (no weights), take this task's lock, run its units. Raises on failure."""
     if not 0 <= task_id < num_tasks:
         raise ConfigError(f"--task-id must be in [0, {num_tasks}), got {task_id}")
-    prep = prepare(spec, restart=restart)
+    prep = prepare(spec, restart=restart, log=log)
     lock = TaskLock(prep.out.lock(task_id), f"task {task_id} of {prep.out.path}")
     with lock:
         runner = TaskRunner(prep, task_id, num_tasks, engine_factory or load_engine, progress=progress, log=log)

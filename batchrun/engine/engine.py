@@ -13,7 +13,7 @@ import torch
 
 from batchrun.config import EngineConfig
 from batchrun.engine.block_manager import BlockManager
-from batchrun.engine.kv_sizing import num_kv_blocks
+from batchrun.engine.kv_sizing import check_one_sequence_fits, num_kv_blocks
 from batchrun.engine.model_runner import ModelRunner
 from batchrun.engine.request import Request, Result
 from batchrun.engine.sampler import sample
@@ -21,7 +21,7 @@ from batchrun.engine.scheduler import Scheduler
 from batchrun.engine.sequence import Sequence
 from batchrun.errors import ConfigError
 from batchrun.models.loader import load_model, resolve_dtype
-from batchrun.models.config import ModelConfig
+from batchrun.models.config import ModelConfig, check_context_length
 
 
 def resolve_device(name: str) -> torch.device:
@@ -74,6 +74,8 @@ class Engine:
         device = resolve_device(config.device)
         mcfg = ModelConfig.from_dir(config.model)
         dtype = resolve_dtype(config.dtype, mcfg, device)
+        check_context_length(mcfg, config.max_model_len, config.model)
+        check_one_sequence_fits(mcfg, config, device, dtype)  # before the rotary table and weights
         tokenizer = load_tokenizer(config.model)
         model = load_model(config.model, device, dtype, max_position(config, mcfg))
         return cls.from_model(config, model, tokenizer, adapters)

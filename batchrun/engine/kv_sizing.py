@@ -47,3 +47,19 @@ def num_kv_blocks(cfg: ModelConfig, config: EngineConfig, device: torch.device,
             f"engine.max_model_len or give the cache more memory (gpu_memory_utilization, "
             f"cpu_kv_cache_gb, num_kv_blocks)")
     return n
+
+
+def check_one_sequence_fits(cfg: ModelConfig, config: EngineConfig, device: torch.device,
+                            dtype: torch.dtype) -> None:
+    """Before the weights load: one max_model_len sequence's KV must fit the whole budget."""
+    per_block = bytes_per_block(cfg, config.block_size, dtype)
+    need = (-(-config.max_model_len // config.block_size) + 1) * per_block
+    if device.type == "cuda":
+        budget = torch.cuda.mem_get_info(device)[1] * config.gpu_memory_utilization
+    else:
+        budget = config.cpu_kv_cache_gb * (1 << 30)
+    if config.num_kv_blocks is None and need > budget:
+        raise ConfigError(
+            f"engine: one sequence of max_model_len={config.max_model_len} needs {need / (1 << 30):.1f} GiB "
+            f"of KV cache, more than the {budget / (1 << 30):.1f} GiB this device can give it; lower "
+            "engine.max_model_len")

@@ -122,3 +122,12 @@ def _rope(raw: dict, where: str) -> tuple[float, dict | None]:
         return theta, {"rope_type": "llama3", **params}
     raise ModelLoadError(f"{where}: rope scaling type {rope_type!r} is not supported "
                          f"(supported: default, llama3)")
+
+
+def check_context_length(cfg: ModelConfig, max_model_len: int, model_dir: str) -> None:
+    """engine.max_model_len must fit the model's context (checked before any table is built)."""
+    from batchrun.errors import ConfigError
+    if max_model_len > cfg.max_position_embeddings:
+        raise ConfigError(f"engine.max_model_len: {max_model_len} is longer than the model's context "
+                          f"(max_position_embeddings {cfg.max_position_embeddings} in {model_dir}/config.json); "
+                          f"set engine.max_model_len <= {cfg.max_position_embeddings}")

@@ -4,7 +4,10 @@
                                          the N-th unit's temp file, before renaming it
     install(crash_at="after_rename:N")   ... after renaming it into the dataset, before its commit
     install(crash_at="after_commit:N")   ... after the N-th commit marker
-N counts units of this process (1-based). Run as a script it reads CRASH_AT from the environment.
+    install(crash_at="os.remove:N")      die right before the N-th call of os.remove (also
+                                         os.unlink, os.replace, os.rename, shutil.rmtree): a
+                                         kill -9 at a chosen system call, as strace's inject does
+N counts calls/units of this process (1-based). Run as a script it reads CRASH_AT from the environment.
 """
 import os
 import sys
@@ -22,6 +25,9 @@ def install(crash_at: str = "") -> None:
     if not point:
         return
     n = int(count)
+    if "." in point:
+        _crash_at_call(point, n)
+        return
     seen = {"before_rename": 0, "after_rename": 0, "after_commit": 0}
     orig_publish, orig_record = commit.publish_part, commit.record_commit
 
@@ -44,13 +50,29 @@ def install(crash_at: str = "") -> None:
     commit.publish_part, commit.record_commit = publish, record
 
 
+def _crash_at_call(point: str, n: int) -> None:
+    import shutil
+    module, name = point.split(".")
+    target = {"os": os, "shutil": shutil}[module]
+    orig, calls = getattr(target, name), [0]
+
+    def wrapped(*a, **kw):
+        calls[0] += 1
+        if calls[0] == n:
+            os._exit(137)
+        return orig(*a, **kw)
+
+    setattr(target, name, wrapped)
+
+
 def cli(args: list[str], crash_at: str = "", env: dict | None = None) -> None:
-    """Child-process entry: patch, then run the CLI (exits with its exit code)."""
+    """Child-process entry: patch, then run the CLI the way the console script does (signal
+    handlers first), exiting with its exit code."""
     os.environ.update(env or {})
     FakeEngine.results_emitted = 0  # a forked child inherits the parent's count
     install(crash_at)
-    from batchrun.cli import main
-    main(args)
+    from batchrun.__main__ import entry
+    entry(args)
 
 
 if __name__ == "__main__":
