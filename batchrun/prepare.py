@@ -25,7 +25,7 @@ from batchrun.output import META, OutputDir
 from batchrun.output_path import check_output_path, check_unowned_dir
 from batchrun.pins import InputPins, identity
 from batchrun.plan import Plan, make_plan
-from batchrun.restart import begin_wipe, check_no_active_task, finish_wipe, pending_wipe
+from batchrun.restart import begin_wipe, check_no_active_task, end_wipe, finish_wipe, pending_wipe
 
 
 @dataclass
@@ -140,7 +140,8 @@ def prepare(spec: JobSpec, restart: bool = False, log=None) -> Prepared:
 
 def _job_state(spec, out, restart, parts, fp, token, files, root, schema, file_ids, log) -> Plan:
     """Under the manifest lock: finish an interrupted restart, then resume, refuse, or restart."""
-    if pending_wipe(out):
+    wiped = pending_wipe(out)
+    if wiped:
         log(f"finishing an interrupted --restart of {out.path} first")
         finish_wipe(out)
     try:
@@ -157,10 +158,11 @@ def _job_state(spec, out, restart, parts, fp, token, files, root, schema, file_i
             "or choose another output.path.")
     if restart and not (manifest is not None and token and manifest.get("restart_token") == token):
         begin_wipe(out, manifest)
-        manifest = None
+        manifest, wiped = None, True
     plan = None
     if manifest is None:
-        check_unowned_dir(out)
+        if not wiped:  # a directory just restarted is this job's, whatever else the user keeps there
+            check_unowned_dir(out)
         if os.path.isdir(out.commits):  # markers without the manifest that made them prove nothing
             check_no_active_task(out)
             shutil.rmtree(out.commits)
@@ -183,6 +185,8 @@ def _job_state(spec, out, restart, parts, fp, token, files, root, schema, file_i
             "total_rows": plan.total_rows, "total_units": len(plan.units),
             "part_files": "part-NNNNNN.parquet for units 0 .. total_units-1 (only these are ever deleted)",
         })
+    if wiped:
+        end_wipe(out)
     return plan
 
 

@@ -8,7 +8,8 @@ Order matters, because a rerun trusts what it finds:
   3. then those part files (never anything else in output.path: a user's ``part-mine.parquet``
      or another job's files are not ours), then the rest of ``_batchrun/`` (locks and slurm logs
      stay: a task of the array may be holding its lock, the logs belong to the running array),
-  4. the mark goes last.
+  4. the mark goes last, once the new manifest is written (``end_wipe``): until then every run
+     knows the directory is this job's, being restarted, even though its manifest is gone.
 Nothing is followed through a symlink: links are unlinked, never descended.
 """
 from __future__ import annotations
@@ -67,7 +68,7 @@ def _remove(path: str) -> None:
 
 
 def finish_wipe(out: OutputDir) -> None:
-    """Steps 2-4, from the mark's list; safe to repeat after a crash at any point."""
+    """Steps 2-3, from the mark's list; safe to repeat after a crash at any point."""
     try:
         with open(out.restart_mark) as f:
             parts = json.load(f)["parts"]
@@ -84,5 +85,9 @@ def finish_wipe(out: OutputDir) -> None:
         if name not in KEEP and name != os.path.basename(out.restart_mark):
             _remove(os.path.join(out.meta, name))
     fsync_path(out.meta)
+
+
+def end_wipe(out: OutputDir) -> None:
+    """Step 4: the new manifest is in place, the restart is over."""
     os.remove(out.restart_mark)
     fsync_path(out.meta)
