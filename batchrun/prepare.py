@@ -120,6 +120,8 @@ def prepare(spec: JobSpec, restart: bool = False, log=None) -> Prepared:
     parts = job_fingerprint(spec, files, names, list(schema.override_columns), digests=[p.digest for p in pins])
     fp = combine(parts)
     token = os.environ.get("SLURM_ARRAY_JOB_ID")  # siblings of one array restart only once
+    if not os.path.lexists(out.manifest) and not pending_wipe(out):
+        check_unowned_dir(out)  # not ours: refuse before creating anything there, --restart or not
     check_output_writable(out)
 
     meta_lock = TaskLock(os.path.join(out.locks, "manifest.lock"), "planning")
