@@ -6,7 +6,9 @@ the job file's directory; ``$VARS`` and ``~`` are expanded (handy for ``$SCRATCH
 """
 from __future__ import annotations
 
+import datetime
 import os
+import reprlib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -100,7 +102,7 @@ def _fields(raw: Any, where: str, schema: dict[str, tuple[type, bool, Any]]) -> 
     out = {}
     unknown = [k for k in raw if k not in schema]
     if unknown:
-        key = f"{where}.{unknown[0]}" if where else str(unknown[0])
+        key = f"{where}.{_key(unknown[0])}" if where else _key(unknown[0])
         allowed = ", ".join(schema)
         raise ConfigError(f"{key}: unknown field (allowed under {where or 'the top level'}: {allowed})")
     for key, (typ, nullable, default) in schema.items():
@@ -129,11 +131,67 @@ class _Required:
 _REQUIRED = _Required()
 
 
+class _BoundedRepr(reprlib.Repr):
+    """reprlib.Repr that never builds a large intermediate: no sorting of whole dicts/sets and no
+    decimal conversion of huge integers (both cost time and memory proportional to the value)."""
+
+    def repr_dict(self, x, level):
+        if not x:
+            return "{}"
+        if level <= 0:
+            return "{...}"
+        items = []
+        for i, key in enumerate(x):
+            if i >= self.maxdict:
+                items.append("...")
+                break
+            items.append(f"{self.repr1(key, level - 1)}: {self.repr1(x[key], level - 1)}")
+        return "{" + ", ".join(items) + "}"
+
+    def repr_set(self, x, level):
+        return self._repr_iterable(x, level, "{", "}", self.maxset) if x else "set()"
+
+    def repr_frozenset(self, x, level):
+        return self._repr_iterable(x, level, "frozenset({", "})", self.maxfrozenset) if x else "frozenset()"
+
+    def repr_int(self, x, level):
+        if x.bit_length() > 128:
+            return f"<{x.bit_length()}-bit integer>"
+        return super().repr_int(x, level)
+
+    def repr_instance(self, x, level):
+        if isinstance(x, (bytes, bytearray)):  # YAML !!binary
+            return repr(x[:self.maxstring]) + ("..." if len(x) > self.maxstring else "")
+        if x is None or isinstance(x, (bool, float, complex, datetime.date, datetime.time)):
+            return repr(x)  # small by construction
+        return f"<{type(x).__name__}>"  # other objects: their repr may be unbounded
+
+
+_REPR = _BoundedRepr()
+_REPR.maxlevel = 3
+_REPR.maxtuple = _REPR.maxlist = _REPR.maxarray = _REPR.maxdeque = 4
+_REPR.maxdict = _REPR.maxset = _REPR.maxfrozenset = 4
+_REPR.maxstring = _REPR.maxother = 60
+_REPR.maxlong = 40
+
+
+def _short(value: Any) -> str:
+    """A bounded repr of a user value (at most ~80 characters, whatever its size or nesting)."""
+    text = _REPR.repr(value)
+    if len(text) > 80:  # nested values add up; keep the whole thing short
+        text = text[:77] + "..."
+    return text
+
+
 def _show(value: Any) -> str:
-    text = repr(value)
-    if len(text) > 60:
-        text = text[:57] + "..."
-    return f"{text} ({type(value).__name__})"
+    return f"{_short(value)} ({type(value).__name__})"
+
+
+def _key(key: Any) -> str:
+    """A mapping key as it appears in a field path: short strings as written, the rest bounded."""
+    if isinstance(key, str) and len(key) <= 60 and key.isprintable():
+        return key
+    return _short(key)
 
 
 def _check(cond: bool, path: str, message: str) -> None:
@@ -161,7 +219,10 @@ def load_job(path: str | os.PathLike) -> JobSpec:
     try:
         raw = yaml.safe_load(text)
     except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+        msg = str(e)
+        if len(msg) > 600:  # marks are bounded snippets, but a problem text can quote a huge tag
+            msg = msg[:597] + "..."
+        raise ConfigError(f"{path}: not valid YAML: {msg}") from None
     try:
         return parse_job(raw, base_dir=path.parent, job_file=str(path))
     except ConfigError as e:
@@ -184,11 +245,12 @@ def parse_job(raw: Any, base_dir: str | os.PathLike, job_file: str = "") -> JobS
 
     adapters: dict[str, str] = {}
     for name, apath in (top["adapters"] or {}).items():
-        _check(isinstance(name, str) and name.strip() != "", f"adapters.{name}",
+        where = f"adapters.{_key(name)}"
+        _check(isinstance(name, str) and name.strip() != "", where,
                "adapter names must be non-empty strings")
-        _check(isinstance(apath, str), f"adapters.{name}",
+        _check(isinstance(apath, str), where,
                f"expected a string (the PEFT adapter directory), got {_show(apath)}")
-        adapters[name] = _resolve(base, apath, f"adapters.{name}")
+        adapters[name] = _resolve(base, apath, where)
 
     inp = _fields(top["input"], "input", {
         "path": (str, False, _REQUIRED),
@@ -237,8 +299,8 @@ def parse_job(raw: Any, base_dir: str | os.PathLike, job_file: str = "") -> JobS
         "max_num_batched_tokens": (int, False, 2048),
         "gpu_memory_utilization": (float, False, 0.90),
     })
-    _check(eng["device"] in DEVICES, "engine.device", f"expected one of {', '.join(DEVICES)}, got {eng['device']!r}")
-    _check(eng["dtype"] in DTYPES, "engine.dtype", f"expected one of {', '.join(DTYPES)}, got {eng['dtype']!r}")
+    _check(eng["device"] in DEVICES, "engine.device", f"expected one of {', '.join(DEVICES)}, got {_short(eng['device'])}")
+    _check(eng["dtype"] in DTYPES, "engine.dtype", f"expected one of {', '.join(DTYPES)}, got {_short(eng['dtype'])}")
     for key in ("max_num_seqs", "max_model_len", "max_loras", "max_lora_rank", "max_num_batched_tokens"):
         _check(eng[key] >= 1, f"engine.{key}", "must be >= 1")
     _check(0 < eng["gpu_memory_utilization"] <= 1, "engine.gpu_memory_utilization", "must be in (0, 1]")
@@ -246,7 +308,7 @@ def parse_job(raw: Any, base_dir: str | os.PathLike, job_file: str = "") -> JobS
            f"must be smaller than engine.max_model_len ({eng['max_model_len']}) to leave room for the prompt")
 
     _check(top["on_error"] in ON_ERROR, "on_error",
-           f"expected skip (bad rows become error rows) or fail (stop the job), got {top['on_error']!r}")
+           f"expected skip (bad rows become error rows) or fail (stop the job), got {_short(top['on_error'])}")
 
     return JobSpec(
         job_file=job_file, model=model, adapters=adapters,
