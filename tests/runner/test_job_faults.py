@@ -18,6 +18,15 @@ HEAD = "model: m\ninput: {path: x}\noutput: {path: o}\n"
 MAX_MSG = 500
 
 
+def bomb_yaml(levels: int = 9, width: int = 9) -> str:
+    """A few hundred bytes that expand to width**levels values: each anchor lists the previous
+    one ``width`` times. Hung under ``model`` so parse_job would quote it in its message."""
+    lines = ["model:", "  - &a0 [" + ",".join(["x"] * width) + "]"]
+    for i in range(1, levels):
+        lines.append(f"  - &a{i} [" + ",".join([f"*a{i - 1}"] * width) + "]")
+    return "\n".join(lines) + "\ninput: {path: x}\noutput: {path: o}\n"
+
+
 def load_err(tmp_path, text: str) -> str:
     f = tmp_path / "job.yaml"
     f.write_text(text)
@@ -40,7 +49,32 @@ def in_small_process(code: str, limit_gb: int = 2, timeout: float = 120) -> subp
                           capture_output=True, text=True, timeout=timeout)
 
 
-# ---- shared structures -----------------------------------------------------------------------
+# ---- YAML aliases ---------------------------------------------------------------------------
+
+def test_alias_bomb_refused_before_construction(tmp_path):
+    text = bomb_yaml()
+    assert len(text) < 500  # ~387 million values once expanded
+    t0 = time.perf_counter()
+    msg = load_err(tmp_path, text)
+    assert time.perf_counter() - t0 < 5
+    assert "job file expands to more than 100000 values (YAML aliases/anchors?)" in msg
+    assert len(msg) < MAX_MSG
+
+
+def test_alias_bomb_under_memory_limit(tmp_path):
+    f = tmp_path / "bomb.yaml"
+    f.write_text(bomb_yaml())
+    r = in_small_process(f"""
+        from batchrun.errors import ConfigError
+        from batchrun.job import load_job
+        try:
+            load_job({str(f)!r})
+        except ConfigError as e:
+            print("CONFIGERROR", len(str(e)), str(e))
+    """)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "CONFIGERROR" in r.stdout and "expands to more than" in r.stdout
+
 
 def test_shared_python_structure_is_shown_bounded():
     # parse_job gets already-built data too: a 9-level shared list must not be repr'd in full.
@@ -60,6 +94,59 @@ def test_shared_python_structure_is_shown_bounded():
     line = r.stdout.strip()
     assert line.startswith("CONFIGERROR") and "model: expected a string, got [[[" in line
     assert int(line.split()[1]) < MAX_MSG
+
+
+def test_moderately_aliased_job_still_loads(tmp_path):
+    f = tmp_path / "job.yaml"
+    f.write_text(
+        "model: m\n"
+        "adapters: {a: &ad /ads/a, b: *ad, c: *ad}\n"
+        "input: {path: data/in.parquet, adapter_column: &col adapter, id_column: *col}\n"
+        "output: {path: out}\n"
+        "sampling: &smp {max_tokens: 8, temperature: 0.5}\n"
+        "engine: {<<: {max_num_seqs: 8, max_loras: 3}, max_lora_rank: 8}\n"
+    )
+    spec = load_job(f)
+    assert spec.adapters == {"a": "/ads/a", "b": "/ads/a", "c": "/ads/a"}
+    assert spec.input.path == str(tmp_path / "data" / "in.parquet")
+    assert spec.input.adapter_column == spec.input.id_column == "adapter"
+    assert spec.sampling.max_tokens == 8 and spec.sampling.temperature == 0.5
+    assert spec.engine.max_num_seqs == 8 and spec.engine.max_loras == 3 and spec.engine.max_lora_rank == 8
+
+
+def test_aliases_just_under_the_limit_load(tmp_path):
+    # 10 x 10 x 10 x 10 = 10_000 leaves (< the 100_000 limit): built, then the ordinary type error.
+    lines = ["  - &l0 [" + ",".join(["x"] * 10) + "]"]
+    for i in range(1, 4):
+        lines.append(f"  - &l{i} [" + ",".join([f"*l{i - 1}"] * 10) + "]")
+    f = tmp_path / "job.yaml"
+    f.write_text("model:\n" + "\n".join(lines) + "\ninput: {path: x}\noutput: {path: o}\n")
+    with pytest.raises(ConfigError) as e:
+        load_job(f)
+    msg = str(e.value)
+    assert "model: expected a string, got [[" in msg and "expands" not in msg
+    assert len(msg) < MAX_MSG
+
+
+@pytest.mark.parametrize("text", [
+    "model: &a [*a]\ninput: {path: x}\noutput: {path: o}\n",
+    "&top {model: m, input: {path: x}, output: {path: o}, sampling: *top}\n",
+    "model: m\ninput: &i {path: x, id_column: [1, {deeper: *i}]}\noutput: {path: o}\n",
+])
+def test_recursive_alias_is_a_clean_error(tmp_path, text):
+    msg = load_err(tmp_path, text)
+    assert "recursive YAML alias" in msg and len(msg) < MAX_MSG
+
+
+def test_deep_nesting_is_a_clean_error(tmp_path):
+    msg = load_err(tmp_path, "model: " + "[" * 2000 + "]" * 2000 + "\n" + HEAD[len("model: m\n"):])
+    assert "nests too deeply" in msg and len(msg) < MAX_MSG
+
+
+def test_empty_and_non_mapping_documents_keep_their_messages(tmp_path):
+    assert load_err(tmp_path, "") == "model: required field is missing (expected a string)"
+    assert load_err(tmp_path, "- 1\n- 2\n") == "job file: expected a mapping, got [1, 2] (list)"
+    assert "not valid YAML" in load_err(tmp_path, "model: [unclosed\n")
 
 
 # ---- huge values ----------------------------------------------------------------------------
