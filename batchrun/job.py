@@ -7,6 +7,7 @@ the job file's directory; ``$VARS`` and ``~`` are expanded (handy for ``$SCRATCH
 from __future__ import annotations
 
 import datetime
+import math
 import os
 import reprlib
 from dataclasses import asdict, dataclass, field
@@ -121,8 +122,16 @@ def _fields(raw: Any, where: str, schema: dict[str, tuple[type, bool, Any]]) -> 
         elif not _type_ok(value, typ):
             expected = _TYPE_NAMES[typ] + (" or null" if nullable else "")
             raise ConfigError(f"{path}: expected {expected}, got {_show(value)}")
+        elif typ is float:
+            try:
+                number = float(value)
+            except OverflowError:  # an integer too large for a float
+                number = math.inf
+            if not math.isfinite(number):
+                raise ConfigError(f"{path}: must be a finite number, got {_show(value)}")
+            out[key] = number
         else:
-            out[key] = float(value) if typ is float else value
+            out[key] = value
     return out
 
 

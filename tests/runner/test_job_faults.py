@@ -149,6 +149,26 @@ def test_empty_and_non_mapping_documents_keep_their_messages(tmp_path):
     assert "not valid YAML" in load_err(tmp_path, "model: [unclosed\n")
 
 
+# ---- NaN / inf ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("section, key, value", [
+    ("sampling", "temperature", ".nan"),
+    ("sampling", "temperature", ".inf"),
+    ("sampling", "temperature", "-.inf"),
+    ("sampling", "top_p", ".nan"),
+    ("sampling", "top_p", ".inf"),
+    ("sampling", "top_p", "-.inf"),
+    ("engine", "gpu_memory_utilization", ".nan"),
+    ("engine", "gpu_memory_utilization", ".inf"),
+    ("engine", "gpu_memory_utilization", "-.inf"),
+    ("sampling", "temperature", "9" * 400),  # an integer too large for a float
+])
+def test_non_finite_numbers_refused(tmp_path, section, key, value):
+    msg = load_err(tmp_path, HEAD + f"{section}: {{{key}: {value}}}\n")
+    assert msg.startswith(f"{section}.{key}: must be a finite number, got ")
+    assert len(msg) < MAX_MSG
+
+
 # ---- huge values ----------------------------------------------------------------------------
 
 BIG = "a" * 10_000_000
