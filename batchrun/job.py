@@ -2,13 +2,17 @@
 
 Every error names the field path (``engine.max_num_seqs``) and what was expected, because the
 person reading it is looking at the YAML file, not at this code. Relative paths resolve against
-the job file's directory; ``$VARS`` and ``~`` are expanded (handy for ``$SCRATCH`` on clusters).
+the job file's directory; ``$VARS`` and ``~`` are expanded (handy for ``$SCRATCH`` on clusters),
+and a reference to an unset variable is an error rather than a literal ``$SCRATCH`` folder.
+Messages quote user values through a bounded repr, and YAML that expands (through aliases)
+past MAX_YAML_NODES values is refused before it is built.
 """
 from __future__ import annotations
 
 import datetime
 import math
 import os
+import re
 import reprlib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -211,8 +215,19 @@ def _check(cond: bool, path: str, message: str) -> None:
         raise ConfigError(f"{path}: {message}")
 
 
+# The references os.path.expandvars expands on POSIX ($NAME, ${NAME}); it leaves unset ones as
+# they are, which would silently create a directory literally named "$SCRATCH".
+_ENV_REF = re.compile(r"\$(\w+|\{[^}/]*\})", re.ASCII)
+
+
 def _resolve(base: Path, value: str, path: str) -> str:
     _check(value.strip() != "", path, "must not be empty")
+    for m in _ENV_REF.finditer(value):
+        name = m.group(1).strip("{}")
+        if name not in os.environ:
+            ref = m.group(0) if len(m.group(0)) <= 60 else m.group(0)[:57] + "..."
+            raise ConfigError(f"{path}: environment variable {ref} is not set (in {_short(value)}); "
+                              "set it or write the path out")
     p = Path(os.path.expanduser(os.path.expandvars(value)))
     if not p.is_absolute():
         p = base / p

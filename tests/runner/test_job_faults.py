@@ -169,6 +169,50 @@ def test_non_finite_numbers_refused(tmp_path, section, key, value):
     assert len(msg) < MAX_MSG
 
 
+# ---- environment variables in paths ---------------------------------------------------------
+
+@pytest.mark.parametrize("field, ref", [
+    ("output.path", "$SCRATCH_UNSET_XYZ"),
+    ("output.path", "${SCRATCH_UNSET_XYZ}"),
+    ("input.path", "$SCRATCH_UNSET_XYZ"),
+    ("input.path", "${SCRATCH_UNSET_XYZ}"),
+    ("model", "$SCRATCH_UNSET_XYZ"),
+    ("adapters.rev", "${SCRATCH_UNSET_XYZ}"),
+])
+def test_unset_env_var_in_path_refused(monkeypatch, field, ref):
+    monkeypatch.delenv("SCRATCH_UNSET_XYZ", raising=False)
+    value = f"{ref}/part"
+    raw = {"model": "m", "input": {"path": "in.parquet", "adapter_column": "a"}, "output": {"path": "out"}}
+    if field == "model":
+        raw["model"] = value
+    elif field == "adapters.rev":
+        raw["adapters"] = {"rev": value}
+    else:
+        raw[field.split(".")[0]]["path"] = value
+    with pytest.raises(ConfigError) as e:
+        parse_job(raw, base_dir="/jobs")
+    assert str(e.value) == (f"{field}: environment variable {ref} is not set (in {value!r}); "
+                            "set it or write the path out")
+
+
+def test_unset_env_var_named_even_after_a_set_one(monkeypatch, tmp_path):
+    monkeypatch.setenv("SCRATCH_SET_XYZ", "/scratch/me")
+    monkeypatch.delenv("SCRATCH_UNSET_XYZ", raising=False)
+    msg = load_err(tmp_path, "model: m\ninput: {path: x}\noutput: {path: $SCRATCH_SET_XYZ/$SCRATCH_UNSET_XYZ}\n")
+    assert msg.startswith("output.path: environment variable $SCRATCH_UNSET_XYZ is not set")
+
+
+def test_set_env_vars_still_expand(monkeypatch, tmp_path):
+    monkeypatch.setenv("SCRATCH_SET_XYZ", "/scratch/me")
+    f = tmp_path / "job.yaml"
+    f.write_text("model: ${SCRATCH_SET_XYZ}/m\ninput: {path: $SCRATCH_SET_XYZ/in}\n"
+                 "output: {path: '${SCRATCH_SET_XYZ}/out'}\n")
+    spec = load_job(f)
+    assert spec.model == "/scratch/me/m"
+    assert spec.input.path == "/scratch/me/in"
+    assert spec.output.path == "/scratch/me/out"
+
+
 # ---- huge values ----------------------------------------------------------------------------
 
 BIG = "a" * 10_000_000
@@ -181,6 +225,7 @@ BIG = "a" * 10_000_000
     ({BIG: 1}, ": unknown field (allowed under the top level:"),
     ({"engine": {BIG: 1}}, ": unknown field (allowed under engine:"),
     ({"adapters": {BIG: 5}, "input": {"path": "x", "adapter_column": "a"}}, ": expected a string (the PEFT"),
+    ({"output": {"path": "$" + BIG}}, "output.path: environment variable $aaa"),
 ])
 def test_huge_values_give_short_messages(raw, needle):
     base = {"model": "m", "input": {"path": "x"}, "output": {"path": "o"}}
