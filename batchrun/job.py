@@ -2,11 +2,18 @@
 
 Every error names the field path (``engine.max_num_seqs``) and what was expected, because the
 person reading it is looking at the YAML file, not at this code. Relative paths resolve against
-the job file's directory; ``$VARS`` and ``~`` are expanded (handy for ``$SCRATCH`` on clusters).
+the job file's directory; ``$VARS`` and ``~`` are expanded (handy for ``$SCRATCH`` on clusters),
+and a reference to an unset variable is an error rather than a literal ``$SCRATCH`` folder.
+Messages quote user values through a bounded repr, and YAML that expands (through aliases)
+past MAX_YAML_NODES values is refused before it is built.
 """
 from __future__ import annotations
 
+import datetime
+import math
 import os
+import re
+import reprlib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,6 +25,9 @@ from batchrun.errors import ConfigError
 ON_ERROR = ("skip", "fail")
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
+# A job file is a small mapping; anything that expands past this many values (counting every
+# use of a YAML alias) is refused before it is built, so an alias bomb cannot exhaust memory.
+MAX_YAML_NODES = 100_000
 # Input columns that, when present, override the job's sampling defaults row by row.
 OVERRIDE_COLUMNS = ("max_tokens", "temperature", "top_p", "top_k", "seed")
 
@@ -100,7 +110,7 @@ def _fields(raw: Any, where: str, schema: dict[str, tuple[type, bool, Any]]) -> 
     out = {}
     unknown = [k for k in raw if k not in schema]
     if unknown:
-        key = f"{where}.{unknown[0]}" if where else str(unknown[0])
+        key = f"{where}.{_key(unknown[0])}" if where else _key(unknown[0])
         allowed = ", ".join(schema)
         raise ConfigError(f"{key}: unknown field (allowed under {where or 'the top level'}: {allowed})")
     for key, (typ, nullable, default) in schema.items():
@@ -116,8 +126,16 @@ def _fields(raw: Any, where: str, schema: dict[str, tuple[type, bool, Any]]) -> 
         elif not _type_ok(value, typ):
             expected = _TYPE_NAMES[typ] + (" or null" if nullable else "")
             raise ConfigError(f"{path}: expected {expected}, got {_show(value)}")
+        elif typ is float:
+            try:
+                number = float(value)
+            except OverflowError:  # an integer too large for a float
+                number = math.inf
+            if not math.isfinite(number):
+                raise ConfigError(f"{path}: must be a finite number, got {_show(value)}")
+            out[key] = number
         else:
-            out[key] = float(value) if typ is float else value
+            out[key] = value
     return out
 
 
@@ -129,11 +147,67 @@ class _Required:
 _REQUIRED = _Required()
 
 
+class _BoundedRepr(reprlib.Repr):
+    """reprlib.Repr that never builds a large intermediate: no sorting of whole dicts/sets and no
+    decimal conversion of huge integers (both cost time and memory proportional to the value)."""
+
+    def repr_dict(self, x, level):
+        if not x:
+            return "{}"
+        if level <= 0:
+            return "{...}"
+        items = []
+        for i, key in enumerate(x):
+            if i >= self.maxdict:
+                items.append("...")
+                break
+            items.append(f"{self.repr1(key, level - 1)}: {self.repr1(x[key], level - 1)}")
+        return "{" + ", ".join(items) + "}"
+
+    def repr_set(self, x, level):
+        return self._repr_iterable(x, level, "{", "}", self.maxset) if x else "set()"
+
+    def repr_frozenset(self, x, level):
+        return self._repr_iterable(x, level, "frozenset({", "})", self.maxfrozenset) if x else "frozenset()"
+
+    def repr_int(self, x, level):
+        if x.bit_length() > 128:
+            return f"<{x.bit_length()}-bit integer>"
+        return super().repr_int(x, level)
+
+    def repr_instance(self, x, level):
+        if isinstance(x, (bytes, bytearray)):  # YAML !!binary
+            return repr(x[:self.maxstring]) + ("..." if len(x) > self.maxstring else "")
+        if x is None or isinstance(x, (bool, float, complex, datetime.date, datetime.time)):
+            return repr(x)  # small by construction
+        return f"<{type(x).__name__}>"  # other objects: their repr may be unbounded
+
+
+_REPR = _BoundedRepr()
+_REPR.maxlevel = 3
+_REPR.maxtuple = _REPR.maxlist = _REPR.maxarray = _REPR.maxdeque = 4
+_REPR.maxdict = _REPR.maxset = _REPR.maxfrozenset = 4
+_REPR.maxstring = _REPR.maxother = 60
+_REPR.maxlong = 40
+
+
+def _short(value: Any) -> str:
+    """A bounded repr of a user value (at most ~80 characters, whatever its size or nesting)."""
+    text = _REPR.repr(value)
+    if len(text) > 80:  # nested values add up; keep the whole thing short
+        text = text[:77] + "..."
+    return text
+
+
 def _show(value: Any) -> str:
-    text = repr(value)
-    if len(text) > 60:
-        text = text[:57] + "..."
-    return f"{text} ({type(value).__name__})"
+    return f"{_short(value)} ({type(value).__name__})"
+
+
+def _key(key: Any) -> str:
+    """A mapping key as it appears in a field path: short strings as written, the rest bounded."""
+    if isinstance(key, str) and len(key) <= 60 and key.isprintable():
+        return key
+    return _short(key)
 
 
 def _check(cond: bool, path: str, message: str) -> None:
@@ -141,8 +215,19 @@ def _check(cond: bool, path: str, message: str) -> None:
         raise ConfigError(f"{path}: {message}")
 
 
+# The references os.path.expandvars expands on POSIX ($NAME, ${NAME}); it leaves unset ones as
+# they are, which would silently create a directory literally named "$SCRATCH".
+_ENV_REF = re.compile(r"\$(\w+|\{[^}/]*\})", re.ASCII)
+
+
 def _resolve(base: Path, value: str, path: str) -> str:
     _check(value.strip() != "", path, "must not be empty")
+    for m in _ENV_REF.finditer(value):
+        name = m.group(1).strip("{}")
+        if name not in os.environ:
+            ref = m.group(0) if len(m.group(0)) <= 60 else m.group(0)[:57] + "..."
+            raise ConfigError(f"{path}: environment variable {ref} is not set (in {_short(value)}); "
+                              "set it or write the path out")
     p = Path(os.path.expanduser(os.path.expandvars(value)))
     if not p.is_absolute():
         p = base / p
@@ -159,13 +244,85 @@ def load_job(path: str | os.PathLike) -> JobSpec:
     except OSError as e:
         raise ConfigError(f"cannot read job file {path}: {e.strerror or e}") from None
     try:
-        raw = yaml.safe_load(text)
+        raw = _load_yaml(text)
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}") from None
     except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+        msg = str(e)
+        if len(msg) > 600:  # marks are bounded snippets, but a problem text can quote a huge tag
+            msg = msg[:597] + "..."
+        raise ConfigError(f"{path}: not valid YAML: {msg}") from None
     try:
         return parse_job(raw, base_dir=path.parent, job_file=str(path))
     except ConfigError as e:
         raise ConfigError(f"{path}: {e}") from None
+
+
+def _load_yaml(text: str) -> Any:
+    """yaml.safe_load, but refuses documents that expand past MAX_YAML_NODES values (aliases
+    counted at every use) or that are recursive, before any Python object is constructed."""
+    loader = yaml.SafeLoader(text)
+    try:
+        try:
+            node = loader.get_single_node()
+        except RecursionError:
+            raise ConfigError("job file nests too deeply; a job file is a small mapping") from None
+        if node is None:  # empty document: parse_job reports the missing fields
+            return None
+        _check_size(node, MAX_YAML_NODES)
+        try:
+            return loader.construct_document(node)
+        except RecursionError:
+            raise ConfigError("job file nests too deeply; a job file is a small mapping") from None
+        except (ValueError, OverflowError) as e:  # e.g. an integer over Python's digit limit
+            msg = str(e)
+            raise ConfigError(f"not valid YAML: {msg if len(msg) <= 300 else msg[:297] + '...'}") from None
+    finally:
+        loader.dispose()
+
+
+def _children(node: yaml.Node) -> list:
+    if isinstance(node, yaml.SequenceNode):
+        return node.value
+    if isinstance(node, yaml.MappingNode):
+        return [n for pair in node.value for n in pair]
+    return []
+
+
+def _check_size(root: yaml.Node, limit: int) -> None:
+    """Raise ConfigError if the composed node graph expands to more than ``limit`` values.
+
+    An alias is the same node object used again, so the expanded size is a tree count over a DAG;
+    memoising by node identity keeps this O(nodes), and an iterative walk keeps deep documents
+    from overflowing the stack. A node reached again while still open is a recursive alias.
+    """
+    size: dict[int, int] = {}  # id(node) -> expanded size (capped at limit + 1)
+    open_: set[int] = set()
+    stack = [(root, False)]
+    while stack:
+        node, done = stack.pop()
+        nid = id(node)
+        if done:
+            open_.discard(nid)
+            size[nid] = min(limit + 1, 1 + sum(size[id(c)] for c in _children(node)))
+            continue
+        if nid in size:
+            continue
+        if nid in open_:
+            raise ConfigError("job file has a recursive YAML alias (an anchor used inside itself); "
+                              "a job file is a small mapping")
+        open_.add(nid)
+        stack.append((node, True))
+        for child in _children(node):
+            cid = id(child)
+            if cid in open_:
+                raise ConfigError("job file has a recursive YAML alias (an anchor used inside "
+                                  "itself); a job file is a small mapping")
+            if cid not in size:
+                stack.append((child, False))
+    if size[id(root)] > limit:
+        raise ConfigError(f"job file expands to more than {limit} values (YAML aliases/anchors?); "
+                          "a job file is a small mapping")
 
 
 def parse_job(raw: Any, base_dir: str | os.PathLike, job_file: str = "") -> JobSpec:
@@ -184,11 +341,12 @@ def parse_job(raw: Any, base_dir: str | os.PathLike, job_file: str = "") -> JobS
 
     adapters: dict[str, str] = {}
     for name, apath in (top["adapters"] or {}).items():
-        _check(isinstance(name, str) and name.strip() != "", f"adapters.{name}",
+        where = f"adapters.{_key(name)}"
+        _check(isinstance(name, str) and name.strip() != "", where,
                "adapter names must be non-empty strings")
-        _check(isinstance(apath, str), f"adapters.{name}",
+        _check(isinstance(apath, str), where,
                f"expected a string (the PEFT adapter directory), got {_show(apath)}")
-        adapters[name] = _resolve(base, apath, f"adapters.{name}")
+        adapters[name] = _resolve(base, apath, where)
 
     inp = _fields(top["input"], "input", {
         "path": (str, False, _REQUIRED),
@@ -237,8 +395,8 @@ def parse_job(raw: Any, base_dir: str | os.PathLike, job_file: str = "") -> JobS
         "max_num_batched_tokens": (int, False, 2048),
         "gpu_memory_utilization": (float, False, 0.90),
     })
-    _check(eng["device"] in DEVICES, "engine.device", f"expected one of {', '.join(DEVICES)}, got {eng['device']!r}")
-    _check(eng["dtype"] in DTYPES, "engine.dtype", f"expected one of {', '.join(DTYPES)}, got {eng['dtype']!r}")
+    _check(eng["device"] in DEVICES, "engine.device", f"expected one of {', '.join(DEVICES)}, got {_short(eng['device'])}")
+    _check(eng["dtype"] in DTYPES, "engine.dtype", f"expected one of {', '.join(DTYPES)}, got {_short(eng['dtype'])}")
     for key in ("max_num_seqs", "max_model_len", "max_loras", "max_lora_rank", "max_num_batched_tokens"):
         _check(eng[key] >= 1, f"engine.{key}", "must be >= 1")
     _check(0 < eng["gpu_memory_utilization"] <= 1, "engine.gpu_memory_utilization", "must be in (0, 1]")
@@ -246,7 +404,7 @@ def parse_job(raw: Any, base_dir: str | os.PathLike, job_file: str = "") -> JobS
            f"must be smaller than engine.max_model_len ({eng['max_model_len']}) to leave room for the prompt")
 
     _check(top["on_error"] in ON_ERROR, "on_error",
-           f"expected skip (bad rows become error rows) or fail (stop the job), got {top['on_error']!r}")
+           f"expected skip (bad rows become error rows) or fail (stop the job), got {_short(top['on_error'])}")
 
     return JobSpec(
         job_file=job_file, model=model, adapters=adapters,
