@@ -14,6 +14,7 @@ import pyarrow as pa
 
 from batchrun.config import SamplingParams
 from batchrun.engine.request import Request, Result
+from batchrun.inputs import INVALID, InvalidText
 from batchrun.job import OVERRIDE_COLUMNS, JobSpec
 from batchrun.output import output_schema
 from batchrun.plan import Plan, Unit
@@ -104,13 +105,17 @@ def build_unit(unit: Unit, rows: dict[str, list], row_file, row_index, plan: Pla
             text = rows[inp.prompt_column][pos]
             if text is None:
                 fail(pos, f"prompt is null (column {inp.prompt_column!r})")
+            elif isinstance(text, InvalidText):
+                fail(pos, f"prompt is not valid UTF-8 (column {inp.prompt_column!r})")
             elif not text.strip():
                 fail(pos, f"prompt is empty (column {inp.prompt_column!r})")
             else:
                 texts[pos] = text
         else:
             msgs = rows[inp.messages_column][pos]
-            if not msgs:
+            if msgs is INVALID:
+                fail(pos, f"messages are not valid UTF-8 (column {inp.messages_column!r})")
+            elif not msgs:
                 fail(pos, f"messages are {'null' if msgs is None else 'empty'} (column {inp.messages_column!r})")
             elif any(not m or m.get("role") is None or m.get("content") is None for m in msgs):
                 fail(pos, f"a message has a null role or content (column {inp.messages_column!r})")
