@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from batchrun.errors import ConfigError
@@ -272,8 +273,14 @@ def first_invalid_utf8(col: pa.Array | pa.ChunkedArray) -> int | None:
 
 
 def id_array(col: pa.ChunkedArray, id_type: pa.DataType, path: str) -> pa.Array:
-    """One file's id column cast to id_type; ConfigError (naming the file and row) for string ids
-    that are not valid UTF-8: the output could not hold them, nor a user look them up."""
+    """One file's id column cast to id_type; ConfigError for ids that cannot be written as ids
+    (uint64 above the int64 range, strings that are not valid UTF-8), naming the file and row."""
+    if pa.types.is_uint64(col.type) and len(col):
+        too_big = pc.greater(col, pa.scalar(2**63 - 1, col.type))
+        if pc.any(too_big).as_py():
+            row = int(np.flatnonzero(too_big.to_numpy(zero_copy_only=False))[0])
+            raise ConfigError(f"input.id_column: id {col[row].as_py()} in {path} row {row} does not fit a "
+                              "signed 64-bit integer; use smaller ids or string ids")
     ids = col.cast(id_type).combine_chunks()
     if pa.types.is_string(id_type):
         row = first_invalid_utf8(ids)

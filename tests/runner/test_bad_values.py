@@ -1,4 +1,5 @@
-"""Bad values inside otherwise well-typed input columns: invalid UTF-8 in string columns.
+"""Bad values inside otherwise well-typed input columns: invalid UTF-8 in string columns,
+uint64 ids above the int64 range.
 
 Each either becomes an error row (the rest of the job runs, every id still appears once) or, for
 ids, a ConfigError naming the file and row before any model is loaded."""
@@ -174,3 +175,40 @@ def test_invalid_utf8_string_id_is_a_config_error(make_job, tmp_path):
     with pytest.raises(ConfigError, match=needle):
         run(job)
     assert not (tmp_path / "out" / "part-000000.parquet").exists()
+
+
+def uint64_ids(tmp_path, ids: list[int]) -> None:
+    write_table(tmp_path / "data" / "in.parquet", {
+        "id": pa.array(ids, pa.uint64()), "prompt": pa.array(["hello"] * len(ids)),
+        "adapter": pa.array([None] * len(ids), pa.string())})
+
+
+UINT64_NEEDLE = (r"input.id_column: id 18446744073709551615 in .*in.parquet row 2 does not fit a signed "
+                 r"64-bit integer; use smaller ids or string ids")
+
+
+def test_uint64_id_above_int64_is_a_config_error(make_job, tmp_path):
+    job = make_job(demo_rows(1))
+    uint64_ids(tmp_path, [0, 7, 2**64 - 1, 2**63])
+    with pytest.raises(ConfigError, match=UINT64_NEEDLE):
+        plan_report(load_job(job), 1)
+    with pytest.raises(ConfigError, match=UINT64_NEEDLE):
+        run(job)
+    assert not (tmp_path / "out" / "part-000000.parquet").exists()
+
+
+def test_uint64_ids_that_fit_still_run(make_job, tmp_path):
+    job = make_job(demo_rows(1))
+    uint64_ids(tmp_path, [0, 7, 2**63 - 1])
+    run(job)
+    assert sorted(by_id(read_output(tmp_path / "out"))) == [0, 7, 2**63 - 1]
+
+
+def test_cli_plan_uint64_id_is_one_error_line(make_job, tmp_path):
+    job = make_job(demo_rows(1))
+    uint64_ids(tmp_path, [0, 7, 2**64 - 1])
+    r = run_cli("plan", job)
+    assert r.returncode == 3, r.stderr
+    assert "Traceback" not in r.stderr
+    errors = [line for line in r.stderr.splitlines() if line.startswith("batchrun: error:")]
+    assert len(errors) == 1 and re.search(UINT64_NEEDLE, errors[0]), r.stderr
