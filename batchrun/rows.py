@@ -7,6 +7,7 @@ per-row sampling override, or whatever the engine's own check_request says.
 from __future__ import annotations
 
 import hashlib
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -62,6 +63,17 @@ def _sampling(spec: JobSpec, rows: dict[str, list], pos: int, row_id: Any) -> Sa
     for col in ("max_tokens", "top_k", "seed"):
         if isinstance(values[col], float):
             raise ValueError(f"{col} must be an integer, got {values[col]!r}")
+    # Range checks here rather than only in SamplingParams: NaN passes "temperature < 0" and would
+    # sample garbage. Same wording as SamplingParams, plus "finite" for the float fields.
+    t, p = values["temperature"], values["top_p"]
+    if not (math.isfinite(t) and t >= 0):
+        raise ValueError(f"temperature must be a finite number >= 0, got {t!r}")
+    if not (math.isfinite(p) and 0 < p <= 1):
+        raise ValueError(f"top_p must be a finite number in (0, 1], got {p!r}")
+    if values["top_k"] < 0:
+        raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {values['top_k']!r}")
+    if values["max_tokens"] < 1:
+        raise ValueError(f"max_tokens must be an integer >= 1, got {values['max_tokens']!r}")
     return SamplingParams(max_tokens=int(values["max_tokens"]), temperature=float(values["temperature"]),
                           top_p=float(values["top_p"]), top_k=int(values["top_k"]), seed=int(values["seed"]))
 

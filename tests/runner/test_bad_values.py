@@ -1,8 +1,9 @@
 """Bad values inside otherwise well-typed input columns: invalid UTF-8 in string columns,
-uint64 ids above the int64 range.
+non-finite or out-of-range per-row sampling overrides, uint64 ids above the int64 range.
 
 Each either becomes an error row (the rest of the job runs, every id still appears once) or, for
 ids, a ConfigError naming the file and row before any model is loaded."""
+import math
 import re
 
 import pyarrow as pa
@@ -212,3 +213,43 @@ def test_cli_plan_uint64_id_is_one_error_line(make_job, tmp_path):
     assert "Traceback" not in r.stderr
     errors = [line for line in r.stderr.splitlines() if line.startswith("batchrun: error:")]
     assert len(errors) == 1 and re.search(UINT64_NEEDLE, errors[0]), r.stderr
+
+
+# ---- per-row sampling overrides ---------------------------------------------------------------------
+
+def test_non_finite_or_out_of_range_overrides_are_error_rows(make_job, tmp_path):
+    nan, inf = math.nan, math.inf
+    cases = [  # (temperature, top_p, expected error or None)
+        (None, None, None),
+        (0.0, 0.5, None),
+        (nan, None, "temperature must be a finite number >= 0, got nan"),
+        (inf, None, "temperature must be a finite number >= 0, got inf"),
+        (-1.0, None, "temperature must be a finite number >= 0, got -1.0"),
+        (None, nan, "top_p must be a finite number in (0, 1], got nan"),
+        (None, inf, "top_p must be a finite number in (0, 1], got inf"),
+        (None, 0.0, "top_p must be a finite number in (0, 1], got 0.0"),
+        (-inf, None, "temperature must be a finite number >= 0, got -inf"),
+    ]
+    rows = [{"id": i, "prompt": "hello", "adapter": None, "temperature": t, "top_p": p}
+            for i, (t, p, _) in enumerate(cases)]
+    stats = run(make_job(rows))
+    got = by_id(read_output(tmp_path / "out"))
+    assert sorted(got) == list(range(len(cases)))
+    assert stats.error_rows == sum(e is not None for *_, e in cases)
+    for i, (*_, err) in enumerate(cases):
+        if err is None:
+            assert got[i]["error"] is None and got[i]["output_text"] == "hello"
+        else:
+            assert got[i]["finish_reason"] == "error" and got[i]["output_text"] is None
+            assert got[i]["error"] == f"bad per-row sampling override: {err}"
+
+
+def test_integer_overrides_out_of_range_are_error_rows(make_job, tmp_path):
+    rows = [{"id": 0, "prompt": "hello", "adapter": None, "top_k": -1, "max_tokens": None},
+            {"id": 1, "prompt": "hello", "adapter": None, "top_k": None, "max_tokens": -5},
+            {"id": 2, "prompt": "hello", "adapter": None, "top_k": 3, "max_tokens": 4}]
+    run(make_job(rows))
+    got = by_id(read_output(tmp_path / "out"))
+    assert got[0]["error"] == "bad per-row sampling override: top_k must be an integer >= 0 (0 = off), got -1"
+    assert got[1]["error"] == "bad per-row sampling override: max_tokens must be an integer >= 1, got -5"
+    assert got[2]["error"] is None and got[2]["output_text"] == "hell"
