@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from batchrun.errors import ConfigError
@@ -169,7 +170,8 @@ class RowReader:
     def read(self, row_file: np.ndarray, row_index: np.ndarray) -> dict[str, list]:
         """Rows (file index, row index within the file), in the given order, as Python lists.
 
-        Python lists (not one Arrow table) because files may differ in physical types
+        Strings that are not valid UTF-8 come back as InvalidText (nested cells as INVALID), so
+        one bad cell makes one error row instead of failing the unit. Python lists (not one Arrow table) because files may differ in physical types
         (string vs dictionary, int32 vs int64); the runner works row by row anyway.
         """
         out: dict[str, list] = {c: [] for c in self.columns}
@@ -185,6 +187,104 @@ class RowReader:
                 j += 1
             piece = self._row_group(fi, rg).take(pa.array(row_index[i:j] - lo))
             for c in self.columns:
-                out[c] += piece.column(c).to_pylist()
+                out[c] += column_values(piece.column(c))
             i = j
         return out
+
+
+# ---- values that Arrow stores but Python cannot decode -------------------------------------------
+
+class InvalidText(str):
+    """A string cell whose bytes are not valid UTF-8, decoded with ``errors="backslashreplace"``.
+
+    Parquet writers do not all check UTF-8, so a string column can hold bytes that make
+    ``to_pylist()`` raise. The replacement is valid text (it can be compared, hashed and written
+    out, e.g. as an unknown adapter name), and the type tells the row builder to refuse the row.
+    """
+    __slots__ = ()
+
+
+class _Invalid:
+    def __repr__(self) -> str:
+        return "INVALID"
+
+
+# A nested cell (e.g. a messages list) holding invalid UTF-8 somewhere inside it.
+INVALID = _Invalid()
+
+_BINARY_OF = {pa.string(): pa.binary(), pa.large_string(): pa.large_binary(),
+              pa.string_view(): pa.binary_view()}
+
+
+def column_values(col: pa.Array | pa.ChunkedArray) -> list:
+    """``col.to_pylist()``, except that invalid UTF-8 does not raise.
+
+    Invalid strings become InvalidText, nested cells that hold invalid strings become INVALID.
+    The fast path is the plain ``to_pylist()``; only a failing chunk is decoded the slow way.
+    """
+    try:
+        return col.to_pylist()
+    except UnicodeDecodeError:
+        pass
+    chunks = col.chunks if isinstance(col, pa.ChunkedArray) else [col]
+    out: list = []
+    for chunk in chunks:
+        try:
+            out += chunk.to_pylist()
+        except UnicodeDecodeError:
+            out += _decode_chunk(chunk)
+    return out
+
+
+def _decode_chunk(arr: pa.Array) -> list:
+    t = arr.type
+    if t in _BINARY_OF:
+        return [None if b is None else _decode(b) for b in arr.view(_BINARY_OF[t]).to_pylist()]
+    if pa.types.is_dictionary(t):
+        values = column_values(arr.dictionary)
+        return [None if i is None else values[i] for i in arr.indices.to_pylist()]
+    out = []
+    for i in range(len(arr)):
+        try:
+            out.append(arr[i].as_py())
+        except UnicodeDecodeError:
+            out.append(INVALID)
+    return out
+
+
+def _decode(b: bytes) -> str:
+    try:
+        return b.decode("utf-8")
+    except UnicodeDecodeError:
+        return InvalidText(b.decode("utf-8", errors="backslashreplace"))
+
+
+def first_invalid_utf8(col: pa.Array | pa.ChunkedArray) -> int | None:
+    """Row number of the first string that is not valid UTF-8 in a string column, or None."""
+    try:
+        col.validate(full=True)
+        return None
+    except pa.ArrowInvalid:
+        pass
+    for i, v in enumerate(column_values(col)):
+        if isinstance(v, InvalidText):
+            return i
+    return None
+
+
+def id_array(col: pa.ChunkedArray, id_type: pa.DataType, path: str) -> pa.Array:
+    """One file's id column cast to id_type; ConfigError for ids that cannot be written as ids
+    (uint64 above the int64 range, strings that are not valid UTF-8), naming the file and row."""
+    if pa.types.is_uint64(col.type) and len(col):
+        too_big = pc.greater(col, pa.scalar(2**63 - 1, col.type))
+        if pc.any(too_big).as_py():
+            row = int(np.flatnonzero(too_big.to_numpy(zero_copy_only=False))[0])
+            raise ConfigError(f"input.id_column: id {col[row].as_py()} in {path} row {row} does not fit a "
+                              "signed 64-bit integer; use smaller ids or string ids")
+    ids = col.cast(id_type).combine_chunks()
+    if pa.types.is_string(id_type):
+        row = first_invalid_utf8(ids)
+        if row is not None:
+            raise ConfigError(f"input.id_column: id at {path} row {row} is not valid UTF-8; "
+                              "ids must be valid text")
+    return ids

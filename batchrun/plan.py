@@ -23,7 +23,7 @@ import pyarrow.dataset as ds
 
 from batchrun.commit import fsync_path
 from batchrun.errors import ConfigError
-from batchrun.inputs import InputSchema, check_schemas, find_input_files
+from batchrun.inputs import InputSchema, check_schemas, column_values, find_input_files, id_array
 from batchrun.job import JobSpec
 
 PLAN_FORMAT = 1
@@ -153,7 +153,7 @@ def make_plan(spec: JobSpec, files: list[str] | None = None, root: str | None = 
                 first = int(np.flatnonzero(col.is_null().to_numpy(zero_copy_only=False))[0])
                 raise ConfigError(f"input.id_column: column {inp.id_column!r} in {path} has a null id "
                                   f"at row {first}; every row needs an id")
-            id_parts.append(col.cast(schema.id_type).combine_chunks())
+            id_parts.append(id_array(col, schema.id_type, path))
     if inp.id_column:
         _check_unique(id_parts, files, inp.id_column)
     del id_parts
@@ -196,7 +196,7 @@ def _adapter_codes(col: pa.ChunkedArray, codes_of: dict[str, int], unknown: list
         col = col.cast(col.type.value_type)
     enc = pc.dictionary_encode(col.combine_chunks())
     lut = []
-    for name in enc.dictionary.to_pylist():
+    for name in column_values(enc.dictionary):  # invalid UTF-8 -> InvalidText, an unknown name
         if name is None or name == "":
             lut.append(0)
             continue

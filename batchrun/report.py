@@ -9,7 +9,7 @@ import pyarrow.parquet as pq
 
 from batchrun.commit import check_part, committed_units, read_commits
 from batchrun.errors import ConfigError
-from batchrun.inputs import RowReader
+from batchrun.inputs import INVALID, InvalidText, RowReader, column_values
 from batchrun.job import JobSpec
 from batchrun.lock import is_locked
 from batchrun.output import OutputDir
@@ -79,19 +79,22 @@ def _prompt_tokens(spec: JobSpec, plan: Plan) -> tuple[dict, dict]:
     for fi, path in enumerate(plan.files):
         start = 0
         for batch in pq.ParquetFile(path).iter_batches(batch_size=4096, columns=[col] + extra):
-            values = batch.column(col).to_pylist()
+            values = column_values(batch.column(col))  # invalid UTF-8: error rows, as in build_unit
             mts = batch.column("max_tokens").to_pylist() if extra else [None] * len(values)
             codes = per_file[fi][start:start + len(values)]
             start += len(values)
             if inp.prompt_column:
-                ok = [i for i, v in enumerate(values) if v is not None and v.strip()]
+                ok = [i for i, v in enumerate(values)
+                      if v is not None and not isinstance(v, InvalidText) and v.strip()]
                 enc = tok([values[i] for i in ok])["input_ids"] if ok else []
                 lens = dict(zip(ok, (len(e) for e in enc)))
             else:
                 lens = {}
                 for i, v in enumerate(values):
                     try:
-                        out = tok.apply_chat_template(v, add_generation_prompt=True, tokenize=True) if v else None
+                        if not v or v is INVALID:
+                            continue
+                        out = tok.apply_chat_template(v, add_generation_prompt=True, tokenize=True)
                         lens[i] = len(out["input_ids"] if hasattr(out, "keys") else out) if out else None
                     except Exception:
                         pass

@@ -7,6 +7,7 @@ per-row sampling override, or whatever the engine's own check_request says.
 from __future__ import annotations
 
 import hashlib
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -14,6 +15,7 @@ import pyarrow as pa
 
 from batchrun.config import SamplingParams
 from batchrun.engine.request import Request, Result
+from batchrun.inputs import INVALID, InvalidText
 from batchrun.job import OVERRIDE_COLUMNS, JobSpec
 from batchrun.output import output_schema
 from batchrun.plan import Plan, Unit
@@ -61,6 +63,17 @@ def _sampling(spec: JobSpec, rows: dict[str, list], pos: int, row_id: Any) -> Sa
     for col in ("max_tokens", "top_k", "seed"):
         if isinstance(values[col], float):
             raise ValueError(f"{col} must be an integer, got {values[col]!r}")
+    # Range checks here rather than only in SamplingParams: NaN passes "temperature < 0" and would
+    # sample garbage. Same wording as SamplingParams, plus "finite" for the float fields.
+    t, p = values["temperature"], values["top_p"]
+    if not (math.isfinite(t) and t >= 0):
+        raise ValueError(f"temperature must be a finite number >= 0, got {t!r}")
+    if not (math.isfinite(p) and 0 < p <= 1):
+        raise ValueError(f"top_p must be a finite number in (0, 1], got {p!r}")
+    if values["top_k"] < 0:
+        raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {values['top_k']!r}")
+    if values["max_tokens"] < 1:
+        raise ValueError(f"max_tokens must be an integer >= 1, got {values['max_tokens']!r}")
     return SamplingParams(max_tokens=int(values["max_tokens"]), temperature=float(values["temperature"]),
                           top_p=float(values["top_p"]), top_k=int(values["top_k"]), seed=int(values["seed"]))
 
@@ -104,13 +117,17 @@ def build_unit(unit: Unit, rows: dict[str, list], row_file, row_index, plan: Pla
             text = rows[inp.prompt_column][pos]
             if text is None:
                 fail(pos, f"prompt is null (column {inp.prompt_column!r})")
+            elif isinstance(text, InvalidText):
+                fail(pos, f"prompt is not valid UTF-8 (column {inp.prompt_column!r})")
             elif not text.strip():
                 fail(pos, f"prompt is empty (column {inp.prompt_column!r})")
             else:
                 texts[pos] = text
         else:
             msgs = rows[inp.messages_column][pos]
-            if not msgs:
+            if msgs is INVALID:
+                fail(pos, f"messages are not valid UTF-8 (column {inp.messages_column!r})")
+            elif not msgs:
                 fail(pos, f"messages are {'null' if msgs is None else 'empty'} (column {inp.messages_column!r})")
             elif any(not m or m.get("role") is None or m.get("content") is None for m in msgs):
                 fail(pos, f"a message has a null role or content (column {inp.messages_column!r})")
