@@ -1,6 +1,6 @@
 """batchrun command line: run, plan, status, show, verify, slurm, bench.
 
-Exit codes (README "Exit codes"): see ExitCode. Each failure prints one line starting with
+Exit codes (README "Exit codes"): see exit_codes.ExitCode. Each failure prints one line starting with
 "batchrun: error:" that names the file/field and the fix; only internal errors print a traceback.
 """
 from __future__ import annotations
@@ -10,24 +10,11 @@ import os
 import sys
 import traceback
 from contextlib import contextmanager
-from enum import IntEnum
 
 import click
 
-from batchrun.errors import ConfigError, JobChanged, OutputIOError, io_message
-
-
-class ExitCode(IntEnum):
-    OK = 0  # done (rows that could not run are error rows in the output, counted in the summary)
-    INTERNAL = 1  # a bug or an unexpected failure (traceback printed); committed units are kept
-    USAGE = 2  # bad command line (click)
-    CONFIG = 3  # bad job file, input, model, adapter or output dir: nothing was run
-    ROW_ERROR = 4  # on_error: fail and a row could not run; committed units are kept
-    JOB_CHANGED = 5  # output dir holds a different job; rerun with --restart or change output.path
-    LOCKED = 6  # another run of this task (or a run being restarted) holds the output dir's lock
-    OUTPUT_IO = 7  # the output dir cannot be written/read (disk full, read-only, permissions); kept
-    DAMAGED = 8  # `verify` found missing/damaged part files; rerun the job to rewrite them
-    INTERRUPTED = 130  # SIGINT/SIGTERM: stopped between units, no partial file; rerun to resume
+from batchrun.errors import ConfigError, OutputIOError, io_message
+from batchrun.exit_codes import HELP as EXIT_CODES_HELP, ExitCode, exit_code_of
 
 
 def _fail(code: ExitCode, message: str):
@@ -57,13 +44,13 @@ def slurm_task_defaults() -> tuple[int | None, int | None]:
     return (tid - tmin) // step, _env_int("SLURM_ARRAY_TASK_COUNT")
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(context_settings={"help_option_names": ["-h", "--help"]}, epilog=EXIT_CODES_HELP)
 @click.version_option(package_name="batchrun")
 def main():
     """Offline batch inference: Parquet prompts + a local HF model + LoRA adapters -> Parquet outputs."""
 
 
-@main.command()
+@main.command(epilog=EXIT_CODES_HELP)
 @click.argument("job", type=click.Path(dir_okay=False))
 @click.option("--task-id", type=click.IntRange(min=0), default=None,
               help="This task's index, 0-based. Default: from SLURM_ARRAY_TASK_ID (minus SLURM_ARRAY_TASK_MIN), else 0.")
@@ -71,13 +58,17 @@ def main():
               help="How many tasks share the job. Default: SLURM_ARRAY_TASK_COUNT, else 1.")
 @click.option("--restart", is_flag=True,
               help="Discard a previous run's outputs in output.path and start over (needed when the job changed).")
-@click.option("--no-progress", is_flag=True, help="No progress bar (the summary is still printed).")
-def run(job, task_id, num_tasks, restart, no_progress):
+@click.option("--progress", type=click.Choice(["auto", "bar", "log", "none"]), default="auto", show_default=True,
+              help="bar: a tqdm bar; log: one line per --log-interval (for Slurm/cron logs); auto: bar on a "
+                   "terminal, log otherwise.")
+@click.option("--log-interval", type=click.FloatRange(min=0.0), default=30.0, show_default=True,
+              help="Seconds between progress lines in log mode.")
+@click.option("--verbose", is_flag=True, help="In log mode, also one line per committed unit.")
+@click.option("--no-progress", is_flag=True, help="Same as --progress none (the summary is still printed).")
+def run(job, task_id, num_tasks, restart, progress, log_interval, verbose, no_progress):
     """Run JOB (a job.yaml), or this task's share of it; resumes a previous run."""
-    from batchrun.interrupt import Interrupted
     from batchrun.job import load_job
-    from batchrun.lock import LockBusy
-    from batchrun.runner import RowFailure, run_job
+    from batchrun.runner import run_job
 
     env_tid, env_n = slurm_task_defaults()
     task_id = task_id if task_id is not None else (env_tid or 0)
@@ -85,32 +76,36 @@ def run(job, task_id, num_tasks, restart, no_progress):
     if num_tasks < 1 or not 0 <= task_id < num_tasks:
         _fail(ExitCode.USAGE, f"--task-id must be in [0, --num-tasks={num_tasks}), got {task_id} "
               "(with a Slurm array of non-contiguous ids, pass --task-id/--num-tasks explicitly)")
+    held = []
     try:
         spec = load_job(job)
-        stats = run_job(spec, task_id, num_tasks, restart=restart, progress=not no_progress,
-                        log=lambda m: click.echo(m, err=True))
-    except JobChanged as e:
-        _fail(ExitCode.JOB_CHANGED, str(e))
-    except ConfigError as e:
-        _fail(ExitCode.CONFIG, str(e))
-    except LockBusy as e:
-        _fail(ExitCode.LOCKED, str(e))
-    except RowFailure as e:
-        _fail(ExitCode.ROW_ERROR, str(e))
-    except OutputIOError as e:
-        _fail(ExitCode.OUTPUT_IO, str(e))
-    except (Interrupted, KeyboardInterrupt) as e:
-        _fail(ExitCode.INTERRUPTED, f"interrupted ({e}); no partial file was left. "
-              "Rerun the same command to resume after the committed units.")
-    except OSError as e:
-        if e.filename is None:
+        stats = run_job(spec, task_id, num_tasks, restart=restart, progress="none" if no_progress else progress,
+                        log=lambda m: click.echo(m, err=True), log_interval=log_interval, verbose=verbose,
+                        on_stats=held.append)
+    except BaseException as e:
+        if isinstance(e, SystemExit):
+            raise
+        code = exit_code_of(e)
+        if code == ExitCode.INTERNAL:
             traceback.print_exc()
-            _fail(ExitCode.INTERNAL, "internal error (traceback above); committed units are kept, a rerun resumes")
-        _fail(ExitCode.OUTPUT_IO, io_message(e, "cannot access a file"))
-    except Exception:
-        traceback.print_exc()
-        _fail(ExitCode.INTERNAL, "internal error (traceback above); committed units are kept, a rerun resumes")
+        if held:
+            _summary_block(held[0], code, f"{held[0].status}: {type(e).__name__}")
+        if code == ExitCode.INTERRUPTED:
+            _fail(code, f"interrupted ({e}); no partial file was left. "
+                  "Rerun the same command to resume after the committed units.")
+        if code == ExitCode.INTERNAL:
+            _fail(code, "internal error (traceback above); committed units are kept, a rerun resumes")
+        if isinstance(e, OSError) and not isinstance(e, OutputIOError):
+            _fail(code, io_message(e, "cannot access a file"))
+        _fail(code, str(e))
     _summary(spec, stats)
+    _summary_block(stats, ExitCode.OK, "done")
+
+
+def _summary_block(st, code, what: str) -> None:
+    from batchrun.progress import summary_lines
+    for line in summary_lines(st, int(code), what):
+        click.echo(line, err=True)
 
 
 def _summary(spec, st) -> None:
@@ -121,11 +116,10 @@ def _summary(spec, st) -> None:
     with open(out.manifest) as f:
         m = json.load(f)
     job = job_metrics(out, m["total_units"], m["total_rows"])
-    gen = max(st.elapsed_s - st.model_load_s, 1e-9)
     click.echo(
         f"task {st.task_id}/{st.num_tasks}: {st.units_done} unit(s) written, {st.units_skipped} already done; "
         f"{st.rows} rows ({st.error_rows} error rows), {st.output_tokens} output tokens in {st.elapsed_s:.1f}s "
-        f"(model load {st.model_load_s:.1f}s, {st.output_tokens / gen:.0f} output tok/s)", err=True)
+        f"(model load {st.model_load_s:.1f}s, {st.output_tok_per_s:.0f} output tok/s)", err=True)
     click.echo(f"job: {job['units_committed']}/{job['units_total']} units, {job['rows_committed']}/"
                f"{job['rows_total']} rows, {job['error_rows']} error rows -> {out.path}"
                + ("" if job["complete"] else "  (other tasks' units still pending)"), err=True)

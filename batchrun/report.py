@@ -196,7 +196,11 @@ def show_rows(out_path: str, limit: int, prompts: bool) -> str:
     prompt_of = _prompts_for(out, manifest, [r["id"] for r in rows]) if prompts else {}
     lines = []
     for r in rows:
-        head = f"[{r['adapter'] or 'base'}] id={r['id']}"
+        configured = (manifest.get("job") or {}).get("adapters") or {}
+        name = r["adapter"] or "base"
+        if r["adapter"] and r["adapter"] not in configured:
+            name += " (unknown adapter: not under adapters:, so the row was not run)"
+        head = f"[{name}] id={r['id']}"
         if r["id"] in prompt_of:
             head += f"  prompt={prompt_of[r['id']]!r}"
         body = (f"-> {r['output_text']!r} ({r['finish_reason']}, {r['output_tokens']} tokens)"

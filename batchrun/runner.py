@@ -8,12 +8,9 @@ from __future__ import annotations
 
 import os
 import shutil
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable
-
-from tqdm import tqdm
 
 from batchrun import commit
 from batchrun.commit import check_part, committed_units, read_commits, write_json_atomic
@@ -25,6 +22,7 @@ from batchrun.job import JobSpec
 from batchrun.lock import TaskLock
 from batchrun.output import OutputDir
 from batchrun.plan import Unit, task_units
+from batchrun.progress import Progress
 from batchrun.prepare import Prepared, prepare
 from batchrun.rows import UnitWork, build_unit, input_columns, unit_table
 
@@ -49,10 +47,19 @@ class TaskStats:
     started: float = field(default_factory=time.time)
     elapsed_s: float = 0.0
     model_load_s: float = 0.0
+    startup_s: float = 0.0  # from the start of run_job until the engine was ready (checks, plan, load)
+    writing_s: float = 0.0  # writing, publishing and committing part files
+    error_reasons: dict = field(default_factory=dict)  # reason (digits as N) -> error rows
+    exit_code: int | None = None  # set by the CLI once known
+
+    @property
+    def generation_s(self) -> float:
+        """Wall time after start-up (checks, plan, model load), less writing part files."""
+        return max(self.elapsed_s - max(self.startup_s, self.model_load_s) - self.writing_s, 0.0)
 
     @property
     def output_tok_per_s(self) -> float:
-        gen = self.elapsed_s - self.model_load_s
+        gen = self.generation_s
         return self.output_tokens / gen if gen > 0 else 0.0
 
 
@@ -71,14 +78,18 @@ def load_engine(spec: JobSpec):
 
 class TaskRunner:
     def __init__(self, prep: Prepared, task_id: int, num_tasks: int, engine_factory: Callable,
-                 progress: bool = True, log=print):
+                 progress: bool | str = True, log=print, log_interval: float = 30.0, verbose: bool = False,
+                 started: float | None = None):
         self.prep, self.spec, self.out, self.plan = prep, prep.spec, prep.out, prep.plan
         self.task_id, self.num_tasks = task_id, num_tasks
         self.engine_factory = engine_factory
-        self.progress, self.log = progress, log
+        self.mode = {True: "auto", False: "none"}.get(progress, progress)
+        self.log, self.log_interval, self.verbose = log, log_interval, verbose
         self.stats = TaskStats(task_id, num_tasks)
+        if started is not None:
+            self.stats.started = started
         self.signals = Signals()
-        self.bar = None
+        self.progress: Progress | None = None
 
     # ---- commit -----------------------------------------------------------------------------
 
@@ -91,6 +102,7 @@ class TaskRunner:
                 "output_tokens": sum(len(r.output_token_ids) for r in work.results),
                 "time": time.time()}
         unit = work.unit.index
+        t0 = time.time()
         with self.signals.deferred():
             try:
                 written = commit.write_part(self.out, self.task_id, unit, table)
@@ -100,9 +112,12 @@ class TaskRunner:
             except OSError as e:  # disk full, read-only, quota: the unit stays uncommitted
                 raise OutputIOError(io_message(e, f"cannot commit unit {unit}")) from None
         st = self.stats
+        st.writing_s += time.time() - t0
         st.units_done += 1
         st.error_rows += errors
         st.prompt_tokens += info["prompt_tokens"]
+        if self.progress is not None:
+            self.progress.unit(unit, work.unit.rows, errors)
 
     def _on_result(self, pending: dict[int, UnitWork]) -> Callable[[Result], None]:
         def on_result(res: Result) -> None:
@@ -120,13 +135,15 @@ class TaskRunner:
         return on_result
 
     def _row_done(self, res: Result) -> None:
-        self.stats.rows += 1
-        self.stats.output_tokens += len(res.output_token_ids)
-        if self.bar is not None:
-            self.bar.update(1)
-            gen = time.time() - self.gen_start
-            self.bar.set_postfix_str(f"shard={self.shard_name} out_tok/s={self.stats.output_tokens / max(gen, 1e-9):.0f}",
-                                     refresh=False)
+        st = self.stats
+        st.rows += 1
+        st.output_tokens += len(res.output_token_ids)
+        failed = res.finish_reason == "error"
+        if failed:
+            reason = _DIGITS.sub("N", res.error or "?")[:200]
+            st.error_reasons[reason] = st.error_reasons.get(reason, 0) + 1
+        if self.progress is not None:
+            self.progress.row(len(res.output_token_ids), failed)
 
     def _fail_message(self, row_id, error: str) -> str:
         return (f"row id={row_id!r}: {error}. The job stopped (on_error: fail); units committed so far are "
@@ -178,7 +195,13 @@ class TaskRunner:
         try:
             self.signals.install()
             if not todo:
-                self.log(f"task {self.task_id}/{self.num_tasks}: all {len(mine)} units already committed")
+                if mine:
+                    self.log(f"task {self.task_id}/{self.num_tasks}: nothing to do: all {len(mine)} of its units "
+                             "were committed by an earlier run")
+                else:
+                    self.log(f"task {self.task_id}/{self.num_tasks}: nothing to do: the job has only "
+                             f"{len(self.plan.units)} work unit(s), fewer than {self.num_tasks} tasks, and none "
+                             "fell to this task (use fewer tasks, or a smaller input.rows_per_unit)")
                 st.status = "done"
                 return st
             self.log(f"task {self.task_id}/{self.num_tasks}: {len(todo)} of {len(mine)} units to run "
@@ -192,6 +215,7 @@ class TaskRunner:
             t0 = time.time()
             engine = self.engine_factory(self.spec)
             st.model_load_s = time.time() - t0
+            st.startup_s = time.time() - st.started
             self._run_units(engine, todo)
             st.status = "done"
         except Interrupted:
@@ -201,8 +225,8 @@ class TaskRunner:
             st.status = "failed"
             raise
         finally:
-            if self.bar is not None:
-                self.bar.close()
+            if self.progress is not None:
+                self.progress.close()
             self.signals.restore()
             shutil.rmtree(tmp_dir, ignore_errors=True)
             st.elapsed_s = time.time() - st.started
@@ -214,14 +238,12 @@ class TaskRunner:
         reader = RowReader(self.plan.files, input_columns(spec, self.plan))
         cap = max(4096, 32 * spec.engine.max_num_seqs)
         max_len = getattr(engine, "max_model_len", spec.engine.max_model_len)
-        self.gen_start = time.time()
-        self.shard_name = "-"
-        if self.progress:
-            tty = sys.stderr.isatty()
-            self.bar = tqdm(total=sum(u.rows for u in todo), unit="row", dynamic_ncols=True,
-                            mininterval=0.5 if tty else 30, desc=f"task {self.task_id}")
+        if self.mode != "none":
+            self.progress = Progress(self.mode, f"task {self.task_id}/{self.num_tasks}", sum(u.rows for u in todo),
+                                     len(todo), self.log, self.log_interval, self.verbose)
         for group in self._groups(todo, cap):
-            self.shard_name = group[0].adapter or "base"
+            if self.progress is not None:
+                self.progress.set_shard(group[0].adapter)
             pending: dict[int, UnitWork] = {}
             requests = []
             for unit in group:
@@ -265,11 +287,31 @@ class TaskRunner:
     def _write_metrics(self) -> None:
         try:
             os.makedirs(self.out.task_metrics_dir, exist_ok=True)
-            mine = {**asdict(self.stats), "output_tok_per_s": self.stats.output_tok_per_s}
-            write_json_atomic(os.path.join(self.out.task_metrics_dir, f"task-{self.task_id}.json"), mine)
+            path = os.path.join(self.out.task_metrics_dir, f"task-{self.task_id}.json")
+            this_run = {**asdict(self.stats), "output_tok_per_s": self.stats.output_tok_per_s}
+            runs = _previous_runs(path) + [{k: v for k, v in this_run.items() if k != "runs"}]
+            write_json_atomic(path, {**this_run, "runs": runs})  # the last run, and every run so far
             write_json_atomic(self.out.metrics, job_metrics(self.out, len(self.plan.units), self.plan.total_rows))
         except OSError as e:  # metrics must never turn a finished run into a failed one
             self.log(f"warning: could not write metrics: {e}")
+
+
+_DIGITS = __import__("re").compile(r"\d+")
+
+
+def _previous_runs(path: str) -> list[dict]:
+    import json
+    try:
+        with open(path) as f:
+            old = json.load(f)
+    except (OSError, ValueError):
+        return []
+    if not isinstance(old, dict):
+        return []
+    runs = old.get("runs")
+    if isinstance(runs, list):
+        return [r for r in runs if isinstance(r, dict)]
+    return [{k: v for k, v in old.items()}] if "task_id" in old else []  # a file from before histories
 
 
 def job_metrics(out: OutputDir, total_units: int, total_rows: int) -> dict:
@@ -289,17 +331,27 @@ def job_metrics(out: OutputDir, total_units: int, total_rows: int) -> dict:
         "prompt_tokens": sum(m["prompt_tokens"] for m in done.values()),
         "output_tokens": sum(m["output_tokens"] for m in done.values()),
         "complete": len(done) == total_units,
-        "tasks": tasks,
+        "tasks": {name: {k: v for k, v in t.items() if k != "runs"} for name, t in tasks.items()},
+        "runs": sorted((r for t in tasks.values() for r in t.get("runs", [])), key=lambda r: r.get("started", 0)),
     }
 
 
 def run_job(spec: JobSpec, task_id: int = 0, num_tasks: int = 1, restart: bool = False,
-            engine_factory: Callable | None = None, progress: bool = True, log=print) -> TaskStats:
-    """Validate + plan (no weights), take this task's lock, run its units. Raises on failure."""
+            engine_factory: Callable | None = None, progress: bool | str = True, log=print,
+            log_interval: float = 30.0, verbose: bool = False, on_stats: Callable | None = None) -> TaskStats:
+    """Validate + plan (no weights), take this task's lock, run its units. Raises on failure.
+
+    ``progress``: auto | bar | log | none (True = auto, False = none). ``on_stats`` receives the
+    task's TaskStats as soon as it exists, so a caller can report on a run that then fails.
+    """
     if not 0 <= task_id < num_tasks:
         raise ConfigError(f"--task-id must be in [0, {num_tasks}), got {task_id}")
+    started = time.time()
     prep = prepare(spec, restart=restart, log=log)
     lock = TaskLock(prep.out.lock(task_id), f"task {task_id} of {prep.out.path}")
     with lock:
-        runner = TaskRunner(prep, task_id, num_tasks, engine_factory or load_engine, progress=progress, log=log)
+        runner = TaskRunner(prep, task_id, num_tasks, engine_factory or load_engine, progress=progress, log=log,
+                            log_interval=log_interval, verbose=verbose, started=started)
+        if on_stats is not None:
+            on_stats(runner.stats)
         return runner.run()

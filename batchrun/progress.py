@@ -1,0 +1,104 @@
+"""Progress of a running task: a tqdm bar on a terminal, newline-terminated log lines elsewhere.
+
+``log`` mode is for Slurm and cron logs (``_batchrun/slurm/%A_%a.out``): one line every
+``interval`` seconds with rows, error rows, output tok/s (over the interval and overall), ETA,
+the current shard and graph set, and units committed; ``verbose`` adds one line per committed
+unit. ``auto`` picks ``bar`` when stderr is a terminal, ``log`` otherwise.
+"""
+from __future__ import annotations
+
+import sys
+import time
+from typing import Callable
+
+MODES = ("auto", "bar", "log", "none")
+
+
+def _hms(seconds: float) -> str:
+    s = int(max(seconds, 0))
+    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
+
+
+class Progress:
+    def __init__(self, mode: str, task: str, total_rows: int, total_units: int, log: Callable[[str], None],
+                 interval: float = 30.0, verbose: bool = False, clock=time.time):
+        if mode == "auto":
+            mode = "bar" if sys.stderr.isatty() else "log"
+        self.mode, self.task, self.log, self.interval, self.verbose = mode, task, log, interval, verbose
+        self.total_rows, self.total_units = total_rows, total_units
+        self.clock = clock
+        self.rows = self.errors = self.tokens = self.units = 0
+        self.shard = "-"
+        self.start = self.last_t = clock()
+        self.last_tokens = 0
+        self.bar = None
+        if mode == "bar":
+            from tqdm import tqdm
+            self.bar = tqdm(total=total_rows, unit="row", dynamic_ncols=True, mininterval=0.5, desc=task)
+
+    def set_shard(self, adapter: str | None) -> None:
+        self.shard = adapter or "base"
+
+    @property
+    def graph_set(self) -> str:
+        return "base" if self.shard == "base" else "lora"
+
+    def row(self, output_tokens: int, error: bool) -> None:
+        self.rows += 1
+        self.tokens += output_tokens
+        self.errors += error
+        now = self.clock()
+        if self.bar is not None:
+            self.bar.update(1)
+            rate = self.tokens / max(now - self.start, 1e-9)
+            self.bar.set_postfix_str(f"shard={self.shard} out_tok/s={rate:.0f}", refresh=False)
+        elif self.mode == "log" and now - self.last_t >= self.interval:
+            self._line(now)
+
+    def unit(self, index: int, rows: int, errors: int) -> None:
+        self.units += 1
+        if self.mode == "log" and self.verbose:
+            self.log(f"{self._stamp()} {self.task}: committed unit {index} ({rows} rows, {errors} error rows, "
+                     f"shard {self.shard}); {self.units}/{self.total_units} units")
+
+    def _stamp(self) -> str:
+        return time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(self.clock()))
+
+    def _line(self, now: float) -> None:
+        dt = max(now - self.last_t, 1e-9)
+        overall = self.tokens / max(now - self.start, 1e-9)
+        recent = (self.tokens - self.last_tokens) / dt
+        row_rate = self.rows / max(now - self.start, 1e-9)
+        eta = _hms((self.total_rows - self.rows) / row_rate) if row_rate > 0 else "?"
+        pct = 100.0 * self.rows / max(self.total_rows, 1)
+        self.log(f"{self._stamp()} {self.task}: rows {self.rows}/{self.total_rows} ({pct:.1f}%), "
+                 f"{self.errors} error rows, out tok/s {recent:.0f} (last {dt:.1f}s) {overall:.0f} (overall), "
+                 f"ETA {eta}, shard {self.shard} (graphs: {self.graph_set}), "
+                 f"units {self.units}/{self.total_units} committed")
+        self.last_t, self.last_tokens = now, self.tokens
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+        elif self.mode == "log" and self.rows and self.last_t != self.clock():
+            self._line(self.clock())
+
+
+def summary_lines(st, exit_code: int, what: str) -> list[str]:
+    """The end-of-task block (every line starts with "batchrun: summary", for grep)."""
+    gen, tok_s = st.generation_s, st.output_tok_per_s
+    head = "batchrun: summary"
+    lines = [f"{head} task {st.task_id}/{st.num_tasks}: exit {exit_code} ({what})",
+             f"{head} rows {st.rows} ({st.error_rows} error rows); units {st.units_done} written, "
+             f"{st.units_skipped} already done, {st.units_repaired} rewritten (damaged), of {st.units_total}",
+             f"{head} tokens {st.prompt_tokens} prompt, {st.output_tokens} output; {tok_s:.0f} output tok/s "
+             "during generation"]
+    reasons = sorted(st.error_reasons.items(), key=lambda kv: (-kv[1], kv[0]))
+    for reason, n in reasons[:5]:
+        lines.append(f"{head} error rows {n}x: {reason}")
+    if len(reasons) > 5:
+        lines.append(f"{head} error rows {sum(n for _, n in reasons[5:])}x: {len(reasons) - 5} other reason(s)")
+    lines.append(f"{head} time {st.elapsed_s:.1f}s: start-up {st.startup_s:.1f}s (model load {st.model_load_s:.1f}s), "
+                 f"generation {gen:.1f}s, writing {st.writing_s:.1f}s")
+    return lines
