@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import time
 
-from runner_helpers import demo_rows, expected, read_output
+from runner_helpers import demo_rows, expected
 
 N_ROWS = 30  # with rows_per_unit 4 (make_job's default): 9 units
 
@@ -52,7 +52,3 @@ def handlers_installed(pid: int) -> bool:
     except (OSError, StopIteration):
         return False
     return bool(caught & (1 << 14)) and bool(caught & (1 << 1))  # SIGTERM = 15, SIGINT = 2
-
-
-def read_output_table(out):
-    return read_output(out)

@@ -6,7 +6,6 @@ import shutil
 
 import pytest
 
-import batchrun.runner as runner_mod
 from batchrun.cli import ExitCode
 from batchrun.errors import ConfigError, InputChanged
 from batchrun.job import load_job

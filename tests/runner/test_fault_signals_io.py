@@ -2,7 +2,6 @@
 numbers: one `batchrun: error:` line and a documented exit code, never a traceback, and no temp
 file left behind (issue 9, cases 8, 9, 10)."""
 import errno
-import json
 import os
 import random
 import signal

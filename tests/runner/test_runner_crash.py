@@ -7,7 +7,6 @@ cleanly (no temp files visible, no duplicate ids), and a rerun must leave every 
 import json
 import os
 import signal
-import time
 
 import pytest
 
@@ -15,6 +14,7 @@ from batchrun.cli import ExitCode
 from batchrun.job import load_job
 from batchrun.runner import run_job
 from fake_engine import FakeEngine
+from fault_helpers import wait_for
 from runner_helpers import demo_rows, expected, fork_cli, read_output
 
 N_ROWS = 30  # 9 units of <= 4 rows: base 0-2, reverse 3-5, upper 6-8
@@ -69,15 +69,6 @@ def test_kill_at_any_point_then_rerun_gives_every_row_once(make_job, tmp_path, c
     assert stats.units_skipped == committed and stats.units_done == 9 - committed
     check_dataset(out, complete=True)
     assert len(commits(out)) == 9 and os.listdir(tmp.parent) == []
-
-
-def wait_for(cond, timeout=60.0):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if cond():
-            return
-        time.sleep(0.02)
-    raise AssertionError("timed out")
 
 
 def test_external_sigkill_mid_run(make_job, tmp_path):
