@@ -58,6 +58,10 @@ def main():
               help="How many tasks share the job. Default: SLURM_ARRAY_TASK_COUNT, else 1.")
 @click.option("--restart", is_flag=True,
               help="Discard a previous run's outputs in output.path and start over (needed when the job changed).")
+@click.option("--restart-token", default=None, metavar="TOKEN",
+              help="Restart once per TOKEN: like --restart, unless the output dir was already restarted "
+                   "with this token (then resume). `batchrun slurm --restart` scripts use it, so a "
+                   "resubmitted or requeued script resumes instead of wiping again.")
 @click.option("--progress", type=click.Choice(["auto", "bar", "log", "none"]), default="auto", show_default=True,
               help="bar: a tqdm bar; log: one line per --log-interval (for Slurm/cron logs); auto: bar on a "
                    "terminal, log otherwise.")
@@ -65,7 +69,7 @@ def main():
               help="Seconds between progress lines in log mode.")
 @click.option("--verbose", is_flag=True, help="In log mode, also one line per committed unit.")
 @click.option("--no-progress", is_flag=True, help="Same as --progress none (the summary is still printed).")
-def run(job, task_id, num_tasks, restart, progress, log_interval, verbose, no_progress):
+def run(job, task_id, num_tasks, restart, restart_token, progress, log_interval, verbose, no_progress):
     """Run JOB (a job.yaml), or this task's share of it; resumes a previous run."""
     from batchrun.job import load_job
     from batchrun.runner import run_job
@@ -81,7 +85,7 @@ def run(job, task_id, num_tasks, restart, progress, log_interval, verbose, no_pr
         spec = load_job(job)
         stats = run_job(spec, task_id, num_tasks, restart=restart, progress="none" if no_progress else progress,
                         log=lambda m: click.echo(m, err=True), log_interval=log_interval, verbose=verbose,
-                        on_stats=held.append)
+                        on_stats=held.append, restart_token=restart_token)
     except BaseException as e:
         if isinstance(e, SystemExit):
             raise
@@ -185,16 +189,23 @@ def show(out, limit, prompts):
 @click.option("--mem", default="64G", show_default=True, help="#SBATCH --mem")
 @click.option("--partition", default=None, help="#SBATCH --partition")
 @click.option("--account", default=None, help="#SBATCH --account")
-@click.option("--restart", is_flag=True, help="Pass --restart to the tasks (the array restarts once, not per task).")
+@click.option("--gpus-per-task", type=click.IntRange(min=0), default=1, show_default=True,
+              help="GPUs of each array task (#SBATCH --gpus=N, --ntasks=1); 0 writes no GPU request (CPU runs, clusters without GPU gres).")
+@click.option("--sbatch-arg", "sbatch_args", multiple=True, metavar="ARG",
+              help="Another #SBATCH line, e.g. --sbatch-arg=--qos=long (repeatable).")
+@click.option("--restart", is_flag=True,
+              help="The script restarts the output dir once: a token in the script makes its tasks, "
+                   "requeues and resubmissions resume instead of wiping again.")
 @click.option("--submit", is_flag=True, help="Run sbatch on the script.")
-def slurm(job, array, script, time_, cpus, mem, partition, account, restart, submit):
+def slurm(job, array, script, time_, cpus, mem, partition, account, gpus_per_task, sbatch_args, restart, submit):
     """Write an sbatch script running JOB as a Slurm array of ARRAY tasks; --submit submits it."""
     from batchrun.job import load_job
     from batchrun import slurm as sl
     try:
         spec = load_job(job)
         text = sl.sbatch_script(spec, array, cpus=cpus, mem=mem, time=time_, partition=partition,
-                                account=account, restart=restart)
+                                account=account, restart=restart, gpus_per_task=gpus_per_task,
+                                sbatch_args=sbatch_args)
         path = script or os.path.splitext(spec.job_file)[0] + ".sbatch"
         sl.write_script(spec, path, text)
         click.echo(f"wrote {path}")

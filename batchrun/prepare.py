@@ -108,8 +108,13 @@ def validate(spec: JobSpec) -> tuple[list[str], str, object, object]:
     return files, root, schema, model_config
 
 
-def prepare(spec: JobSpec, restart: bool = False, log=None) -> Prepared:
+def prepare(spec: JobSpec, restart: bool = False, log=None, restart_token: str | None = None) -> Prepared:
     """Validate, fingerprint, and create/resume/refuse the output directory's job state.
+
+    ``restart_token``: restart only if the manifest was not made by a restart with this token
+    (the sbatch script of `batchrun slurm --restart` carries one, so resubmitting or requeueing it
+    resumes instead of wiping again). Without one, SLURM_ARRAY_JOB_ID plays that part, so the
+    tasks of one array restart the directory once.
 
     Runs under the output dir's manifest lock so concurrent array tasks agree on one plan.
     """
@@ -119,7 +124,8 @@ def prepare(spec: JobSpec, restart: bool = False, log=None) -> Prepared:
     pins = [identity(f) for f in files]  # each input read once: its digest serves the fingerprint too
     parts = job_fingerprint(spec, files, names, list(schema.override_columns), digests=[p.digest for p in pins])
     fp = combine(parts)
-    token = os.environ.get("SLURM_ARRAY_JOB_ID")  # siblings of one array restart only once
+    token = restart_token or os.environ.get("SLURM_ARRAY_JOB_ID")  # restart once per token
+    restart = restart or bool(restart_token)
     if not os.path.lexists(out.manifest) and not pending_wipe(out):
         check_unowned_dir(out)  # not ours: refuse before creating anything there, --restart or not
     check_output_writable(out)

@@ -338,7 +338,8 @@ def job_metrics(out: OutputDir, total_units: int, total_rows: int) -> dict:
 
 def run_job(spec: JobSpec, task_id: int = 0, num_tasks: int = 1, restart: bool = False,
             engine_factory: Callable | None = None, progress: bool | str = True, log=print,
-            log_interval: float = 30.0, verbose: bool = False, on_stats: Callable | None = None) -> TaskStats:
+            log_interval: float = 30.0, verbose: bool = False, on_stats: Callable | None = None,
+            restart_token: str | None = None) -> TaskStats:
     """Validate + plan (no weights), take this task's lock, run its units. Raises on failure.
 
     ``progress``: auto | bar | log | none (True = auto, False = none). ``on_stats`` receives the
@@ -347,7 +348,7 @@ def run_job(spec: JobSpec, task_id: int = 0, num_tasks: int = 1, restart: bool =
     if not 0 <= task_id < num_tasks:
         raise ConfigError(f"--task-id must be in [0, {num_tasks}), got {task_id}")
     started = time.time()
-    prep = prepare(spec, restart=restart, log=log)
+    prep = prepare(spec, restart=restart, log=log, restart_token=restart_token)
     lock = TaskLock(prep.out.lock(task_id), f"task {task_id} of {prep.out.path}")
     with lock:
         runner = TaskRunner(prep, task_id, num_tasks, engine_factory or load_engine, progress=progress, log=log,

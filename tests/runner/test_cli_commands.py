@@ -129,3 +129,25 @@ def test_bench_group_is_registered():
     assert r.exit_code == 0
     for cmd in ("run", "plan", "status", "show", "slurm", "bench"):
         assert cmd in r.output
+
+
+def test_slurm_restart_script_restarts_once_even_when_resubmitted(make_job, tmp_path):
+    import re
+    job = make_job(demo_rows(12))
+    assert cli("run", job, "--no-progress").exit_code == 0
+    r = cli("slurm", job, "--array", "2", "--restart", "--gpus-per-task", "0", "--sbatch-arg=--qos=long")
+    assert r.exit_code == 0
+    script = (tmp_path / "job.sbatch").read_text()
+    assert "--gpus" not in script and "#SBATCH --qos=long" in script
+    token = re.search(r"--restart-token (\w+)", script).group(1)
+    first = cli("run", job, "--no-progress", "--restart-token", token)  # the first task: wipes
+    assert first.exit_code == 0 and "3 unit(s) written, 0 already done" in first.output
+    again = cli("run", job, "--no-progress", "--restart-token", token)  # resubmitted: resumes
+    assert again.exit_code == 0 and "all 3 of its units were committed" in again.output
+    new = cli("slurm", job, "--array", "2", "--restart")  # a new script restarts once more
+    token2 = re.search(r"--restart-token (\w+)", (tmp_path / "job.sbatch").read_text()).group(1)
+    assert token2 != token and "#SBATCH --gpus=1" in (tmp_path / "job.sbatch").read_text()
+    r = cli("run", job, "--no-progress", "--restart-token", token2)
+    assert new.exit_code == 0 and r.exit_code == 0 and "3 unit(s) written, 0 already done" in r.output
+    assert sorted(x["id"] for x in read_output(tmp_path / "out").to_pylist()) == list(range(12))
+    assert cli("slurm", job, "--array", "2", "--sbatch-arg", "qos=long").exit_code == ExitCode.CONFIG
