@@ -199,6 +199,9 @@ def _short(value: Any) -> str:
     return text
 
 
+short_repr = _short  # for other modules' messages (rows.py): a bounded repr of a user value
+
+
 def _show(value: Any) -> str:
     return f"{_short(value)} ({type(value).__name__})"
 

@@ -16,7 +16,7 @@ import pyarrow as pa
 from batchrun.config import SamplingParams
 from batchrun.engine.request import Request, Result
 from batchrun.inputs import INVALID, InvalidText
-from batchrun.job import OVERRIDE_COLUMNS, JobSpec
+from batchrun.job import OVERRIDE_COLUMNS, JobSpec, short_repr
 from batchrun.output import output_schema
 from batchrun.plan import Plan, Unit
 
@@ -106,7 +106,7 @@ def build_unit(unit: Unit, rows: dict[str, list], row_file, row_index, plan: Pla
     for pos in range(n):
         if not unit.known:
             configured = ", ".join(spec.adapters) or "none"
-            fail(pos, f"unknown adapter {names[pos]!r} (configured adapters: {configured})")
+            fail(pos, f"unknown adapter {short_repr(str(names[pos]))} (configured adapters: {configured})")
             continue
         try:
             samplings[pos] = _sampling(spec, rows, pos, ids[pos])

@@ -253,3 +253,14 @@ def test_integer_overrides_out_of_range_are_error_rows(make_job, tmp_path):
     assert got[0]["error"] == "bad per-row sampling override: top_k must be an integer >= 0 (0 = off), got -1"
     assert got[1]["error"] == "bad per-row sampling override: max_tokens must be an integer >= 1, got -5"
     assert got[2]["error"] is None and got[2]["output_text"] == "hell"
+
+
+def test_a_huge_unknown_adapter_name_gives_a_short_error(make_job, tmp_path):
+    rows = demo_rows(3)
+    rows[1]["adapter"] = "x" * 100_000
+    job = make_job(rows)
+    run_job(load_job(job), engine_factory=FakeEngine.from_spec, progress=False, log=lambda m: None)
+    out = read_output(tmp_path / "out").to_pylist()
+    err = [r["error"] for r in out if r["error"]]
+    assert len(err) == 1 and err[0].startswith("unknown adapter 'xxx") and len(err[0]) < 300
+    assert sorted(r["id"] for r in out) == [0, 1, 2]
