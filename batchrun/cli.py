@@ -113,7 +113,7 @@ def _summary_block(st, code, what: str) -> None:
 
 
 def _summary(spec, st) -> None:
-    from batchrun.runner import job_metrics
+    from batchrun.metrics import job_metrics
     from batchrun.output import OutputDir
     import json
     out = OutputDir(spec.output.path)

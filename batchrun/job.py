@@ -4,16 +4,14 @@ Every error names the field path (``engine.max_num_seqs``) and what was expected
 person reading it is looking at the YAML file, not at this code. Relative paths resolve against
 the job file's directory; ``$VARS`` and ``~`` are expanded (handy for ``$SCRATCH`` on clusters),
 and a reference to an unset variable is an error rather than a literal ``$SCRATCH`` folder.
-Messages quote user values through a bounded repr, and YAML that expands (through aliases)
-past MAX_YAML_NODES values is refused before it is built.
+Messages quote user values through a bounded repr (short_repr.py), and YAML that expands
+(through aliases) past a bound is refused before it is built (safe_yaml.py).
 """
 from __future__ import annotations
 
-import datetime
 import math
 import os
 import re
-import reprlib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,13 +19,14 @@ from typing import Any
 import yaml
 
 from batchrun.errors import ConfigError
+from batchrun.safe_yaml import load_yaml
+from batchrun.short_repr import short_repr as _short
 
 ON_ERROR = ("skip", "fail")
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 # A job file is a small mapping; anything that expands past this many values (counting every
 # use of a YAML alias) is refused before it is built, so an alias bomb cannot exhaust memory.
-MAX_YAML_NODES = 100_000
 # Input columns that, when present, override the job's sampling defaults row by row.
 OVERRIDE_COLUMNS = ("max_tokens", "temperature", "top_p", "top_k", "seed")
 
@@ -147,59 +146,6 @@ class _Required:
 _REQUIRED = _Required()
 
 
-class _BoundedRepr(reprlib.Repr):
-    """reprlib.Repr that never builds a large intermediate: no sorting of whole dicts/sets and no
-    decimal conversion of huge integers (both cost time and memory proportional to the value)."""
-
-    def repr_dict(self, x, level):
-        if not x:
-            return "{}"
-        if level <= 0:
-            return "{...}"
-        items = []
-        for i, key in enumerate(x):
-            if i >= self.maxdict:
-                items.append("...")
-                break
-            items.append(f"{self.repr1(key, level - 1)}: {self.repr1(x[key], level - 1)}")
-        return "{" + ", ".join(items) + "}"
-
-    def repr_set(self, x, level):
-        return self._repr_iterable(x, level, "{", "}", self.maxset) if x else "set()"
-
-    def repr_frozenset(self, x, level):
-        return self._repr_iterable(x, level, "frozenset({", "})", self.maxfrozenset) if x else "frozenset()"
-
-    def repr_int(self, x, level):
-        if x.bit_length() > 128:
-            return f"<{x.bit_length()}-bit integer>"
-        return super().repr_int(x, level)
-
-    def repr_instance(self, x, level):
-        if isinstance(x, (bytes, bytearray)):  # YAML !!binary
-            return repr(x[:self.maxstring]) + ("..." if len(x) > self.maxstring else "")
-        if x is None or isinstance(x, (bool, float, complex, datetime.date, datetime.time)):
-            return repr(x)  # small by construction
-        return f"<{type(x).__name__}>"  # other objects: their repr may be unbounded
-
-
-_REPR = _BoundedRepr()
-_REPR.maxlevel = 3
-_REPR.maxtuple = _REPR.maxlist = _REPR.maxarray = _REPR.maxdeque = 4
-_REPR.maxdict = _REPR.maxset = _REPR.maxfrozenset = 4
-_REPR.maxstring = _REPR.maxother = 60
-_REPR.maxlong = 40
-
-
-def _short(value: Any) -> str:
-    """A bounded repr of a user value (at most ~80 characters, whatever its size or nesting)."""
-    text = _REPR.repr(value)
-    if len(text) > 80:  # nested values add up; keep the whole thing short
-        text = text[:77] + "..."
-    return text
-
-
-short_repr = _short  # for other modules' messages (rows.py): a bounded repr of a user value
 
 
 def _show(value: Any) -> str:
@@ -247,7 +193,7 @@ def load_job(path: str | os.PathLike) -> JobSpec:
     except OSError as e:
         raise ConfigError(f"cannot read job file {path}: {e.strerror or e}") from None
     try:
-        raw = _load_yaml(text)
+        raw = load_yaml(text)
     except ConfigError as e:
         raise ConfigError(f"{path}: {e}") from None
     except yaml.YAMLError as e:
@@ -259,73 +205,6 @@ def load_job(path: str | os.PathLike) -> JobSpec:
         return parse_job(raw, base_dir=path.parent, job_file=str(path))
     except ConfigError as e:
         raise ConfigError(f"{path}: {e}") from None
-
-
-def _load_yaml(text: str) -> Any:
-    """yaml.safe_load, but refuses documents that expand past MAX_YAML_NODES values (aliases
-    counted at every use) or that are recursive, before any Python object is constructed."""
-    loader = yaml.SafeLoader(text)
-    try:
-        try:
-            node = loader.get_single_node()
-        except RecursionError:
-            raise ConfigError("job file nests too deeply; a job file is a small mapping") from None
-        if node is None:  # empty document: parse_job reports the missing fields
-            return None
-        _check_size(node, MAX_YAML_NODES)
-        try:
-            return loader.construct_document(node)
-        except RecursionError:
-            raise ConfigError("job file nests too deeply; a job file is a small mapping") from None
-        except (ValueError, OverflowError) as e:  # e.g. an integer over Python's digit limit
-            msg = str(e)
-            raise ConfigError(f"not valid YAML: {msg if len(msg) <= 300 else msg[:297] + '...'}") from None
-    finally:
-        loader.dispose()
-
-
-def _children(node: yaml.Node) -> list:
-    if isinstance(node, yaml.SequenceNode):
-        return node.value
-    if isinstance(node, yaml.MappingNode):
-        return [n for pair in node.value for n in pair]
-    return []
-
-
-def _check_size(root: yaml.Node, limit: int) -> None:
-    """Raise ConfigError if the composed node graph expands to more than ``limit`` values.
-
-    An alias is the same node object used again, so the expanded size is a tree count over a DAG;
-    memoising by node identity keeps this O(nodes), and an iterative walk keeps deep documents
-    from overflowing the stack. A node reached again while still open is a recursive alias.
-    """
-    size: dict[int, int] = {}  # id(node) -> expanded size (capped at limit + 1)
-    open_: set[int] = set()
-    stack = [(root, False)]
-    while stack:
-        node, done = stack.pop()
-        nid = id(node)
-        if done:
-            open_.discard(nid)
-            size[nid] = min(limit + 1, 1 + sum(size[id(c)] for c in _children(node)))
-            continue
-        if nid in size:
-            continue
-        if nid in open_:
-            raise ConfigError("job file has a recursive YAML alias (an anchor used inside itself); "
-                              "a job file is a small mapping")
-        open_.add(nid)
-        stack.append((node, True))
-        for child in _children(node):
-            cid = id(child)
-            if cid in open_:
-                raise ConfigError("job file has a recursive YAML alias (an anchor used inside "
-                                  "itself); a job file is a small mapping")
-            if cid not in size:
-                stack.append((child, False))
-    if size[id(root)] > limit:
-        raise ConfigError(f"job file expands to more than {limit} values (YAML aliases/anchors?); "
-                          "a job file is a small mapping")
 
 
 def parse_job(raw: Any, base_dir: str | os.PathLike, job_file: str = "") -> JobSpec:

@@ -16,7 +16,8 @@ import pyarrow as pa
 from batchrun.config import SamplingParams
 from batchrun.engine.request import Request, Result
 from batchrun.inputs import INVALID, InvalidText
-from batchrun.job import OVERRIDE_COLUMNS, JobSpec, short_repr
+from batchrun.job import OVERRIDE_COLUMNS, JobSpec
+from batchrun.short_repr import short_repr
 from batchrun.output import output_schema
 from batchrun.plan import Plan, Unit
 

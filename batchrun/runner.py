@@ -7,19 +7,21 @@ the moment its last row finishes, so a crash loses at most the units still in fl
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable
 
 from batchrun import commit
-from batchrun.commit import check_part, committed_units, read_commits, write_json_atomic
+from batchrun.commit import check_part, read_commits
 from batchrun.engine.request import Result
 from batchrun.errors import ConfigError, OutputIOError, io_message
 from batchrun.interrupt import Interrupted, Signals
 from batchrun.inputs import RowReader
 from batchrun.job import JobSpec
 from batchrun.lock import TaskLock
+from batchrun.metrics import write_metrics
 from batchrun.output import OutputDir
 from batchrun.plan import Unit, task_units
 from batchrun.progress import Progress
@@ -286,54 +288,13 @@ class TaskRunner:
 
     def _write_metrics(self) -> None:
         try:
-            os.makedirs(self.out.task_metrics_dir, exist_ok=True)
-            path = os.path.join(self.out.task_metrics_dir, f"task-{self.task_id}.json")
             this_run = {**asdict(self.stats), "output_tok_per_s": self.stats.output_tok_per_s}
-            runs = _previous_runs(path) + [{k: v for k, v in this_run.items() if k != "runs"}]
-            write_json_atomic(path, {**this_run, "runs": runs})  # the last run, and every run so far
-            write_json_atomic(self.out.metrics, job_metrics(self.out, len(self.plan.units), self.plan.total_rows))
+            write_metrics(self.out, self.task_id, this_run, len(self.plan.units), self.plan.total_rows)
         except OSError as e:  # metrics must never turn a finished run into a failed one
             self.log(f"warning: could not write metrics: {e}")
 
 
-_DIGITS = __import__("re").compile(r"\d+")
-
-
-def _previous_runs(path: str) -> list[dict]:
-    import json
-    try:
-        with open(path) as f:
-            old = json.load(f)
-    except (OSError, ValueError):
-        return []
-    if not isinstance(old, dict):
-        return []
-    runs = old.get("runs")
-    if isinstance(runs, list):
-        return [r for r in runs if isinstance(r, dict)]
-    return [{k: v for k, v in old.items()}] if "task_id" in old else []  # a file from before histories
-
-
-def job_metrics(out: OutputDir, total_units: int, total_rows: int) -> dict:
-    """Totals over every committed unit, plus each task's last run."""
-    import json
-    done = committed_units(out)
-    tasks = {}
-    if os.path.isdir(out.task_metrics_dir):
-        for name in sorted(os.listdir(out.task_metrics_dir)):
-            if name.endswith(".json") and not name.startswith("."):
-                with open(os.path.join(out.task_metrics_dir, name)) as f:
-                    tasks[name[:-5]] = json.load(f)
-    return {
-        "units_total": total_units, "units_committed": len(done),
-        "rows_total": total_rows, "rows_committed": sum(m["rows"] for m in done.values()),
-        "error_rows": sum(m["error_rows"] for m in done.values()),
-        "prompt_tokens": sum(m["prompt_tokens"] for m in done.values()),
-        "output_tokens": sum(m["output_tokens"] for m in done.values()),
-        "complete": len(done) == total_units,
-        "tasks": {name: {k: v for k, v in t.items() if k != "runs"} for name, t in tasks.items()},
-        "runs": sorted((r for t in tasks.values() for r in t.get("runs", [])), key=lambda r: r.get("started", 0)),
-    }
+_DIGITS = re.compile(r"\d+")  # error reasons are counted with their numbers as N
 
 
 def run_job(spec: JobSpec, task_id: int = 0, num_tasks: int = 1, restart: bool = False,
