@@ -21,10 +21,14 @@ from batchrun.fingerprint import PART_NAMES, combine, job_fingerprint
 from batchrun.inputs import check_schemas, find_input_files
 from batchrun.job import JobSpec
 from batchrun.lock import LockBusy, TaskLock
+from batchrun.lora.adapters import inspect_adapter
+from batchrun.models.checkpoint import inspect_model
+from batchrun.models.config import check_context_length
 from batchrun.output import META, OutputDir
 from batchrun.output_path import check_output_path, check_unowned_dir
 from batchrun.pins import InputPins, identity
 from batchrun.plan import Plan, make_plan
+from batchrun.token_count import load_counter
 from batchrun.restart import begin_wipe, check_no_active_task, end_wipe, finish_wipe, pending_wipe
 
 
@@ -45,28 +49,15 @@ def check_model_and_adapters(spec: JobSpec) -> object | None:
     if not os.path.isfile(os.path.join(spec.model, "config.json")):
         raise ConfigError(f"model: {spec.model} has no config.json (expected a Hugging Face model directory)")
     try:
-        from batchrun.models.loader import inspect_model
-    except ImportError:  # the model loader is not in this build yet: the engine checks at load
-        inspect_model = None
-    model_config = None
-    if inspect_model is not None:
-        try:
-            model_config = inspect_model(spec.model)
-        except ConfigError as e:
-            raise type(e)(f"model: {e}") from None
-        from batchrun.models.config import check_context_length
-        check_context_length(model_config, spec.engine.max_model_len, spec.model)
+        model_config = inspect_model(spec.model)
+    except ConfigError as e:
+        raise type(e)(f"model: {e}") from None
+    check_context_length(model_config, spec.engine.max_model_len, spec.model)
     for name, path in spec.adapters.items():
         if not os.path.isdir(path):
             raise ConfigError(f"adapters.{name}: {path} is not a directory (expected a PEFT adapter directory)")
         if not os.path.isfile(os.path.join(path, "adapter_config.json")):
             raise ConfigError(f"adapters.{name}: {path} has no adapter_config.json (expected a PEFT adapter directory)")
-        if model_config is None:
-            continue
-        try:
-            from batchrun.lora.adapters import inspect_adapter
-        except ImportError:
-            continue
         try:
             inspect_adapter(name, path, model_config, spec.engine.max_lora_rank)
         except ConfigError as e:
@@ -87,6 +78,12 @@ def load_tokenizer(spec: JobSpec):
     return tok
 
 
+def token_counter(spec: JobSpec):
+    """What counts prompt tokens before the engine exists (token_count.py: no transformers for
+    plain-text prompts with a tokenizer.json)."""
+    return load_counter(spec.model, bool(spec.input.messages_column), lambda: load_tokenizer(spec))
+
+
 def check_output_writable(out: OutputDir) -> None:
     try:
         os.makedirs(out.meta, exist_ok=True)
@@ -103,7 +100,7 @@ def validate(spec: JobSpec) -> tuple[list[str], str, object, object]:
     files, root = find_input_files(spec.input)
     schema = check_schemas(files, spec.input)
     model_config = check_model_and_adapters(spec)
-    load_tokenizer(spec)  # a broken tokenizer or missing chat template fails before the weights load
+    token_counter(spec)  # a broken tokenizer or missing chat template fails before the weights load
     check_output_path(spec, files)
     return files, root, schema, model_config
 
@@ -225,4 +222,4 @@ def _read_manifest(out: OutputDir) -> dict | None:
     return manifest
 
 
-__all__ = ["JobChanged", "Prepared", "prepare", "validate", "load_tokenizer", "check_output_writable", "META"]
+__all__ = ["JobChanged", "Prepared", "prepare", "validate", "load_tokenizer", "token_counter", "check_output_writable", "META"]

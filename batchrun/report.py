@@ -15,7 +15,7 @@ from batchrun.lock import is_locked
 from batchrun.output import OutputDir
 from batchrun.output_path import check_unowned_dir
 from batchrun.plan import Plan, assign_tasks, make_plan
-from batchrun.prepare import load_tokenizer, validate
+from batchrun.prepare import token_counter, validate
 
 
 def _shard_name(adapter: str | None, known: bool) -> str:
@@ -62,7 +62,7 @@ def plan_report(spec: JobSpec, num_tasks: int, count_tokens: bool = True) -> str
 
 def _prompt_tokens(spec: JobSpec, plan: Plan) -> tuple[dict, dict]:
     """Prompt tokens and predictable error rows per shard (tokenizer only, file by file)."""
-    tok = load_tokenizer(spec)
+    tok = token_counter(spec)
     inp = spec.input
     shard_keys = list(dict.fromkeys((u.adapter, u.known) for u in plan.units))
     code_of = {k: i for i, k in enumerate(shard_keys)}
@@ -86,16 +86,14 @@ def _prompt_tokens(spec: JobSpec, plan: Plan) -> tuple[dict, dict]:
             if inp.prompt_column:
                 ok = [i for i, v in enumerate(values)
                       if v is not None and not isinstance(v, InvalidText) and v.strip()]
-                enc = tok([values[i] for i in ok])["input_ids"] if ok else []
-                lens = dict(zip(ok, (len(e) for e in enc)))
+                lens = dict(zip(ok, tok.lengths([values[i] for i in ok])))
             else:
                 lens = {}
                 for i, v in enumerate(values):
                     try:
                         if not v or v is INVALID:
                             continue
-                        out = tok.apply_chat_template(v, add_generation_prompt=True, tokenize=True)
-                        lens[i] = len(out["input_ids"] if hasattr(out, "keys") else out) if out else None
+                        lens[i] = tok.chat_length(v)
                     except Exception:
                         pass
                 lens = {i: n for i, n in lens.items() if n}

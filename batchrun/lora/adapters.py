@@ -13,12 +13,16 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
 from safetensors import safe_open
 
 from batchrun.lora.peft_config import (EMBEDDING_MODULES, PEFT_MODULES, PeftLoraConfig,
                                        adapter_error, module_key)
+from batchrun.safetensors_header import HeaderError, read_header
+
+if TYPE_CHECKING:  # torch is needed only to load weights (safetensors imports it then)
+    import torch
 
 _WEIGHTS = "adapter_model.safetensors"
 _LORA_KEY = re.compile(r"^base_model\.model\.(?P<module>.+)\.lora_(?P<ab>[AB])\.weight$")
@@ -83,9 +87,8 @@ def _read_header(name: str, path: Path) -> dict[str, list[int]]:
                                     "..., safe_serialization=True))")
         raise adapter_error(name, path, f"{_WEIGHTS} not found next to adapter_config.json")
     try:
-        with safe_open(str(weights), framework="pt") as f:
-            return {k: list(f.get_slice(k).get_shape()) for k in f.keys()}
-    except Exception as e:  # safetensors raises its own error types for corrupt headers
+        return {k: list(shape) for k, (_, shape) in read_header(weights).items()}
+    except (OSError, HeaderError) as e:  # torch-free: validation and `plan` never import torch
         raise adapter_error(name, path, f"cannot read {_WEIGHTS}: {e}") from None
 
 
