@@ -170,7 +170,10 @@ class TaskRunner:
                     continue
             if reason is not None:
                 self.log(f"task {self.task_id}: unit {u.index} was committed but {reason}; rewriting it")
-                os.remove(self.out.commit_marker(u.index))
+                try:
+                    os.remove(self.out.commit_marker(u.index))
+                except FileNotFoundError:
+                    pass
                 self.stats.units_repaired += 1
         return done
 
