@@ -42,7 +42,7 @@ def leftovers(out) -> list[str]:
 # ---- signals -----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("sig, delay", [(signal.SIGTERM, 0.0), (signal.SIGINT, 0.0), (signal.SIGTERM, 0.3),
-                                        (signal.SIGINT, 1.0)])
+                                        (signal.SIGINT, 0.6)])
 def test_signal_during_start_up_exits_130_with_one_line(make_job, tmp_path, sig, delay):
     """The real console entry (`python -m batchrun`): the signal lands while click, pyarrow,
     transformers or torch are still being imported, or during the pre-run checks."""
