@@ -5,7 +5,6 @@ Exit codes (README "Exit codes"): see exit_codes.ExitCode. Each failure prints o
 """
 from __future__ import annotations
 
-import importlib.util
 import os
 import sys
 import traceback
@@ -236,17 +235,10 @@ def _read_errors():
 
 
 def _register_bench() -> None:
-    """`batchrun bench ...` lives in batchrun/bench/cli.py (the graphs/benchmark work)."""
-    if importlib.util.find_spec("batchrun.bench") and importlib.util.find_spec("batchrun.bench.cli"):
-        from batchrun.bench import cli as bench_cli
-        cmd = getattr(bench_cli, "bench", None) or getattr(bench_cli, "main", None)
-        if isinstance(cmd, click.Command):
-            main.add_command(cmd, name="bench")
-            return
-
-    @main.group()
-    def bench():
-        """Benchmarks (not in this build yet)."""
+    """`batchrun bench ...` lives in batchrun/bench/cli.py (light to import: torch loads when a
+    benchmark runs)."""
+    from batchrun.bench.cli import bench
+    main.add_command(bench, name="bench")
 
 
 _register_bench()

@@ -32,8 +32,7 @@ LAYERS = [("qkv", 4096, (4096, 4096, 4096)), ("qkv_gqa", 4096, (4096, 1024, 1024
 def bench(fn) -> float:
     # do_bench_cudagraph runs fn first on a fresh side stream that does not wait for the default
     # stream: without this sync it can read inputs (e.g. a block table) before they are written,
-    # which is how this script hit "illegal memory access" in its attention rows on the H200
-    # (each shape alone, after a sync, passes: benchmarks/attn_diag.py)
+    # which is how this script hit "illegal memory access" in its attention rows on the H200.
     torch.cuda.synchronize()
     return triton.testing.do_bench_cudagraph(fn, rep=100) * 1e3  # us
 

@@ -23,10 +23,6 @@ class BlockManager:
     def num_free(self) -> int:
         return len(self.free)
 
-    @property
-    def num_usable(self) -> int:
-        return self.num_blocks - 1
-
     def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
         """Extra blocks seq needs so that its first num_tokens tokens have cache slots."""
         want = -(-num_tokens // self.block_size)

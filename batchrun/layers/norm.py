@@ -2,7 +2,7 @@
 residual add before it (vLLM pattern): `norm(x, residual) -> (normed, x + residual)`.
 
 On CUDA it runs one Triton kernel (the residual is updated in place); on CPU the torch
-reference (kernels/reference.py: the same ops as before, bit for bit). A pending LoRA delta of
+reference (kernels/reference.py: HF LlamaRMSNorm's ops, in its order). A pending LoRA delta of
 the projection before the norm (LoRADelta) is added to x inside the same kernel.
 """
 from __future__ import annotations
