@@ -5,6 +5,7 @@
 """
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 from typing import Callable
@@ -45,6 +46,24 @@ def load_tokenizer(model_dir: str | Path):
         raise ConfigError(f"{d}: cannot load the tokenizer ({e})") from e
 
 
+def limit_cpu_threads() -> int | None:
+    """CPU engine: at most one intra-op thread per core this process may run on.
+
+    torch sizes its pool from the machine's cores, but a Slurm task (--cpus-per-task), taskset or
+    a container may own only a few of them; a pool larger than that oversubscribes them. Only
+    lowers the count; OMP_NUM_THREADS / MKL_NUM_THREADS, when set, win. Returns the limit used.
+    """
+    if any(os.environ.get(v) for v in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")):
+        return None
+    try:
+        n = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        n = os.cpu_count() or 1
+    if torch.get_num_threads() > n:
+        torch.set_num_threads(n)
+    return n
+
+
 def max_position(config: EngineConfig, mcfg: ModelConfig) -> int:
     """Rotary table length: enough for max_model_len even past the trained context."""
     return max(config.max_model_len, mcfg.max_position_embeddings)
@@ -72,6 +91,8 @@ class Engine:
     def from_config(cls, config: EngineConfig, adapters: dict[str, str] | None = None) -> "Engine":
         """Load the model directory named by config.model (and its tokenizer)."""
         device = resolve_device(config.device)
+        if device.type == "cpu":
+            limit_cpu_threads()
         mcfg = ModelConfig.from_dir(config.model)
         dtype = resolve_dtype(config.dtype, mcfg, device)
         check_context_length(mcfg, config.max_model_len, config.model)
