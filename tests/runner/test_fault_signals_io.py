@@ -146,7 +146,7 @@ def test_real_full_disk(make_job, tmp_path):
         assert run_cli("run", job, "--no-progress").returncode == 0
         assert_every_id_once(mnt / "out")
     finally:
-        subprocess.run(["umount", str(mnt)], capture_output=True)
+        subprocess.run(["umount", "-l", str(mnt)], capture_output=True)  # lazy: never leaves a mount behind
 
 
 def test_status_show_verify_on_a_read_only_output_dir(make_job, tmp_path):
@@ -165,7 +165,7 @@ def test_status_show_verify_on_a_read_only_output_dir(make_job, tmp_path):
         assert r.returncode in (ExitCode.CONFIG, ExitCode.OUTPUT_IO)
         one_error_line(r.stderr, str(out))
     finally:
-        subprocess.run(["umount", str(out)], capture_output=True)
+        subprocess.run(["umount", "-l", str(out)], capture_output=True)
     assert_every_id_once(out)
 
 
