@@ -20,6 +20,18 @@ from batchrun.job import OVERRIDE_COLUMNS, InputSpec
 _GLOB_CHARS = set("*?[")
 
 
+def is_glob(path: str) -> bool:
+    return any(c in path for c in _GLOB_CHARS)
+
+
+def glob_root(pattern: str) -> str:
+    """The part of a glob before its first wildcard component (names default ids, bounds output)."""
+    root = pattern
+    while is_glob(root):
+        root = os.path.dirname(root)
+    return root
+
+
 def find_input_files(spec: InputSpec) -> tuple[list[str], str]:
     """Return (sorted absolute file paths, root dir used to name default ids).
 
@@ -27,11 +39,9 @@ def find_input_files(spec: InputSpec) -> tuple[list[str], str]:
     names as pyarrow does) or a glob (``**`` allowed).
     """
     path = spec.path
-    if any(c in path for c in _GLOB_CHARS):
+    if is_glob(path):
         files = sorted(f for f in glob.glob(path, recursive=True) if os.path.isfile(f))
-        root = path
-        while any(c in root for c in _GLOB_CHARS):
-            root = os.path.dirname(root)
+        root = glob_root(path)
         if not files:
             raise ConfigError(f"input.path: no files match {path}")
     elif os.path.isdir(path):

@@ -12,10 +12,9 @@ import os
 import re
 
 from batchrun.errors import ConfigError
+from batchrun.inputs import glob_root, is_glob
 from batchrun.job import JobSpec
 from batchrun.output import META, OutputDir
-
-_GLOB_CHARS = set("*?[")
 
 
 def _real(path: str) -> str:
@@ -58,13 +57,6 @@ def _glob_regex(pattern: str) -> re.Pattern:
     return re.compile("".join(out) + r"\Z")
 
 
-def _glob_root(pattern: str) -> str:
-    root = pattern
-    while any(c in root for c in _GLOB_CHARS):
-        root = os.path.dirname(root)
-    return root
-
-
 def check_output_path(spec: JobSpec, files: list[str]) -> None:
     """Static checks of output.path against the file system and the inputs (writes nothing)."""
     out = spec.output.path
@@ -80,13 +72,14 @@ def check_output_path(spec: JobSpec, files: list[str]) -> None:
             raise ConfigError(f"output.path: {out} contains the input file {f}; outputs would mix with inputs. "
                               "Choose an output directory outside the input")
     ipath = spec.input.path
-    if any(c in ipath for c in _GLOB_CHARS):
-        root = _real(_glob_root(ipath))
+    if is_glob(ipath):
+        written_root = glob_root(ipath)
+        root = _real(written_root)
         if _inside(root, real):
             raise ConfigError(f"output.path: {out} contains the input folder {root}; choose an output "
                               "directory outside the input")
         probe = os.path.join(real, "part-000000.parquet")
-        if _inside(real, root) and _glob_regex(_real(_glob_root(ipath)) + ipath[len(_glob_root(ipath)):]).match(probe):
+        if _inside(real, root) and _glob_regex(root + ipath[len(written_root):]).match(probe):
             raise ConfigError(f"output.path: {out} lies where input.path {ipath} matches, so its part files "
                               "would be read as inputs by the next run; choose an output directory outside it")
     elif os.path.isdir(ipath):
