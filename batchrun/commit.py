@@ -134,6 +134,12 @@ def read_commits(out: OutputDir) -> Commits:
     return got
 
 
+def uncommitted_parts(out: OutputDir, total_units: int, commits: Commits) -> list[int]:
+    """Units of the plan whose part file is visible but has no marker (a run stopped between
+    publishing and committing; the next run rewrites it). Other files in output.path are not ours."""
+    return [u for u in range(total_units) if u not in commits.valid and os.path.lexists(out.part(u))]
+
+
 def committed_units(out: OutputDir) -> dict[int, dict]:
     """{unit: marker} for every readable commit marker (unverified: see check_part)."""
     return read_commits(out).valid

@@ -86,9 +86,3 @@ class OutputDir:
 
     def lock(self, task_id: int) -> str:
         return os.path.join(self.locks, f"task-{task_id}.lock")
-
-    def part_files(self) -> list[str]:
-        if not os.path.isdir(self.path):
-            return []
-        return sorted(os.path.join(self.path, f) for f in os.listdir(self.path)
-                      if f.startswith("part-") and f.endswith(".parquet"))

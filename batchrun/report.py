@@ -7,7 +7,7 @@ import os
 import numpy as np
 import pyarrow.parquet as pq
 
-from batchrun.commit import check_part, committed_units, read_commits
+from batchrun.commit import check_part, committed_units, read_commits, uncommitted_parts
 from batchrun.errors import ConfigError
 from batchrun.inputs import INVALID, InvalidText, RowReader, column_values
 from batchrun.job import JobSpec
@@ -159,7 +159,7 @@ def status_report(out_path: str) -> tuple[str, bool]:
             if name.startswith("task-") and (owner := is_locked(os.path.join(out.locks, name))):
                 running.append(f"{name[:-5]} ({owner})")
     lines += ["", f"running: {', '.join(running) if running else 'none'}"]
-    orphans = [u for u in range(len(units)) if u not in commits.valid and os.path.lexists(out.part(u))]
+    orphans = uncommitted_parts(out, len(units), commits)
     if damaged:
         shown = "; ".join(f"unit {u}: {why}" for u, why in sorted(damaged.items())[:3])
         lines.append(f"damaged: {len(damaged)} committed unit(s) whose part file is missing or damaged "

@@ -12,7 +12,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from batchrun.commit import check_part, read_commits
+from batchrun.commit import check_part, read_commits, uncommitted_parts
 from batchrun.report import load_state
 
 
@@ -46,8 +46,7 @@ def verify(out_path: str) -> tuple[str, bool]:
         all_ids = pa.chunked_array([c for col in ids for c in col.chunks], ids[0].type)
         if pc.count_distinct(all_ids).as_py() != len(all_ids):
             problems.append("the dataset holds some id more than once")
-    claimed = {os.path.basename(out.part(u)) for u in commits.valid}
-    orphans = [os.path.basename(p) for p in out.part_files() if os.path.basename(p) not in claimed]
+    orphans = [os.path.basename(out.part(u)) for u in uncommitted_parts(out, len(units), commits)]
     lines = [f"output:   {out.path}",
              f"verified: {checked}/{len(units)} units ({rows} rows): sha256, Parquet, row counts, unique ids"]
     if orphans:
