@@ -11,6 +11,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+import numpy as np
+
 from batchrun.fingerprint import file_digest
 from batchrun.errors import InputChanged
 
@@ -39,8 +41,9 @@ class InputPins:
         self.files, self.pins = files, pins
 
     def check(self, file_indices) -> None:
-        for fi in sorted({int(i) for i in file_indices}):
-            self._check(fi)
+        """Re-check each distinct file of a unit (``file_indices``: the unit's row_file array)."""
+        for fi in np.unique(file_indices):
+            self._check(int(fi))
 
     def _check(self, fi: int) -> None:
         path, pin = self.files[fi], self.pins[fi]
