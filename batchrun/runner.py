@@ -52,7 +52,6 @@ class TaskStats:
     startup_s: float = 0.0  # from the start of run_job until the engine was ready (checks, plan, load)
     writing_s: float = 0.0  # writing, publishing and committing part files
     error_reasons: dict = field(default_factory=dict)  # reason (digits as N) -> error rows
-    exit_code: int | None = None  # set by the CLI once known
 
     @property
     def generation_s(self) -> float:
