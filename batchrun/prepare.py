@@ -38,12 +38,12 @@ class Prepared:
     out: OutputDir
     plan: Plan
     fingerprint: str
-    model_config: object | None  # batchrun.models ModelConfig when the loader exists
-    pins: InputPins | None = None  # the input files as this run found them
+    model_config: object  # batchrun.models ModelConfig
+    pins: InputPins  # the input files as this run found them
 
 
-def check_model_and_adapters(spec: JobSpec) -> object | None:
-    """Read config/headers only (no weights). Returns the model config when available."""
+def check_model_and_adapters(spec: JobSpec) -> object:
+    """Read config/headers only (no weights, no torch). Returns the model config."""
     if not os.path.isdir(spec.model):
         raise ConfigError(f"model: {spec.model} is not a directory (expected a Hugging Face model directory)")
     if not os.path.isfile(os.path.join(spec.model, "config.json")):

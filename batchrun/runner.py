@@ -253,16 +253,13 @@ class TaskRunner:
             for unit in group:
                 rf, ri = self.plan.unit_rows(unit)
                 pins = self.prep.pins
-                if pins is not None:
-                    pins.check(rf)  # before and after: a file replaced mid-read mixes rows
+                pins.check(rf)  # before and after: a file replaced mid-read mixes rows
                 try:
                     rows = reader.read(rf, ri)
                 except Exception:
-                    if pins is not None:
-                        pins.check(rf)  # a file that changed under the reader says so ...
+                    pins.check(rf)  # a file that changed under the reader says so ...
                     raise  # ... anything else is a real failure
-                if pins is not None:
-                    pins.check(rf)
+                pins.check(rf)
                 work = build_unit(unit, rows, rf, ri, self.plan, spec, engine.tokenizer, max_len,
                                   engine.check_request)
                 bad = work.first_error()
