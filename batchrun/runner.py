@@ -176,14 +176,30 @@ class TaskRunner:
                 self.stats.units_repaired += 1
         return done
 
-    def _groups(self, units: list[Unit], cap: int) -> list[list[Unit]]:
+    def _groups(self, units: list[Unit], cap: int, max_loras: int) -> list[list[Unit]]:
+        """Consecutive units that go to the engine in one ``generate`` call (at most ``cap`` rows).
+
+        Base units group with base units. Adapter units of up to ``max_loras`` different adapters
+        share a group, so the engine's steps hold rows of several adapters (every adapter of a
+        group fits the GPU slots at once) and the batch does not drain at each adapter boundary.
+        Units naming unknown adapters (all error rows) group alone.
+        """
         groups: list[list[Unit]] = []
+        names: set = set()
         for u in units:
             g = groups[-1] if groups else None
-            if g and (g[0].adapter, g[0].known) == (u.adapter, u.known) and sum(x.rows for x in g) + u.rows <= cap:
+            fits = (g is not None and g[0].known == u.known and (g[0].adapter is None) == (u.adapter is None)
+                    and sum(x.rows for x in g) + u.rows <= cap)
+            if fits and u.known and u.adapter is not None:
+                fits = u.adapter in names or len(names) < max_loras
+            elif fits and not u.known:
+                fits = g[0].adapter == u.adapter
+            if fits:
                 g.append(u)
             else:
                 groups.append([u])
+                names = set()
+            names.add(u.adapter)
         return groups
 
     def run(self) -> TaskStats:
@@ -245,9 +261,9 @@ class TaskRunner:
         if self.mode != "none":
             self.progress = Progress(self.mode, f"task {self.task_id}/{self.num_tasks}", sum(u.rows for u in todo),
                                      len(todo), self.log, self.log_interval, self.verbose)
-        for group in self._groups(todo, cap):
+        for group in self._groups(todo, cap, max(spec.engine.max_loras, 1)):
             if self.progress is not None:
-                self.progress.set_shard(group[0].adapter)
+                self.progress.set_shard("+".join(dict.fromkeys(u.adapter for u in group if u.adapter)) or None)
             pending: dict[int, UnitWork] = {}
             requests = []
             for unit in group:

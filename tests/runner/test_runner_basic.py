@@ -52,8 +52,9 @@ def test_base_shard_runs_first_and_units_are_batched(make_job, tmp_path, monkeyp
     log = tmp_path / "calls.txt"
     monkeypatch.setenv("FAKE_ENGINE_LOG", str(log))
     run(make_job(demo_rows(30)))
-    # 3 shards of 10 rows (units of 4, 4, 2): one generate call per shard, base first
-    assert log.read_text().split() == ["10", "10", "10"]
+    # 3 shards of 10 rows (units of 4, 4, 2), base first: one generate call for the base shard,
+    # one for both adapter shards (max_loras 2 >= 2 adapters: they share the engine's batch)
+    assert log.read_text().split() == ["10", "20"]
     commits = sorted((tmp_path / "out" / "_batchrun" / "commits").iterdir())
     adapters = [json.loads(c.read_text())["adapter"] for c in commits]
     assert adapters == [None] * 3 + ["reverse"] * 3 + ["upper"] * 3
