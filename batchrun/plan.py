@@ -240,3 +240,37 @@ def assign_tasks(plan: Plan, num_tasks: int) -> np.ndarray:
 def task_units(plan: Plan, task_id: int, num_tasks: int) -> list[Unit]:
     tasks = assign_tasks(plan, num_tasks)
     return [u for u, t in zip(plan.units, tasks) if t == task_id]
+
+
+# ---- engine groups ----------------------------------------------------------------------------
+
+def group_rows(max_num_seqs: int) -> int:
+    """Rows the runner hands the engine per ``generate`` call at most (bounds a call's memory)."""
+    return max(4096, 32 * max_num_seqs)
+
+
+def engine_groups(units: list[Unit], cap: int, max_loras: int) -> list[list[Unit]]:
+    """Consecutive units that go to the engine in one ``generate`` call (at most ``cap`` rows).
+
+    Base units group with base units. Adapter units of up to ``max_loras`` different adapters
+    share a group, so the engine's steps hold rows of several adapters (every adapter of a
+    group fits the GPU slots at once) and the batch does not drain at each adapter boundary.
+    Units naming unknown adapters (all error rows) group alone.
+    """
+    groups: list[list[Unit]] = []
+    names: set = set()
+    for u in units:
+        g = groups[-1] if groups else None
+        fits = (g is not None and g[0].known == u.known and (g[0].adapter is None) == (u.adapter is None)
+                and sum(x.rows for x in g) + u.rows <= cap)
+        if fits and u.known and u.adapter is not None:
+            fits = u.adapter in names or len(names) < max(max_loras, 1)
+        elif fits and not u.known:
+            fits = g[0].adapter == u.adapter
+        if fits:
+            g.append(u)
+        else:
+            groups.append([u])
+            names = set()
+        names.add(u.adapter)
+    return groups

@@ -14,7 +14,7 @@ from batchrun.job import JobSpec
 from batchrun.lock import is_locked
 from batchrun.output import OutputDir
 from batchrun.output_path import check_unowned_dir
-from batchrun.plan import Plan, assign_tasks, make_plan
+from batchrun.plan import Plan, assign_tasks, engine_groups, group_rows, make_plan
 from batchrun.prepare import token_counter, validate
 
 
@@ -48,6 +48,11 @@ def plan_report(spec: JobSpec, num_tasks: int, count_tokens: bool = True) -> str
         rows.append([_shard_name(*key), sh.rows, tokens.get(key, "-"), sh.units,
                      sh.rows if not sh.known else bad.get(key, "-" if not count_tokens else 0)])
     lines.append(_table(["shard", "rows", "prompt tokens", "units", "error rows"], rows))
+    lines += ["", "engine batches (adapters whose rows share the engine's steps, "
+              f"up to engine.max_loras = {spec.engine.max_loras}):"]
+    for g in _batches(plan, spec):
+        lines.append("  " + " + ".join(dict.fromkeys(_shard_name(u.adapter, u.known) for u in g))
+                     + f": {sum(u.rows for u in g)} rows")
     lines += ["", f"work units: {len(plan.units)} of up to {spec.input.rows_per_unit} rows"]
     tasks = assign_tasks(plan, num_tasks)
     trows = []
@@ -58,6 +63,19 @@ def plan_report(spec: JobSpec, num_tasks: int, count_tokens: bool = True) -> str
         trows.append([f"task {t}", len(us), span, sum(u.rows for u in us), names])
     lines += ["", _table(["task", "units", "unit ids", "rows", "shards"], trows)]
     return "\n".join(lines)
+
+
+def _batches(plan: Plan, spec: JobSpec) -> list[list]:
+    """The runner's engine groups over the whole plan, consecutive ones of equal adapters merged
+    (a long shard is cut into several calls only to bound memory)."""
+    merged: list[list] = []
+    for g in engine_groups(plan.units, group_rows(spec.engine.max_num_seqs), spec.engine.max_loras):
+        names = {(u.adapter, u.known) for u in g}
+        if merged and names == {(u.adapter, u.known) for u in merged[-1]}:
+            merged[-1] = merged[-1] + g
+        else:
+            merged.append(g)
+    return merged
 
 
 def _prompt_tokens(spec: JobSpec, plan: Plan) -> tuple[dict, dict]:

@@ -23,7 +23,7 @@ from batchrun.job import JobSpec
 from batchrun.lock import TaskLock
 from batchrun.metrics import write_metrics
 from batchrun.output import OutputDir
-from batchrun.plan import Unit, task_units
+from batchrun.plan import Unit, engine_groups, group_rows, task_units
 from batchrun.progress import Progress
 from batchrun.prepare import Prepared, prepare
 from batchrun.rows import UnitWork, build_unit, input_columns, unit_table
@@ -176,32 +176,6 @@ class TaskRunner:
                 self.stats.units_repaired += 1
         return done
 
-    def _groups(self, units: list[Unit], cap: int, max_loras: int) -> list[list[Unit]]:
-        """Consecutive units that go to the engine in one ``generate`` call (at most ``cap`` rows).
-
-        Base units group with base units. Adapter units of up to ``max_loras`` different adapters
-        share a group, so the engine's steps hold rows of several adapters (every adapter of a
-        group fits the GPU slots at once) and the batch does not drain at each adapter boundary.
-        Units naming unknown adapters (all error rows) group alone.
-        """
-        groups: list[list[Unit]] = []
-        names: set = set()
-        for u in units:
-            g = groups[-1] if groups else None
-            fits = (g is not None and g[0].known == u.known and (g[0].adapter is None) == (u.adapter is None)
-                    and sum(x.rows for x in g) + u.rows <= cap)
-            if fits and u.known and u.adapter is not None:
-                fits = u.adapter in names or len(names) < max_loras
-            elif fits and not u.known:
-                fits = g[0].adapter == u.adapter
-            if fits:
-                g.append(u)
-            else:
-                groups.append([u])
-                names = set()
-            names.add(u.adapter)
-        return groups
-
     def run(self) -> TaskStats:
         st = self.stats
         mine = task_units(self.plan, self.task_id, self.num_tasks)
@@ -256,12 +230,12 @@ class TaskRunner:
     def _run_units(self, engine, todo: list[Unit]) -> None:
         spec = self.spec
         reader = RowReader(self.plan.files, input_columns(spec, self.plan))
-        cap = max(4096, 32 * spec.engine.max_num_seqs)
+        cap = group_rows(spec.engine.max_num_seqs)
         max_len = getattr(engine, "max_model_len", spec.engine.max_model_len)
         if self.mode != "none":
             self.progress = Progress(self.mode, f"task {self.task_id}/{self.num_tasks}", sum(u.rows for u in todo),
                                      len(todo), self.log, self.log_interval, self.verbose)
-        for group in self._groups(todo, cap, max(spec.engine.max_loras, 1)):
+        for group in engine_groups(todo, cap, spec.engine.max_loras):
             if self.progress is not None:
                 self.progress.set_shard("+".join(dict.fromkeys(u.adapter for u in group if u.adapter)) or None)
             pending: dict[int, UnitWork] = {}
