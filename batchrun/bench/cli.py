@@ -120,6 +120,46 @@ def lora_matrix(**kw):
     _run(MatrixParams(**kw), run_matrix, print_matrix)
 
 
+@bench.command()
+@click.option("--preset", type=click.Choice(["tiny", "7b"]), default="7b", show_default=True,
+              help="Model shape of the RANDOM weights written as a model directory "
+                   "(7b = Llama-2-7b, bf16; tiny = a CPU test model).")
+@click.option("--input-len", type=int, default=256, show_default=True,
+              help="Prompt length: words of the word-level tokenizer, one token each.")
+@click.option("--output-len", type=int, default=128, show_default=True,
+              help="Generated tokens per row (the random model has no EOS token).")
+@click.option("--num-prompts", type=int, default=1024, show_default=True)
+@click.option("--max-num-seqs", type=int, default=256, show_default=True)
+@click.option("--max-num-batched-tokens", type=int, default=8192, show_default=True)
+@click.option("--lora-fraction", type=float, default=0.5, show_default=True,
+              help="Share of the rows that name an adapter (round-robin over the adapters).")
+@click.option("--num-adapters", type=int, default=4, show_default=True)
+@click.option("--lora-rank", type=int, default=16, show_default=True,
+              help="Rank of the random adapters (all 7 projections).")
+@click.option("--max-loras", type=int, default=None,
+              help="Job engine.max_loras. Default: --num-adapters.")
+@click.option("--rows-per-unit", type=int, default=1024, show_default=True,
+              help="Job input.rows_per_unit.")
+@click.option("--device", type=click.Choice(["auto", "cuda", "cpu"]), default="auto",
+              show_default=True)
+@click.option("--dtype", type=click.Choice(["auto", "float32", "float16", "bfloat16"]),
+              default="auto", show_default=True)
+@click.option("--gpu-memory-utilization", type=float, default=0.90, show_default=True)
+@click.option("--enforce-eager", is_flag=True, help="No CUDA graphs.")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--workdir", type=click.Path(file_okay=False), default=None,
+              help="Keep the model, adapters, inputs and job output here (a model written "
+                   "earlier with the same preset and seed is reused). Default: a temporary "
+                   "directory, removed afterwards.")
+@click.option("--output-json", "--out", "output_json", type=click.Path(dir_okay=False),
+              default=None, help="Write the full results (git sha, env, args, timings) here.")
+def throughput(**kw):
+    """Engine alone vs `batchrun run` on the same rows (like `vllm bench throughput`), with the
+    job's start-up breakdown and the job/engine ratio."""
+    from batchrun.bench.throughput import ThroughputParams, print_throughput, run_throughput
+    _run(ThroughputParams(**kw), run_throughput, print_throughput)
+
+
 def _run(params, run, show) -> None:
     """Check the parameters (usage error), run (config error), print, say where JSON went."""
     try:

@@ -1,0 +1,85 @@
+"""`bench throughput`'s engine-alone measurement, run as its own process:
+
+    python -m batchrun.bench.engine_alone JOB.yaml RESULT.json
+
+The engine is the one `batchrun run JOB.yaml` builds (runner.load_engine on the same JobSpec),
+the requests are the job's rows tokenized by the engine's tokenizer with the job's sampling
+(greedy, max_tokens) and adapters, all in ONE `engine.generate` call. A process of its own, so
+its GPU memory is gone before the job runs, and both measurements start from the same state.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+
+def measure(job_path: str) -> dict:
+    t_start = time.time()
+    import pyarrow.dataset as ds
+    import torch
+
+    from batchrun.config import SamplingParams
+    from batchrun.engine.request import Request
+    from batchrun.job import load_job
+    from batchrun.rows import row_seed
+    from batchrun.runner import load_engine
+    t_imported = time.time()
+    spec = load_job(job_path)
+    inp = spec.input
+    table = ds.dataset(inp.path, format="parquet").to_table(
+        columns=[inp.id_column, inp.prompt_column, inp.adapter_column])
+    ids = table.column(inp.id_column).to_pylist()
+    prompts = table.column(inp.prompt_column).to_pylist()
+    adapters = table.column(inp.adapter_column).to_pylist()
+    t0 = time.time()
+    engine = load_engine(spec)
+    cuda = engine.device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+    t_loaded = time.time()
+    token_ids = engine.tokenizer(prompts)["input_ids"]
+    s = spec.sampling
+    reqs = [Request(i, list(t), SamplingParams(max_tokens=s.max_tokens, temperature=s.temperature,
+                                               top_p=s.top_p, top_k=s.top_k,
+                                               seed=row_seed(s.seed, rid)), a or None)
+            for i, (rid, t, a) in enumerate(zip(ids, token_ids, adapters))]
+    t_tok = time.time()
+    stats0 = dict(engine.stats)
+    if cuda:
+        torch.cuda.synchronize()
+    g0 = time.perf_counter()
+    results = engine.generate(reqs)
+    if cuda:
+        torch.cuda.synchronize()
+    gen_s = time.perf_counter() - g0
+    errors = [r.error for r in results if r.finish_reason == "error"]
+    return {
+        "process_to_imports_s": t_imported - t_start,
+        "load_s": t_loaded - t0,  # weights, KV cache, CUDA-graph capture
+        "tokenize_s": t_tok - t_loaded,
+        "generate_s": gen_s,
+        "rows": len(results), "error_rows": len(errors), "first_error": errors[0] if errors else None,
+        "prompt_tokens": sum(r.prompt_tokens for r in results),
+        "output_tokens": sum(len(r.output_token_ids) for r in results),
+        "output_tokens_per_row": sorted({len(r.output_token_ids) for r in results}),
+        "device": str(engine.device), "dtype": str(engine.dtype),
+        "graphs": engine.runner.graphs is not None,
+        "kv_blocks": engine.blocks.num_blocks,
+        "engine_stats": {k: v - stats0.get(k, 0) if isinstance(v, (int, float)) else v
+                         for k, v in engine.stats.items()},
+    }
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 2:
+        print("usage: python -m batchrun.bench.engine_alone JOB.yaml RESULT.json", file=sys.stderr)
+        return 2
+    result = measure(argv[0])
+    with open(argv[1], "w") as f:
+        json.dump(result, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
