@@ -113,10 +113,25 @@ def latency(**kw):
 @click.option("--profile-kernels", is_flag=True,
               help="Check with torch.profiler that one no-adapter decode step of the LoRA engine "
                    "launches exactly the kernels of the LoRA-disabled engine.")
+@click.option("--preset", type=click.Choice(["latency", "throughput"]), default=None,
+              help="Workload: latency = batch 8, in 32, out 128 (the defaults); throughput = "
+                   "batch 256, in 256, out 128, --max-num-seqs 256, --max-num-batched-tokens "
+                   "8192. Flags given explicitly win over the preset.")
+@click.option("--num-kv-blocks", type=int, default=None,
+              help="KV blocks of BOTH engines. Default: engine A sized from free memory, "
+                   "engine B forced to A's count.")
 def lora_matrix(**kw):
     """LoRA disabled vs enabled with 0 / 1 / max-loras active adapters, graphs and eager,
     A/B interleaved in one process, with ratios against the issue's targets."""
-    from batchrun.bench.matrix import MatrixParams, print_matrix, run_matrix
+    from batchrun.bench.matrix import MatrixParams, apply_preset, print_matrix, run_matrix
+    ctx = click.get_current_context()
+    explicit = {k for k in kw
+                if ctx.get_parameter_source(k) is not click.core.ParameterSource.DEFAULT}
+    try:
+        kw = apply_preset(kw, explicit)
+    except ValueError as e:
+        _fail(_USAGE, str(e))
+    ctx.params.update(kw)  # the recorded command line shows the preset's values
     _run(MatrixParams(**kw), run_matrix, print_matrix)
 
 

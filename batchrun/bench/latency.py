@@ -26,6 +26,7 @@ from batchrun.errors import ConfigError
 from batchrun.models.config import ModelConfig
 from batchrun.models.loader import random_model, resolve_dtype
 from batchrun.bench.adapters import write_random_adapters
+from batchrun.bench.lora_memory import format_lora_memory, lora_memory
 from batchrun.bench.presets import PRESETS, is_preset, preset_config
 
 PERCENTILES = (10, 25, 50, 75, 90, 99)
@@ -52,6 +53,7 @@ class EngineSpec:
     max_num_seqs: int = 64
     max_model_len: int = 160
     max_num_batched_tokens: int = 2048
+    num_kv_blocks: int | None = None  # None: sized from free memory (kv_sizing.py)
 
 
 @dataclass
@@ -60,6 +62,7 @@ class Built:
     weights: str  # "random" | "checkpoint"
     adapters: dict[str, str] = field(default_factory=dict)
     build_s: float = 0.0
+    allocated_bytes: int | None = None  # CUDA: memory_allocated after - before building
 
 
 def model_config_of(model: str) -> ModelConfig:
@@ -78,6 +81,8 @@ def build_engine(spec: EngineSpec, adapter_root: str | Path | None = None) -> Bu
     t0 = time.perf_counter()
     torch.manual_seed(spec.seed)
     mcfg = model_config_of(spec.model)
+    device = resolve_device(spec.device)
+    before = _allocated(device)
     adapters: dict[str, str] = {}
     if spec.enable_lora and spec.num_adapters > 0:
         if adapter_root is None:
@@ -89,18 +94,33 @@ def build_engine(spec: EngineSpec, adapter_root: str | Path | None = None) -> Bu
                           max_num_batched_tokens=spec.max_num_batched_tokens,
                           enable_lora=spec.enable_lora, max_loras=spec.max_loras,
                           max_lora_rank=spec.max_lora_rank, enforce_eager=spec.enforce_eager,
-                          seed=spec.seed)
-    if is_preset(spec.model):
-        device = resolve_device(spec.device)
-        dtype = resolve_dtype(spec.dtype, mcfg, device)
-        model = random_model(mcfg, device, dtype, max_position(config, mcfg), seed=spec.seed)
-        engine = Engine.from_model(config, model, None, adapters or None)
-        weights = "random"
-    else:
-        engine = Engine.from_config(config, adapters or None)
-        weights = "checkpoint"
+                          seed=spec.seed, num_kv_blocks=spec.num_kv_blocks)
+    try:
+        if is_preset(spec.model):
+            dtype = resolve_dtype(spec.dtype, mcfg, device)
+            model = random_model(mcfg, device, dtype, max_position(config, mcfg), seed=spec.seed)
+            engine = Engine.from_model(config, model, None, adapters or None)
+            weights = "random"
+        else:
+            engine = Engine.from_config(config, adapters or None)
+            weights = "checkpoint"
+    except torch.OutOfMemoryError as e:
+        if spec.num_kv_blocks is None:
+            raise
+        raise ConfigError(f"out of device memory building an engine with num_kv_blocks="
+                          f"{spec.num_kv_blocks} (the KV budget forced to match the other "
+                          f"engine); lower --max-num-seqs or --num-kv-blocks ({e})") from None
     sync(engine)
-    return Built(engine, weights, adapters, time.perf_counter() - t0)
+    after = _allocated(device)
+    return Built(engine, weights, adapters, time.perf_counter() - t0,
+                 None if before is None else after - before)
+
+
+def _allocated(device: torch.device) -> int | None:
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize(device)
+    return torch.cuda.memory_allocated(device)
 
 
 def random_prompts(n: int, input_len: int, vocab: int, seed: int) -> list[list[int]]:
@@ -216,7 +236,9 @@ def graph_stats(engine: Engine) -> dict:
             "pool_mib": {k: v / MIB for k, v in pools.items()}}
 
 
-def memory_stats(engine: Engine) -> dict:
+def memory_stats(engine: Engine, built: Built | None = None) -> dict:
+    """Weights, KV cache, LoRA buffers (lora_memory.py, by category) and, on CUDA, what building
+    the engine allocated beyond its weights and KV cache (`other_allocated_bytes`)."""
     seen, weights = set(), 0
     for p in engine.model.parameters():
         if p.data_ptr() not in seen:
@@ -227,8 +249,12 @@ def memory_stats(engine: Engine) -> dict:
     if engine.lora is not None:
         lora = sum(h.lora_a.numel() * h.lora_a.element_size() +
                    h.lora_b.numel() * h.lora_b.element_size() for h in engine.lora.hooks.values())
-    out = {"weights_gib": weights / GIB, "kv_cache_gib": kv.numel() * kv.element_size() / GIB,
-           "lora_slots_gib": lora / GIB}
+    kv_bytes = kv.numel() * kv.element_size()
+    out = {"weights_gib": weights / GIB, "kv_cache_gib": kv_bytes / GIB,
+           "kv_blocks": engine.blocks.num_blocks, "lora_slots_gib": lora / GIB,
+           "lora_breakdown_bytes": lora_memory(engine)}
+    if built is not None and built.allocated_bytes is not None:
+        out["other_allocated_bytes"] = built.allocated_bytes - weights - kv_bytes
     if engine.device.type == "cuda":
         out["max_allocated_gib"] = torch.cuda.max_memory_allocated(engine.device) / GIB
         out["reserved_gib"] = torch.cuda.memory_reserved(engine.device) / GIB
@@ -333,7 +359,7 @@ def run_latency(p: LatencyParams, log=print, command: str | None = None) -> dict
                   "active_adapters": names, **summarize(lat),
                   "prefill_latency_s": prefill, **per_token(sum(lat) / len(lat), prefill,
                                                             p.output_len),
-                  "graphs": graph_stats(engine), "memory": memory_stats(engine),
+                  "graphs": graph_stats(engine), "memory": memory_stats(engine, built),
                   "engine_stats": dict(engine.stats)}
     write_json(p.output_json, result)
     return result
@@ -372,6 +398,11 @@ def print_latency(r: dict, echo=print) -> None:
     echo(f"memory: weights {m['weights_gib']:.2f} GiB, KV cache {m['kv_cache_gib']:.2f} GiB, "
          f"LoRA slots {m['lora_slots_gib'] * 1024:.1f} MiB"
          + (f", max allocated {m['max_allocated_gib']:.2f} GiB" if "max_allocated_gib" in m else ""))
+    if p["enable_lora"]:
+        echo(format_lora_memory(m.get("lora_breakdown_bytes")))
+    if "other_allocated_bytes" in m:
+        echo(f"allocated while building the engine beyond weights and KV: "
+             f"{m['other_allocated_bytes'] / MIB:.1f} MiB")
 
 
 def _fmt(v, spec=".3f") -> str:

@@ -8,6 +8,12 @@ Both get the same random weights (same seed). Scenarios:
     lora_1_active             B, every row adapter lora0          (LoRA graph set)
     lora_{N}_active           B, rows round-robin over N adapters (N = max_loras)
 
+Both engines get the same KV cache: engine A is sized from free memory (or --num-kv-blocks),
+engine B is then forced to A's number of blocks (two engines sized one after the other would
+otherwise give B only what A left). Each scenario counts the preemptions and recomputed tokens
+of its timed iterations; a scenario whose block count or counts differ from its baseline's is
+flagged not comparable (comparable.py) and gets no target verdict.
+
 each with CUDA graphs and eagerly (`runner.graphs = None` for that iteration). Every round runs
 one iteration of each scenario, in an order rotated by one per round, so slow drift (clocks,
 temperature) spreads over all scenarios instead of biasing the ones measured last.
@@ -23,6 +29,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 
+from batchrun.bench import comparable
+from batchrun.bench.lora_memory import format_lora_memory
 from batchrun.bench.latency import (RANDOM_BANNER, EngineSpec, build_engine, environment,
                                     graph_stats, make_requests, memory_stats, percentile,
                                     random_prompts, round_robin, sync, time_generate, write_json)
@@ -30,6 +38,22 @@ from batchrun.bench.latency import (RANDOM_BANNER, EngineSpec, build_engine, env
 # The issue's targets: slowdown vs LoRA disabled (graphs vs graphs), memory, capture time.
 TARGETS = {"lora_enabled_0_active": 0.5, "lora_1_active": 8.0, "many_active": 15.0,
            "memory_ratio": 1.15, "capture_s": 20.0}
+
+# --preset: vLLM's latency workload, and the offline-job batch of issue #16
+PRESETS = {"latency": dict(batch_size=8, input_len=32, output_len=128, max_num_seqs=None,
+                           max_num_batched_tokens=2048),
+           "throughput": dict(batch_size=256, input_len=256, output_len=128, max_num_seqs=256,
+                              max_num_batched_tokens=8192)}
+
+
+def apply_preset(values: dict, explicit: set[str]) -> dict:
+    """values with the preset's settings for every key not given explicitly on the command line."""
+    name = values.get("preset")
+    if name is None:
+        return values
+    if name not in PRESETS:
+        raise ValueError(f"--preset must be one of {', '.join(PRESETS)}, got {name!r}")
+    return {**values, **{k: v for k, v in PRESETS[name].items() if k not in explicit}}
 
 
 @dataclass
@@ -52,9 +76,13 @@ class MatrixParams:
     seed: int = 0
     max_num_seqs: int | None = None
     max_num_batched_tokens: int = 2048
+    num_kv_blocks: int | None = None  # both engines; None: A sized from free memory, B = A's
+    preset: str | None = None  # recorded; the CLI applies it (apply_preset)
     output_json: str | None = None
 
     def check(self) -> None:
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
+            raise ValueError(f"--num-kv-blocks must be >= 2, got {self.num_kv_blocks}")
         for name in ("batch_size", "input_len", "output_len", "num_iters", "max_loras",
                      "lora_rank", "max_lora_rank", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
@@ -66,7 +94,7 @@ class MatrixParams:
         if self.enforce_eager and self.no_eager:
             raise ValueError("--enforce-eager and --no-eager together leave nothing to run")
 
-    def spec(self, enable_lora: bool) -> EngineSpec:
+    def spec(self, enable_lora: bool, num_kv_blocks: int | None = None) -> EngineSpec:
         return EngineSpec(model=self.model, device=self.device, dtype=self.dtype, seed=self.seed,
                           enable_lora=enable_lora, max_loras=self.max_loras,
                           max_lora_rank=self.max_lora_rank, lora_rank=self.lora_rank,
@@ -74,7 +102,8 @@ class MatrixParams:
                           enforce_eager=self.enforce_eager,
                           max_num_seqs=self.max_num_seqs or max(64, self.batch_size),
                           max_model_len=self.input_len + self.output_len,
-                          max_num_batched_tokens=self.max_num_batched_tokens)
+                          max_num_batched_tokens=self.max_num_batched_tokens,
+                          num_kv_blocks=num_kv_blocks or self.num_kv_blocks)
 
 
 @dataclass
@@ -106,26 +135,33 @@ def scenarios(p: MatrixParams, have_graphs: bool) -> list[Scenario]:
     return out
 
 
-def _run_one(engine, sc: Scenario, reqs, check_len=None) -> float:
+def _run_one(engine, sc: Scenario, reqs, check_len=None) -> tuple[float, int, int]:
+    """(seconds, preemptions, recomputed tokens) of one generate call."""
     runner = engine.runner
     saved = runner.graphs
+    before = dict(engine.stats)
     if not sc.graphs:
         runner.graphs = None  # eager for this iteration only
     try:
-        return time_generate(engine, reqs, check_len)
+        dt = time_generate(engine, reqs, check_len)
     finally:
         runner.graphs = saved
+    return (dt, engine.stats["preemptions"] - before["preemptions"],
+            engine.stats.get("recomputed_tokens", 0) - before.get("recomputed_tokens", 0))
 
 
 def run_matrix(p: MatrixParams, log=print, command: str | None = None) -> dict:
     p.check()
     with tempfile.TemporaryDirectory(prefix="batchrun-lora-matrix-") as tmp:
         a = build_engine(p.spec(False))
+        blocks_a = a.engine.blocks.num_blocks
         log(f"engine A (LoRA disabled) built in {a.build_s:.1f} s; "
-            f"graphs {'on' if a.engine.runner.graphs else 'off'}")
-        b = build_engine(p.spec(True), Path(tmp) / "adapters")
+            f"graphs {'on' if a.engine.runner.graphs else 'off'}; {blocks_a} KV blocks")
+        b = build_engine(p.spec(True, num_kv_blocks=blocks_a), Path(tmp) / "adapters")
         log(f"engine B (LoRA enabled, {len(b.adapters)} rank-{p.lora_rank} adapters, "
-            f"max_loras {p.max_loras}) built in {b.build_s:.1f} s")
+            f"max_loras {p.max_loras}) built in {b.build_s:.1f} s; "
+            f"{b.engine.blocks.num_blocks} KV blocks (forced to A's)")
+        kv_blocks = {"A": blocks_a, "B": b.engine.blocks.num_blocks}
         if a.weights == "random":
             log(RANDOM_BANNER.format(model=p.model))
         engines = {"A": a.engine, "B": b.engine}
@@ -138,9 +174,13 @@ def run_matrix(p: MatrixParams, log=print, command: str | None = None) -> dict:
                                        round_robin(names[: sc.active], p.batch_size))
                 for sc in scs}
         lat: dict[str, list[float]] = {sc.name: [] for sc in scs}
+        counts: dict[str, list[tuple[int, int]]] = {sc.name: [] for sc in scs}
         result = {"benchmark": "lora_matrix", **environment(a.engine.device, command),
                   "weights": a.weights, "model": p.model, "params": asdict(p),
-                  "engines": {"A": asdict(p.spec(False)), "B": asdict(p.spec(True))},
+                  "engines": {"A": asdict(p.spec(False)),
+                              "B": asdict(p.spec(True, num_kv_blocks=blocks_a))},
+                  "kv_blocks": {**kv_blocks, "policy": "B forced to A's block count" if
+                                p.num_kv_blocks is None else "both set by --num-kv-blocks"},
                   "adapters": {"count": len(names), "rank": p.lora_rank,
                                "targets": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
                                            "up_proj", "down_proj"]},
@@ -155,19 +195,24 @@ def run_matrix(p: MatrixParams, log=print, command: str | None = None) -> dict:
             shift = (r + p.num_iters_warmup) % len(todo)
             order = todo[shift:] + todo[:shift]
             for sc in order:
-                dt = _run_one(engines[sc.engine], sc, reqs[sc.name],
-                              check_len=p.output_len if r == -p.num_iters_warmup else None)
+                dt, pre, rec = _run_one(engines[sc.engine], sc, reqs[sc.name],
+                                        check_len=p.output_len if r == -p.num_iters_warmup else None)
                 if not warm:
                     lat[sc.name].append(dt)
+                    counts[sc.name].append((pre, rec))
             if not warm:
                 result["rounds"].append([sc.name for sc in order])
-                result["scenarios"] = _summaries(scs, lat, p.output_len)
+                result["scenarios"] = _summaries(scs, lat, p.output_len, counts, kv_blocks)
                 write_json(p.output_json, result)  # partial results survive a kill
             log(f"round {r + 1 if not warm else 'warmup'}/{rounds}: " + ", ".join(
                 f"{sc.name} {lat[sc.name][-1]:.3f}s" if not warm else sc.name for sc in order)
                 + f"  [{time.perf_counter() - t_start:.0f} s]")
-        result["scenarios"] = _summaries(scs, lat, p.output_len)
-        result["memory"] = {"A": memory_stats(a.engine), "B": memory_stats(b.engine)}
+        result["scenarios"] = _summaries(scs, lat, p.output_len, counts, kv_blocks)
+        result["memory"] = {"A": memory_stats(a.engine, a), "B": memory_stats(b.engine, b)}
+        ma, mb = result["memory"]["A"], result["memory"]["B"]
+        if "other_allocated_bytes" in ma and "other_allocated_bytes" in mb:
+            result["memory"]["lora_measured_extra_bytes"] = \
+                mb["other_allocated_bytes"] - ma["other_allocated_bytes"]
         result["summary"] = _targets(result, have_graphs, p.max_loras)
         if p.profile_kernels:
             result["profile_kernels"] = compare_decode_kernels(a.engine, b.engine, prompts)
@@ -175,15 +220,21 @@ def run_matrix(p: MatrixParams, log=print, command: str | None = None) -> dict:
     return result
 
 
-def _summaries(scs: list[Scenario], lat: dict[str, list[float]], output_len: int) -> dict:
+def _summaries(scs: list[Scenario], lat: dict[str, list[float]], output_len: int,
+               counts: dict[str, list[tuple[int, int]]] | None = None,
+               kv_blocks: dict[str, int] | None = None) -> dict:
     out = {}
     for sc in scs:
         xs = lat[sc.name]
         if not xs:
             continue
         avg = sum(xs) / len(xs)
+        cs = (counts or {}).get(sc.name)
         out[sc.name] = {"engine": sc.engine, "graphs": sc.graphs, "active_adapters": sc.active,
                         "baseline": sc.base, "n": len(xs), "avg": avg,
+                        "kv_blocks": (kv_blocks or {}).get(sc.engine),
+                        "preemptions": sum(c[0] for c in cs) if cs else None,
+                        "recomputed_tokens": sum(c[1] for c in cs) if cs else None,
                         "p50": percentile(xs, 50), "p90": percentile(xs, 90),
                         "min": min(xs), "ms_per_token_incl_prefill": avg / output_len * 1e3,
                         "latencies": xs}
@@ -195,6 +246,8 @@ def _summaries(scs: list[Scenario], lat: dict[str, list[float]], output_len: int
             s["slowdown_pct_avg"] = (s["ratio_avg"] - 1) * 100
             s["slowdown_pct_p50"] = (s["ratio_p50"] - 1) * 100
     _add_paired_to_scenarios(out)
+    if kv_blocks is not None:
+        comparable.apply(out, kv_blocks)
     return out
 
 
@@ -241,10 +294,13 @@ def _targets(result: dict, have_graphs: bool, max_loras: int) -> dict:
                       (f"lora_{max_loras}_active", "many_active")):
         if name in sc and "slowdown_pct_p50" in sc[name]:
             v = sc[name]["slowdown_pct_p50"]
+            ok = sc[name].get("comparable", True)
             out[name] = {"slowdown_pct_p50": v, "slowdown_pct_avg": sc[name]["slowdown_pct_avg"],
                          **_paired_fields(sc[name]),
                          "graphs": sc[name]["graphs"], "target_pct": TARGETS[key],
-                         "met": v <= TARGETS[key]}
+                         "comparable": ok,
+                         "not_comparable_reasons": sc[name].get("not_comparable_reasons", []),
+                         "met": v <= TARGETS[key] if ok else None}
     ga, gb = result["graphs"]["A"], result["graphs"]["B"]
     if have_graphs and ga.get("enabled") and gb.get("enabled"):
         alone = ga["pool_bytes"].get("no_lora") or 0
@@ -358,7 +414,15 @@ def print_matrix(r: dict, echo=print) -> None:
     echo(f"model {r['model']} ({r['weights']} weights), device {r['device']}, commit "
          f"{r['commit'][:12]}{' (dirty)' if r.get('git_dirty') else ''}; batch {p['batch_size']}, "
          f"input {p['input_len']}, output {p['output_len']}; adapters: {r['adapters']['count']} "
-         f"x rank {r['adapters']['rank']} on q,k,v,o,gate,up,down")
+         f"x rank {r['adapters']['rank']} on q,k,v,o,gate,up,down"
+         + (f"; preset {p['preset']}" if p.get("preset") else ""))
+    kv = r.get("kv_blocks")
+    if kv:
+        echo(f"KV cache: engine A {kv['A']} blocks, engine B {kv['B']} blocks ({kv['policy']})")
+    mem = r.get("memory", {})
+    if "B" in mem:
+        echo(format_lora_memory(mem["B"].get("lora_breakdown_bytes"),
+                                mem.get("lora_measured_extra_bytes")))
     pk = r.get("profile_kernels")
     if pk:
         verdict = "PASS" if pk["passed"] else "FAIL"
@@ -386,12 +450,15 @@ def print_matrix(r: dict, echo=print) -> None:
                      f"{m['target_s']:.0f} s: {_met(m['met'])})")
     echo("")
     head = f"{'scenario':<28}{'n':>4}{'avg s':>10}{'p50 s':>10}{'p90 s':>10}{'ms/tok':>9}" \
-           f"{'vs base p50':>13}{'vs base avg':>13}{'paired [95% CI]':>26}  target (p50)"
+           f"{'vs base p50':>13}{'vs base avg':>13}{'paired [95% CI]':>28}{'preempt':>9}" \
+           f"{'recomp tok':>11}  target (p50)"
     echo(head)
     echo("-" * len(head))
     for name, sc in r["scenarios"].items():
         tgt = s.get(name)
         target = f"<= {tgt['target_pct']}%: {_met(tgt['met'])}" if tgt else ""
+        if sc.get("comparable") is False:
+            target = "NOT COMPARABLE (see below)"
         rel_p50 = f"{sc['slowdown_pct_p50']:+.2f}%" if "slowdown_pct_p50" in sc else ""
         rel_avg = f"{sc['slowdown_pct_avg']:+.2f}%" if "slowdown_pct_avg" in sc else ""
         paired = ""
@@ -401,8 +468,17 @@ def print_matrix(r: dict, echo=print) -> None:
         if name == sc["baseline"]:
             rel_p50, rel_avg, paired = "(base)", "(base)", "(base)"
         echo(f"{name:<28}{sc['n']:>4}{sc['avg']:>10.4f}{sc['p50']:>10.4f}{sc['p90']:>10.4f}"
-             f"{sc['ms_per_token_incl_prefill']:>9.3f}{rel_p50:>13}{rel_avg:>13}{paired:>26}"
+             f"{sc['ms_per_token_incl_prefill']:>9.3f}{rel_p50:>13}{rel_avg:>13}{paired:>28}"
+             f"{_fmt_count(sc.get('preemptions')):>9}{_fmt_count(sc.get('recomputed_tokens')):>11}"
              f"  {target}")
+    for name, sc in r["scenarios"].items():
+        if sc.get("comparable") is False:
+            echo(f"NOT COMPARABLE: {name} vs {sc['baseline']}: "
+                 + "; ".join(sc["not_comparable_reasons"]) + " (no target verdict)")
+
+
+def _fmt_count(v) -> str:
+    return "n/a" if v is None else str(v)
 
 
 def _met(v) -> str:

@@ -85,7 +85,8 @@ class Engine:
             self.eos_ids.add(tokenizer.eos_token_id)
         self.blocks = BlockManager(num_kv_blocks(mcfg, config, device, dtype), config.block_size)
         self.runner = ModelRunner(model, config, device, dtype, self.blocks, lora)
-        self.stats = {"steps": 0, "prefill_steps": 0, "decode_steps": 0, "preemptions": 0}
+        self.stats = {"steps": 0, "prefill_steps": 0, "decode_steps": 0, "preemptions": 0,
+                      "recomputed_tokens": 0}
 
     @classmethod
     def from_config(cls, config: EngineConfig, adapters: dict[str, str] | None = None) -> "Engine":
@@ -166,6 +167,7 @@ class Engine:
                 if on_result:
                     on_result(r)
         self.stats["preemptions"] += sched.num_preemptions
+        self.stats["recomputed_tokens"] += sched.num_recomputed_tokens
         return results  # type: ignore[return-value]
 
     def _generator(self, req: Request) -> torch.Generator | None:

@@ -34,6 +34,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.num_recomputed_tokens = 0  # KV tokens dropped by preemption, computed again later
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -94,6 +95,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self._release(seq)
+        self.num_recomputed_tokens += seq.num_computed
         seq.reset_for_recompute()
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
