@@ -6,6 +6,7 @@ by matrix.py: engine building, the environment record, percentiles and timing li
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
@@ -144,6 +145,21 @@ def round_robin(names: list[str], rows: int) -> list[str | None]:
 
 
 # ---- timing -----------------------------------------------------------------------------
+@contextlib.contextmanager
+def eager(engine: Engine, on: bool = True):
+    """Run `engine`'s decode steps without CUDA graphs inside the block (on=False: unchanged).
+    The one place the bench switches graphs off; the engine has no eager mode of its own yet
+    (issue #10), so this sets `runner.graphs` and puts it back."""
+    runner = engine.runner
+    saved = runner.graphs
+    if on:
+        runner.graphs = None
+    try:
+        yield
+    finally:
+        runner.graphs = saved
+
+
 def sync(engine: Engine) -> None:
     if engine.device.type == "cuda":
         torch.cuda.synchronize(engine.device)

@@ -14,7 +14,7 @@ otherwise give B only what A left). Each scenario counts the preemptions and rec
 of its timed iterations; a scenario whose block count or counts differ from its baseline's is
 flagged not comparable (comparable.py) and gets no target verdict.
 
-each with CUDA graphs and eagerly (`runner.graphs = None` for that iteration). Every round runs
+each with CUDA graphs and eagerly (latency.eager() for that iteration). Every round runs
 one iteration of each scenario, in an order rotated by one per round, so slow drift (clocks,
 temperature) spreads over all scenarios instead of biasing the ones measured last.
 """
@@ -31,7 +31,7 @@ from pathlib import Path
 
 from batchrun.bench import comparable
 from batchrun.bench.lora_memory import format_lora_memory
-from batchrun.bench.latency import (RANDOM_BANNER, EngineSpec, build_engine, environment,
+from batchrun.bench.latency import (RANDOM_BANNER, EngineSpec, build_engine, eager, environment,
                                     graph_stats, make_requests, memory_stats, percentile,
                                     random_prompts, round_robin, sync, time_generate, write_json)
 
@@ -137,15 +137,9 @@ def scenarios(p: MatrixParams, have_graphs: bool) -> list[Scenario]:
 
 def _run_one(engine, sc: Scenario, reqs, check_len=None) -> tuple[float, int, int]:
     """(seconds, preemptions, recomputed tokens) of one generate call."""
-    runner = engine.runner
-    saved = runner.graphs
     before = dict(engine.stats)
-    if not sc.graphs:
-        runner.graphs = None  # eager for this iteration only
-    try:
+    with eager(engine, on=not sc.graphs):  # eager for this iteration only
         dt = time_generate(engine, reqs, check_len)
-    finally:
-        runner.graphs = saved
     return (dt, engine.stats["preemptions"] - before["preemptions"],
             engine.stats.get("recomputed_tokens", 0) - before.get("recomputed_tokens", 0))
 
@@ -353,19 +347,12 @@ def decoding_batch(engine, prompts: list[list[int]], adapters: list[str | None] 
     """Prefill `prompts` (row i runs adapters[i], None = base) and yield (runner, seqs): a batch
     whose next runner.decode(seqs) is one decode step. The step may be repeated (it rewrites the
     same KV slot). Graphs are off unless graphs=True; KV blocks are given back afterwards."""
-    runner = engine.runner
-    saved = runner.graphs
-    if not graphs:
-        runner.graphs = None
-    try:
-        with probe_scheduler(engine, prompts, adapters) as sched:
-            while sched.waiting or any(s.needs_prefill for s in sched.running):
-                engine.step(sched)  # prefill (maybe in chunks) until every row is decoding
-            batch = sched.schedule()
-            assert not batch.is_prefill and len(batch.seqs) == len(prompts)
-            yield runner, batch.seqs
-    finally:
-        runner.graphs = saved
+    with eager(engine, on=not graphs), probe_scheduler(engine, prompts, adapters) as sched:
+        while sched.waiting or any(s.needs_prefill for s in sched.running):
+            engine.step(sched)  # prefill (maybe in chunks) until every row is decoding
+        batch = sched.schedule()
+        assert not batch.is_prefill and len(batch.seqs) == len(prompts)
+        yield engine.runner, batch.seqs
 
 
 def decode_step_profile(engine, prompts: list[list[int]],
