@@ -155,6 +155,9 @@ def lora_matrix(**kw):
               help="Job engine.max_loras. Default: --num-adapters.")
 @click.option("--rows-per-unit", type=int, default=1024, show_default=True,
               help="Job input.rows_per_unit.")
+@click.option("--engine-warmup-rows", type=int, default=32, show_default=True,
+              help="Engine alone: an untimed generate of this many rows (4 tokens each) first, "
+                   "so the timed call finds its kernels compiled; 0 = time a cold first call.")
 @click.option("--device", type=click.Choice(["auto", "cuda", "cpu"]), default="auto",
               show_default=True)
 @click.option("--dtype", type=click.Choice(["auto", "float32", "float16", "bfloat16"]),

@@ -1,10 +1,11 @@
 """`bench throughput`'s engine-alone measurement, run as its own process:
 
-    python -m batchrun.bench.engine_alone JOB.yaml RESULT.json
+    python -m batchrun.bench.engine_alone JOB.yaml RESULT.json [WARMUP_ROWS]
 
 The engine is the one `batchrun run JOB.yaml` builds (runner.load_engine on the same JobSpec),
 the requests are the job's rows tokenized by the engine's tokenizer with the job's sampling
-(greedy, max_tokens) and adapters, all in ONE `engine.generate` call. A process of its own, so
+(greedy, max_tokens) and adapters, all in ONE timed `engine.generate` call (after an untimed
+warm-up of a few of the rows, unless WARMUP_ROWS is 0). A process of its own, so
 its GPU memory is gone before the job runs, and both measurements start from the same state.
 """
 from __future__ import annotations
@@ -14,7 +15,9 @@ import sys
 import time
 
 
-def measure(job_path: str) -> dict:
+def measure(job_path: str, warmup_rows: int = 0) -> dict:
+    """warmup_rows > 0: first an untimed generate of that many of the rows (4 output tokens
+    each), so the timed call finds Triton's kernels compiled (a cold first call pays for it)."""
     t_start = time.time()
     import pyarrow.dataset as ds
     import torch
@@ -45,6 +48,15 @@ def measure(job_path: str) -> dict:
                                                seed=row_seed(s.seed, rid)), a or None)
             for i, (rid, t, a) in enumerate(zip(ids, token_ids, adapters))]
     t_tok = time.time()
+    warm_s = None
+    if warmup_rows > 0:
+        w0 = time.perf_counter()
+        engine.generate([Request(f"warmup{r.request_id}", r.prompt_token_ids,
+                                 SamplingParams(max_tokens=min(4, s.max_tokens)), r.adapter)
+                         for r in reqs[:warmup_rows]])
+        if cuda:
+            torch.cuda.synchronize()
+        warm_s = time.perf_counter() - w0
     stats0 = dict(engine.stats)
     if cuda:
         torch.cuda.synchronize()
@@ -58,6 +70,7 @@ def measure(job_path: str) -> dict:
         "process_to_imports_s": t_imported - t_start,
         "load_s": t_loaded - t0,  # weights, KV cache, CUDA-graph capture
         "tokenize_s": t_tok - t_loaded,
+        "warmup_rows": warmup_rows, "warmup_s": warm_s,
         "generate_s": gen_s,
         "rows": len(results), "error_rows": len(errors), "first_error": errors[0] if errors else None,
         "prompt_tokens": sum(r.prompt_tokens for r in results),
@@ -72,10 +85,11 @@ def measure(job_path: str) -> dict:
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) != 2:
-        print("usage: python -m batchrun.bench.engine_alone JOB.yaml RESULT.json", file=sys.stderr)
+    if len(argv) not in (2, 3):
+        print("usage: python -m batchrun.bench.engine_alone JOB.yaml RESULT.json [WARMUP_ROWS]",
+              file=sys.stderr)
         return 2
-    result = measure(argv[0])
+    result = measure(argv[0], int(argv[2]) if len(argv) == 3 else 0)
     with open(argv[1], "w") as f:
         json.dump(result, f, indent=2)
     return 0

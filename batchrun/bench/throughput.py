@@ -3,7 +3,9 @@
 1. Writes (workload.py) a random-weight model directory of the preset's shape, a word-level
    tokenizer, --num-adapters random PEFT adapters, Parquet inputs and a job.yaml.
 2. (a) engine alone: `python -m batchrun.bench.engine_alone job.yaml` (the job's engine, all
-   rows in one `generate` call, its own process);
+   rows in one timed `generate` call after an untimed warm-up of --engine-warmup-rows rows, so
+   it measures the engine at speed while the job's generation is a cold first call; its own
+   process);
    (b) the job: `python -m batchrun run job.yaml` as a subprocess, timed from outside
    (spawn -> exit) and broken down with the run's own metrics file
    (_batchrun/metrics/task-0.json: started, startup_s, model_load_s, writing_s, elapsed_s);
@@ -50,6 +52,7 @@ class ThroughputParams:
     lora_rank: int = 16
     max_loras: int | None = None  # None = num_adapters (all adapters resident)
     rows_per_unit: int = 1024
+    engine_warmup_rows: int = 32  # untimed warm-up generate before the engine-alone call
     device: str = "auto"
     dtype: str = "auto"
     gpu_memory_utilization: float = 0.90
@@ -72,6 +75,8 @@ class ThroughputParams:
         if self.lora_fraction > 0 and self.num_adapters == 0:
             raise ValueError(f"--lora-fraction {self.lora_fraction} needs --num-adapters >= 1 "
                              "(or set --lora-fraction 0)")
+        if self.engine_warmup_rows < 0:
+            raise ValueError(f"--engine-warmup-rows must be >= 0, got {self.engine_warmup_rows}")
         if self.max_loras is not None and self.max_loras < 1:
             raise ValueError(f"--max-loras must be >= 1, got {self.max_loras}")
 
@@ -180,10 +185,10 @@ def _tail(run: dict, n: int = 15) -> str:
     return "\n".join(f"  [{s:7.2f}s {name}] {line}" for s, name, line in run["lines"][-n:])
 
 
-def measure_engine(job: str, root: Path) -> dict:
+def measure_engine(job: str, root: Path, warmup_rows: int = 0) -> dict:
     out = root / "engine-alone.json"
-    run = run_stamped([sys.executable, "-m", "batchrun.bench.engine_alone", job, str(out)],
-                      env=_child_env())
+    run = run_stamped([sys.executable, "-m", "batchrun.bench.engine_alone", job, str(out),
+                       str(warmup_rows)], env=_child_env())
     if run["rc"] != 0:
         raise RuntimeError(f"engine-alone run failed (exit {run['rc']}):\n{_tail(run)}")
     return {**json.loads(out.read_text()), "process_wall_s": run["wall_s"]}
@@ -268,7 +273,7 @@ def run_throughput(p: ThroughputParams, log=print, command: str | None = None) -
         log(f"inputs: {files['rows']} prompts of {p.input_len} words (= tokens), "
             f"{files['lora_rows']} over {len(files['adapters'])} adapter(s); job {files['job']}")
         log("(a) engine alone (one generate call, own process) ...")
-        eng = measure_engine(files["job"], root)
+        eng = measure_engine(files["job"], root, p.engine_warmup_rows)
         log(f"    generate {eng['generate_s']:.2f} s (load {eng['load_s']:.1f} s)")
         log("(b) batchrun run job.yaml (subprocess) ...")
         job = measure_job(files["job"], files["output_dir"])

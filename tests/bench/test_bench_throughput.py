@@ -28,6 +28,7 @@ def test_throughput_tiny_end_to_end(tmp_path):
     e = r["engine_alone"]
     assert e["rows"] == 20 and e["error_rows"] == 0 and e["output_tokens_per_row"] == [4]
     assert e["generate_s"] > 0 and e["load_s"] > 0
+    assert e["warmup_rows"] == 32 and e["warmup_s"] > 0  # default warm-up, untimed
     # (b) the job subprocess, broken down from its own metrics file
     j = r["job"]
     assert j["rc"] == 0 and "runner metrics" in j["source"]
