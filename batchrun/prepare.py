@@ -98,7 +98,7 @@ def check_output_writable(out: OutputDir) -> None:
 def validate(spec: JobSpec) -> tuple[list[str], str, object, object]:
     """All pre-load checks; returns (files, root, input schema, model config)."""
     files, root = find_input_files(spec.input)
-    schema = check_schemas(files, spec.input)
+    schema = check_schemas(files, spec.input, spec.sampling.overrides)
     model_config = check_model_and_adapters(spec)
     token_counter(spec)  # a broken tokenizer or missing chat template fails before the weights load
     check_output_path(spec, files)
