@@ -35,7 +35,7 @@ def char_model(tmp_path_factory) -> str:
 def job_factory(tmp_path, char_model):
     """job_factory(rows, **section overrides) -> job file (input data/in.parquet, output out/)."""
 
-    def make(rows, schema=None, model=None, **over):
+    def make(rows, schema=None, model=None, job_name="job.yaml", **over):
         write_rows(tmp_path / "data" / "in.parquet", rows, schema=schema)
         job = {"model": model or char_model,
                "input": {"path": "data", "id_column": "id", "prompt_column": "prompt", "rows_per_unit": 3},
@@ -44,6 +44,6 @@ def job_factory(tmp_path, char_model):
                "engine": {"device": "cpu", "max_model_len": 128, "max_num_seqs": 8}}
         for key, value in over.items():
             job[key] = {**job[key], **value} if isinstance(value, dict) and isinstance(job.get(key), dict) else value
-        return write_job(tmp_path / "job.yaml", job)
+        return write_job(tmp_path / job_name, job)
 
     return make
