@@ -151,9 +151,10 @@ def _passthrough(spec: InputSpec, f: str, schema: pa.Schema, consumed: set) -> l
             raise ConfigError(f"input.passthrough_columns: column {col!r} is missing from {f} "
                               f"(columns: {', '.join(schema.names)})")
         if col in OUTPUT_COLUMNS:
-            raise ConfigError(f"input.passthrough_columns: column {col!r} is named like an output column "
-                              f"({', '.join(OUTPUT_COLUMNS)}); rename it in the input, or leave it out of "
-                              "the list")
+            how = ('list the columns to pass through instead of "*"' if spec.passthrough_columns == "*"
+                   else "leave it out of the list")
+            raise ConfigError(f"input.passthrough_columns: column {col!r} of {f} is named like an output column "
+                              f"({', '.join(OUTPUT_COLUMNS)}); rename it in the input, or {how}")
         out.append((col, schema.field(col).type))
     return out
 

@@ -442,3 +442,21 @@ def sampling_problems(v: dict[str, Any]):
             yield key, f"{message}, got {_short(v[key])}"
     if "min_tokens" in v and "max_tokens" in v and v["min_tokens"] > v["max_tokens"]:
         yield "min_tokens", f"must be <= max_tokens ({v['max_tokens']}), got {v['min_tokens']}"
+
+
+def sampling_summary(s: SamplingSpec, override_columns=()) -> list[str]:
+    """`batchrun plan`: the effective sampling defaults, where each came from, and the override columns."""
+    gc = set(s.from_generation_config)
+    shown = []
+    for key in ("max_tokens", "temperature", "top_p", "top_k", "seed", "n", "stop", "include_stop_str_in_output",
+                "stop_token_ids", "ignore_eos", "min_tokens", "presence_penalty", "frequency_penalty",
+                "repetition_penalty", "logprobs"):
+        value = getattr(s, key)
+        if isinstance(value, tuple):
+            value = list(value)
+        shown.append(f"{key}={value!r}" + (" (generation_config.json)" if key in gc else ""))
+    lines = ["sampling: " + ", ".join(shown[:5]), "          " + ", ".join(shown[5:10]),
+             "          " + ", ".join(shown[10:])]
+    lines.append("          per-row overrides: " + (", ".join(override_columns) or "none")
+                 + f" (sampling.overrides: {s.overrides if s.overrides == 'auto' else list(s.overrides)})")
+    return lines

@@ -10,7 +10,7 @@ import pyarrow.parquet as pq
 from batchrun.commit import check_part, committed_units, read_commits, uncommitted_parts
 from batchrun.errors import ConfigError
 from batchrun.inputs import INVALID, InvalidText, RowReader, column_values
-from batchrun.job import JobSpec
+from batchrun.job import JobSpec, sampling_summary
 from batchrun.lock import is_locked
 from batchrun.output import OutputDir
 from batchrun.output_path import check_unowned_dir
@@ -39,7 +39,8 @@ def plan_report(spec: JobSpec, num_tasks: int, count_tokens: bool = True) -> str
              f"model:    {spec.model}",
              f"adapters: {', '.join(f'{k} ({v})' for k, v in spec.adapters.items()) or 'none'}",
              f"input:    {len(files)} file(s), {plan.total_rows} rows",
-             f"output:   {spec.output.path}", ""]
+             f"output:   {spec.output.path}"]
+    lines += sampling_summary(spec.sampling, plan.override_columns) + [""]
     tokens, bad = (_prompt_tokens(spec, plan) if count_tokens else ({}, {}))
     shards = plan.shards()
     rows = []
