@@ -24,6 +24,11 @@ _FIRST_SAMPLING = ("max_tokens", "temperature", "top_p", "top_k", "seed")
 _SAMPLING_DEFAULTS = SamplingSpec()
 
 
+# Input fields added with #13: in the layout part only when set (old jobs keep their fingerprint).
+_NEW_INPUT = {"passthrough_columns": (), "prompt_token_ids_column": None, "system_prompt": None,
+              "chat_template_kwargs": {}, "add_special_tokens": "auto"}
+
+
 def _sampling_part(sampling: SamplingSpec) -> dict:
     return {k: v for k, v in sampling.__dict__.items()
             if k != "from_generation_config" and (k in _FIRST_SAMPLING or v != getattr(_SAMPLING_DEFAULTS, k))}
@@ -84,7 +89,7 @@ def job_fingerprint(spec: JobSpec, files: list[str], file_names: list[str],
         "engine": _digest({"device": eng.device, "dtype": eng.dtype, "max_model_len": eng.max_model_len}),
         "layout": _digest({k: getattr(inp, k) for k in
                            ("id_column", "prompt_column", "messages_column", "adapter_column", "rows_per_unit")}
-                          | ({"passthrough_columns": inp.passthrough_columns} if inp.passthrough_columns else {})),
+                          | {k: getattr(inp, k) for k in _NEW_INPUT if getattr(inp, k) != _NEW_INPUT[k]}),
     }
 
 

@@ -189,6 +189,10 @@ def check_schemas(files: list[str], spec: InputSpec, overrides="auto") -> InputS
         if spec.messages_column:
             need("messages_column", spec.messages_column, _is_messages,
                  "a list of {role: string, content: string} structs")
+        if spec.prompt_token_ids_column:
+            need("prompt_token_ids_column", spec.prompt_token_ids_column,
+                 lambda t: (pa.types.is_list(t) or pa.types.is_large_list(t)) and _is_int(t.value_type),
+                 "a list of integer token ids")
         if spec.adapter_column:
             need("adapter_column", spec.adapter_column, _is_str, "strings (adapter names)")
         present = _override_columns(names, f, schema, overrides)

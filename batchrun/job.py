@@ -51,6 +51,10 @@ class InputSpec:
     adapter_column: str | None = None  # None: every row runs on the base model
     rows_per_unit: int = 1024  # a work unit = one part file = one commit
     passthrough_columns: tuple[str, ...] | str = ()  # copied into the output; "*" = all input columns
+    prompt_token_ids_column: str | None = None  # list<int> prompts: no tokenizer needed
+    system_prompt: str | None = None  # prompt_column rows render [system, user] through the chat template
+    chat_template_kwargs: dict = field(default_factory=dict)  # passed to the chat template
+    add_special_tokens: bool | str = "auto"  # auto: none after a chat template, else the tokenizer's default
 
 
 @dataclass(frozen=True)
@@ -263,14 +267,30 @@ def parse_job(raw: Any, base_dir: str | os.PathLike, job_file: str = "") -> JobS
         "adapter_column": (str, True, None),
         "rows_per_unit": (int, False, 1024),
         "passthrough_columns": (object, True, None),
+        "prompt_token_ids_column": (str, True, None),
+        "system_prompt": (str, True, None),
+        "chat_template_kwargs": (dict, True, None),
+        "add_special_tokens": (object, False, "auto"),
     })
     inp["passthrough_columns"] = _passthrough(inp["passthrough_columns"])
-    if inp["prompt_column"] is None and inp["messages_column"] is None:
+    inp["chat_template_kwargs"] = dict(inp["chat_template_kwargs"] or {})
+    _check(inp["add_special_tokens"] == "auto" or isinstance(inp["add_special_tokens"], bool), "input.add_special_tokens",
+           f"expected auto, true or false, got {_show(inp['add_special_tokens'])}")
+    sources = [k for k in ("prompt_column", "messages_column", "prompt_token_ids_column") if inp[k] is not None]
+    if not sources:
         inp["prompt_column"] = "prompt"
     _check(not (inp["prompt_column"] and inp["messages_column"]), "input",
            "set either prompt_column (text prompts) or messages_column (chat messages), not both")
+    _check(len(sources) <= 1, "input", "set one of prompt_column (text), messages_column (chat messages) or "
+           f"prompt_token_ids_column (token ids), not several (got {', '.join(sources)})")
+    if inp["prompt_token_ids_column"] is not None:
+        for key in ("system_prompt", "chat_template_kwargs"):
+            _check(not inp[key], f"input.{key}", "has no effect with prompt_token_ids_column "
+                   "(the prompts are token ids already); remove it")
+    if inp["system_prompt"] is not None:
+        _check(inp["system_prompt"].strip() != "", "input.system_prompt", "must not be empty (use null)")
     _check(inp["rows_per_unit"] >= 1, "input.rows_per_unit", "must be >= 1")
-    for key in ("id_column", "prompt_column", "messages_column", "adapter_column"):
+    for key in ("id_column", "prompt_column", "messages_column", "adapter_column", "prompt_token_ids_column"):
         if inp[key] is not None:
             _check(inp[key] != "", f"input.{key}", "must not be empty (use null to leave it unset)")
     _check(not adapters or inp["adapter_column"] is not None, "input.adapter_column",

@@ -75,13 +75,17 @@ def load_tokenizer(spec: JobSpec):
     if spec.input.messages_column and not getattr(tok, "chat_template", None):
         raise ConfigError(f"input.messages_column: the tokenizer in {spec.model} has no chat template; "
                           "use prompt_column with preformatted text instead")
+    if spec.input.system_prompt is not None and not getattr(tok, "chat_template", None):
+        raise ConfigError(f"input.system_prompt: the tokenizer in {spec.model} has no chat template to render "
+                          "it with; remove system_prompt, or write it into the prompts")
     return tok
 
 
 def token_counter(spec: JobSpec):
     """What counts prompt tokens before the engine exists (token_count.py: no transformers for
     plain-text prompts with a tokenizer.json)."""
-    return load_counter(spec.model, bool(spec.input.messages_column), lambda: load_tokenizer(spec))
+    from batchrun.prompts import uses_chat_template
+    return load_counter(spec.model, uses_chat_template(spec.input), lambda: load_tokenizer(spec))
 
 
 def check_output_writable(out: OutputDir) -> None:
@@ -100,7 +104,8 @@ def validate(spec: JobSpec) -> tuple[list[str], str, object, object]:
     files, root = find_input_files(spec.input)
     schema = check_schemas(files, spec.input, spec.sampling.overrides)
     model_config = check_model_and_adapters(spec)
-    token_counter(spec)  # a broken tokenizer or missing chat template fails before the weights load
+    if not spec.input.prompt_token_ids_column:  # token-id prompts need no tokenizer
+        token_counter(spec)  # a broken tokenizer or missing chat template fails before the weights load
     check_output_path(spec, files)
     return files, root, schema, model_config
 

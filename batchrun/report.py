@@ -16,6 +16,7 @@ from batchrun.output import OutputDir
 from batchrun.output_path import check_unowned_dir
 from batchrun.plan import Plan, assign_tasks, engine_groups, group_rows, make_plan
 from batchrun.prepare import token_counter, validate
+from batchrun.prompts import chat_messages
 
 
 def _shard_name(adapter: str | None, known: bool) -> str:
@@ -81,8 +82,8 @@ def _batches(plan: Plan, spec: JobSpec) -> list[list]:
 
 def _prompt_tokens(spec: JobSpec, plan: Plan) -> tuple[dict, dict]:
     """Prompt tokens and predictable error rows per shard (tokenizer only, file by file)."""
-    tok = token_counter(spec)
     inp = spec.input
+    tok = None if inp.prompt_token_ids_column else token_counter(spec)
     shard_keys = list(dict.fromkeys((u.adapter, u.known) for u in plan.units))
     code_of = {k: i for i, k in enumerate(shard_keys)}
     # shard code of every row, per file (the plan stores rows in unit order)
@@ -93,7 +94,7 @@ def _prompt_tokens(spec: JobSpec, plan: Plan) -> tuple[dict, dict]:
             per_file[fi][ri[rf == fi]] = code_of[(u.adapter, u.known)]
     tokens = np.zeros(len(shard_keys), dtype=np.int64)
     bad = np.zeros(len(shard_keys), dtype=np.int64)
-    col = inp.prompt_column or inp.messages_column
+    col = inp.prompt_column or inp.messages_column or inp.prompt_token_ids_column
     extra = ["max_tokens"] if "max_tokens" in plan.override_columns else []
     for fi, path in enumerate(plan.files):
         start = 0
@@ -102,7 +103,9 @@ def _prompt_tokens(spec: JobSpec, plan: Plan) -> tuple[dict, dict]:
             mts = batch.column("max_tokens").to_pylist() if extra else [None] * len(values)
             codes = per_file[fi][start:start + len(values)]
             start += len(values)
-            if inp.prompt_column:
+            if inp.prompt_token_ids_column:
+                lens = {i: len(v) for i, v in enumerate(values) if v and None not in v}
+            elif inp.prompt_column and inp.system_prompt is None:
                 ok = [i for i, v in enumerate(values)
                       if v is not None and not isinstance(v, InvalidText) and v.strip()]
                 lens = dict(zip(ok, tok.lengths([values[i] for i in ok])))
@@ -110,9 +113,10 @@ def _prompt_tokens(spec: JobSpec, plan: Plan) -> tuple[dict, dict]:
                 lens = {}
                 for i, v in enumerate(values):
                     try:
-                        if not v or v is INVALID:
+                        if not v or v is INVALID or isinstance(v, InvalidText) or (isinstance(v, str) and not v.strip()):
                             continue
-                        lens[i] = tok.chat_length(v)
+                        msgs = chat_messages(inp, prompt=v) if isinstance(v, str) else chat_messages(inp, messages=v)
+                        lens[i] = tok.chat_length(msgs, **inp.chat_template_kwargs)
                     except Exception:
                         pass
                 lens = {i: n for i, n in lens.items() if n}

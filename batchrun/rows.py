@@ -13,6 +13,7 @@ from typing import Any, Callable
 
 import pyarrow as pa
 
+from batchrun import prompts
 from batchrun.config import SamplingParams
 from batchrun.engine.request import Request, Result
 from batchrun.inputs import ARROW, INVALID, InvalidText
@@ -42,7 +43,8 @@ def sample_seed(row_seed_value: int, sample_index: int) -> int:
 
 def input_columns(spec: JobSpec, plan: Plan) -> list[str]:
     inp = spec.input
-    cols = [c for c in (inp.id_column, inp.prompt_column, inp.messages_column, inp.adapter_column) if c]
+    cols = [c for c in (inp.id_column, inp.prompt_column, inp.messages_column, inp.prompt_token_ids_column,
+                        inp.adapter_column) if c]
     return list(dict.fromkeys(cols + list(plan.override_columns)))
 
 
@@ -125,14 +127,6 @@ def _sampling(spec: JobSpec, rows: dict[str, list], pos: int, row_id: Any,
         logprobs=None if values["logprobs"] is None else int(values["logprobs"]))
 
 
-def _token_ids(encoded) -> list[int]:
-    # apply_chat_template(tokenize=True) returns a list in some transformers versions and a
-    # BatchEncoding/dict in others.
-    if isinstance(encoded, dict) or hasattr(encoded, "keys"):
-        encoded = encoded["input_ids"]
-    return list(encoded)
-
-
 def build_unit(unit: Unit, rows: dict[str, list], row_file, row_index, plan: Plan, spec: JobSpec,
                tokenizer, max_model_len: int, check_request: Callable[[Request], str | None]) -> UnitWork:
     inp = spec.input
@@ -155,6 +149,7 @@ def build_unit(unit: Unit, rows: dict[str, list], row_file, row_index, plan: Pla
     samplings: list[SamplingParams | None] = [None] * n
     texts: dict[int, str] = {}
     chats: dict[int, list] = {}
+    token_lists: dict[int, list[int]] = {}
     for pos in range(n):
         if not unit.known:
             configured = ", ".join(spec.adapters) or "none"
@@ -165,7 +160,14 @@ def build_unit(unit: Unit, rows: dict[str, list], row_file, row_index, plan: Pla
         except (ValueError, TypeError) as e:
             fail(pos, f"bad per-row sampling override: {e}")
             continue
-        if inp.prompt_column:
+        if inp.prompt_token_ids_column:
+            given = rows[inp.prompt_token_ids_column][pos]
+            if not given or any(t is None for t in given):
+                fail(pos, f"prompt token ids are {'null' if given is None else 'empty or hold a null'} "
+                          f"(column {inp.prompt_token_ids_column!r})")
+            else:
+                token_lists[pos] = list(given)
+        elif inp.prompt_column:
             text = rows[inp.prompt_column][pos]
             if text is None:
                 fail(pos, f"prompt is null (column {inp.prompt_column!r})")
@@ -173,6 +175,8 @@ def build_unit(unit: Unit, rows: dict[str, list], row_file, row_index, plan: Pla
                 fail(pos, f"prompt is not valid UTF-8 (column {inp.prompt_column!r})")
             elif not text.strip():
                 fail(pos, f"prompt is empty (column {inp.prompt_column!r})")
+            elif inp.system_prompt is not None:
+                chats[pos] = prompts.chat_messages(inp, prompt=text)
             else:
                 texts[pos] = text
         else:
@@ -184,16 +188,16 @@ def build_unit(unit: Unit, rows: dict[str, list], row_file, row_index, plan: Pla
             elif any(not m or m.get("role") is None or m.get("content") is None for m in msgs):
                 fail(pos, f"a message has a null role or content (column {inp.messages_column!r})")
             else:
-                chats[pos] = msgs
+                chats[pos] = prompts.chat_messages(inp, messages=msgs)
 
-    tokens: dict[int, list[int]] = {}
+    tokens: dict[int, list[int]] = dict(token_lists)
     if texts:
         order = list(texts)
-        for pos, ids_ in zip(order, tokenizer([texts[p] for p in order])["input_ids"]):
-            tokens[pos] = list(ids_)
+        for pos, ids_ in zip(order, prompts.text_token_ids(tokenizer, inp, [texts[p] for p in order])):
+            tokens[pos] = ids_
     for pos, msgs in chats.items():
         try:
-            tokens[pos] = _token_ids(tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True))
+            tokens[pos] = prompts.chat_token_ids(tokenizer, inp, msgs)
         except Exception as e:  # a template can raise anything (jinja errors, role checks)
             fail(pos, f"chat template failed: {e}")
 
