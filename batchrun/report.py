@@ -17,6 +17,7 @@ from batchrun.output_path import check_unowned_dir
 from batchrun.plan import Plan, assign_tasks, engine_groups, group_rows, make_plan
 from batchrun.prepare import token_counter, validate
 from batchrun.prompts import chat_messages
+from batchrun.rows import _sampling
 
 
 def _shard_name(adapter: str | None, known: bool) -> str:
@@ -95,12 +96,12 @@ def _prompt_tokens(spec: JobSpec, plan: Plan) -> tuple[dict, dict]:
     tokens = np.zeros(len(shard_keys), dtype=np.int64)
     bad = np.zeros(len(shard_keys), dtype=np.int64)
     col = inp.prompt_column or inp.messages_column or inp.prompt_token_ids_column
-    extra = ["max_tokens"] if "max_tokens" in plan.override_columns else []
+    extra = [c for c in plan.override_columns if c != col]
     for fi, path in enumerate(plan.files):
         start = 0
         for batch in pq.ParquetFile(path).iter_batches(batch_size=4096, columns=[col] + extra):
             values = column_values(batch.column(col))  # invalid UTF-8: error rows, as in build_unit
-            mts = batch.column("max_tokens").to_pylist() if extra else [None] * len(values)
+            overrides = {c: column_values(batch.column(c)) for c in extra}
             codes = per_file[fi][start:start + len(values)]
             start += len(values)
             if inp.prompt_token_ids_column:
@@ -123,8 +124,11 @@ def _prompt_tokens(spec: JobSpec, plan: Plan) -> tuple[dict, dict]:
             for i in range(len(values)):
                 c = codes[i]
                 n = lens.get(i)
-                mt = mts[i] if mts[i] is not None else spec.sampling.max_tokens
-                if n is None or n + mt > spec.engine.max_model_len:
+                try:  # a bad override is an error row at run time too (rows._sampling decides both)
+                    mt = _sampling(spec, overrides, i, None, extra).max_tokens if extra else spec.sampling.max_tokens
+                except (ValueError, TypeError):
+                    mt = None
+                if n is None or mt is None or n + mt > spec.engine.max_model_len:
                     bad[c] += 1
                 if n:
                     tokens[c] += n

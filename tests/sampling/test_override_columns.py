@@ -40,3 +40,19 @@ def test_errors(tmp_path, cols, overrides, needle):
 def test_n_column_is_fine_when_overrides_are_listed(tmp_path):
     files = write(tmp_path, {"n": [2], "seed": [4]})
     assert check_schemas(files, InputSpec(path=files[0], id_column="id"), ("seed",)).override_columns == ("seed",)
+
+
+def test_plan_counts_bad_override_rows_as_the_run_does(job_factory, tmp_path):
+    from batchrun.job import load_job
+    from batchrun.report import plan_report
+    from batchrun.runner import run_job
+    from fake_engine import FakeEngine
+    rows = [{"id": 0, "prompt": "hello", "min_tokens": 2, "stop": ["x"]},
+            {"id": 1, "prompt": "abc", "min_tokens": 50, "stop": None},  # min_tokens > max_tokens
+            {"id": 2, "prompt": "fox", "min_tokens": None, "stop": [""]},  # empty stop string
+            {"id": 3, "prompt": "run", "min_tokens": None, "stop": None}]
+    job = job_factory(rows)
+    line = next(l.split() for l in plan_report(load_job(job), 1).splitlines() if l.startswith("base "))
+    assert line[-1] == "2", line
+    stats = run_job(load_job(job), progress=False, log=lambda m: None, engine_factory=FakeEngine.from_spec)
+    assert stats.error_rows == 2
