@@ -20,6 +20,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0  # over prompt + output tokens (HF / vLLM)
     logprobs: int | None = None  # k: each generated token's logprob plus the top k
+    response_format: str | None = None  # canonical JSON (job.response_format_json): a token mask per step
 
     @property
     def penalized(self) -> bool:

@@ -110,6 +110,8 @@ def _override_type_ok(col: str, t: pa.DataType) -> tuple[bool, str]:
         return _is_int(t) or pa.types.is_floating(t), "numbers"
     if col in _BOOL_OVERRIDES:
         return pa.types.is_boolean(t), "true/false values"
+    if col == "response_format":
+        return _is_str(t), "JSON strings ({type: json_schema, schema: ...} and the like)"
     listy = pa.types.is_list(t) or pa.types.is_large_list(t)
     if col == "stop":
         return _is_str(t) or (listy and _is_str(t.value_type)), "strings or lists of strings"

@@ -31,10 +31,11 @@ DTYPES = ("auto", "float32", "float16", "bfloat16")
 # (sampling.overrides: auto = every one of these the input has; a list = only those).
 OVERRIDE_COLUMNS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
                     "include_stop_str_in_output", "stop_token_ids", "ignore_eos", "min_tokens",
-                    "presence_penalty", "frequency_penalty", "repetition_penalty", "logprobs")
-# Sampling fields that are job-level only: a row cannot change how many output rows it has (n),
-# and per-row response_format is not built yet.
-JOB_ONLY_SAMPLING = ("n", "response_format")
+                    "presence_penalty", "frequency_penalty", "repetition_penalty", "logprobs",
+                    "response_format")
+# Sampling fields that are job-level only: a row cannot change how many output rows it has (n).
+JOB_ONLY_SAMPLING = ("n",)
+RESPONSE_FORMATS = ("json_schema", "json_object", "regex")
 MAX_LOGPROBS = 20  # the cap on sampling.logprobs (vLLM's default max_logprobs)
 # Keys of a model's generation_config.json used as sampling defaults (as vLLM's
 # generation_config="auto"): job.yaml wins over them, per-row columns over both.
@@ -79,7 +80,7 @@ class SamplingSpec:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0  # over prompt + output tokens
     logprobs: int | None = None  # None = no logprob columns; k: each token's logprob + the top k
-    response_format: dict | None = None  # not supported yet: a non-null value is refused
+    response_format: str | None = None  # canonical JSON of {type: json_schema|json_object|regex, ...}
     overrides: tuple[str, ...] | str = "auto"  # auto | the override column names to use
     from_generation_config: tuple[str, ...] = ()  # fields whose value came from generation_config.json
 
@@ -423,8 +424,11 @@ def parse_sampling(raw: Any, model_dir: str) -> SamplingSpec:
     src = {k: " (from the model's generation_config.json)" for k in from_gc}
     for key, message in sampling_problems(smp):
         raise ConfigError(f"sampling.{key}: {message}{src.get(key, '')}")
-    _check(smp["response_format"] is None, "sampling.response_format",
-           "structured output is not supported yet in batchrun; remove response_format (null)")
+    if smp["response_format"] is not None:
+        try:
+            smp["response_format"] = response_format_json(smp["response_format"])
+        except ValueError as e:
+            raise ConfigError(f"sampling.response_format: {e}") from None
     overrides = smp["overrides"]
     if overrides != "auto":
         _check(isinstance(overrides, list) and all(isinstance(c, str) for c in overrides),
@@ -480,3 +484,35 @@ def sampling_summary(s: SamplingSpec, override_columns=()) -> list[str]:
     lines.append("          per-row overrides: " + (", ".join(override_columns) or "none")
                  + f" (sampling.overrides: {s.overrides if s.overrides == 'auto' else list(s.overrides)})")
     return lines
+
+
+def response_format_json(value: Any) -> str:
+    """A response_format mapping (or its JSON text, as a per-row column holds it) -> canonical JSON.
+
+    ``{type: json_schema, schema: {...}}`` | ``{type: json_object}`` | ``{type: regex, pattern: "..."}``.
+    Raises ValueError naming what is wrong; whether the schema compiles is the grammar engine's call.
+    """
+    import json
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as e:
+            raise ValueError(f"is not valid JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"expected a mapping with a type ({', '.join(RESPONSE_FORMATS)}), got {_show(value)}")
+    kind = value.get("type")
+    need = {"json_schema": "schema", "json_object": None, "regex": "pattern"}
+    if kind not in need:
+        raise ValueError(f"type must be one of {', '.join(RESPONSE_FORMATS)}, got {_short(kind)}")
+    allowed = {"type", need[kind]} - {None}
+    extra = sorted(set(value) - allowed, key=str)
+    if extra:
+        raise ValueError(f"unknown key {_short(extra[0])} for type {kind} (allowed: {', '.join(sorted(allowed))})")
+    if kind == "json_schema" and not isinstance(value.get("schema"), dict):
+        raise ValueError(f"type json_schema needs schema: a JSON-schema mapping, got {_show(value.get('schema'))}")
+    if kind == "regex" and not (isinstance(value.get("pattern"), str) and value["pattern"]):
+        raise ValueError(f"type regex needs pattern: a non-empty string, got {_show(value.get('pattern'))}")
+    try:
+        return json.dumps(value, sort_keys=True)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"cannot be written as JSON ({e})") from None

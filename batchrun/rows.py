@@ -17,7 +17,7 @@ from batchrun import prompts
 from batchrun.config import SamplingParams
 from batchrun.engine.request import Request, Result
 from batchrun.inputs import ARROW, INVALID, InvalidText
-from batchrun.job import JobSpec, sampling_problems
+from batchrun.job import JobSpec, response_format_json, sampling_problems
 from batchrun.short_repr import short_repr
 from batchrun.output import OPTIONAL_COLUMNS, output_schema
 from batchrun.plan import Plan, Unit
@@ -85,7 +85,7 @@ def _sampling(spec: JobSpec, rows: dict[str, list], pos: int, row_id: Any,
     values = {k: getattr(s, k) for k in (
         "max_tokens", "temperature", "top_p", "top_k", "stop", "include_stop_str_in_output",
         "stop_token_ids", "ignore_eos", "min_tokens", "presence_penalty", "frequency_penalty",
-        "repetition_penalty", "logprobs")}
+        "repetition_penalty", "logprobs", "response_format")}
     values["seed"] = None
     cols = override_columns if override_columns is not None else [c for c in values if c in rows]
     for col in cols:
@@ -116,6 +116,12 @@ def _sampling(spec: JobSpec, rows: dict[str, list], pos: int, row_id: Any,
     stop_ids = tuple(values["stop_token_ids"])
     if any(x is None or x < 0 for x in stop_ids):
         raise ValueError(f"stop_token_ids must be token ids >= 0, got {list(stop_ids)!r}")
+    fmt = values["response_format"]
+    if fmt is not None and fmt is not s.response_format:
+        try:
+            fmt = response_format_json(fmt)
+        except ValueError as e:
+            raise ValueError(f"response_format {e}") from None
     return SamplingParams(
         max_tokens=int(values["max_tokens"]), temperature=float(t), top_p=float(p),
         top_k=int(values["top_k"]), seed=int(values["seed"]), stop_token_ids=stop_ids,
@@ -124,7 +130,7 @@ def _sampling(spec: JobSpec, rows: dict[str, list], pos: int, row_id: Any,
         min_tokens=int(values["min_tokens"]), presence_penalty=float(values["presence_penalty"]),
         frequency_penalty=float(values["frequency_penalty"]),
         repetition_penalty=float(values["repetition_penalty"]),
-        logprobs=None if values["logprobs"] is None else int(values["logprobs"]))
+        logprobs=None if values["logprobs"] is None else int(values["logprobs"]), response_format=fmt)
 
 
 def build_unit(unit: Unit, rows: dict[str, list], row_file, row_index, plan: Plan, spec: JobSpec,

@@ -141,6 +141,13 @@ class Engine:
                     f"max_model_len ({self.max_model_len})")
         if sp.stop and self.tokenizer is None:
             return "sampling.stop (stop strings) needs a tokenizer, and this model directory has none"
+        if sp.response_format is not None:
+            if self.tokenizer is None:
+                return "sampling.response_format needs a tokenizer, and this model directory has none"
+            try:
+                self._grammar_engine().compile(sp.response_format)
+            except ValueError as e:
+                return str(e)
         if req.adapter:
             if self.lora is None:
                 return f"adapter {req.adapter!r} requested but LoRA is not enabled in this engine"
@@ -196,11 +203,20 @@ class Engine:
             seqs = batch.seqs
         if not seqs:
             return []
+        constrained = [i for i, s in enumerate(seqs) if s.sampling.response_format is not None]
+        if constrained:  # only rows with a response_format pay for the grammar mask
+            g = self._grammar_engine()
+            for i in constrained:
+                if seqs[i].grammar is None:
+                    seqs[i].grammar = g.matcher(seqs[i].sampling.response_format)
+            logits = g.mask(logits, constrained, [seqs[i].grammar for i in constrained])
         out = sample(logits, [RowState(s.sampling, s.generator.initial_seed() if s.generator else 0,
                                        s.token_ids, s.prompt_len) for s in seqs], self.eos_ids)
         finished = []
         for seq, tok, lp, top in zip(seqs, out.tokens, out.logprobs, out.top_logprobs):
             seq.token_ids.append(tok)
+            if seq.grammar is not None:
+                seq.grammar.accept_token(tok)
             if lp is not None:
                 seq.logprobs.append(lp)
                 seq.top_logprobs.append(top)
@@ -212,6 +228,8 @@ class Engine:
 
     def _stop_reason(self, seq: Sequence, tok: int) -> str | None:
         sp = seq.sampling
+        if seq.grammar is not None and seq.grammar.is_terminated():
+            return "stop"
         if seq.num_output >= sp.min_tokens:  # vLLM: nothing stops a row short of min_tokens
             if tok in sp.stop_token_ids:
                 seq.stop_reason = tok
@@ -226,6 +244,14 @@ class Engine:
         if seq.num_output >= sp.max_tokens or seq.num_tokens >= self.max_model_len:
             return "length"
         return None
+
+    def _grammar_engine(self):
+        """The xgrammar compiler for this tokenizer, made on first use (jobs without
+        response_format never import xgrammar)."""
+        if getattr(self, "_grammars", None) is None:
+            from batchrun.engine.grammar import Grammars
+            self._grammars = Grammars(self.tokenizer, self.model.config.vocab_size, self.eos_ids)
+        return self._grammars
 
     def _result(self, seq: Sequence) -> Result:
         out = seq.output_ids

@@ -33,6 +33,7 @@ class Sequence:
         self.stop_reason: str | int | None = None  # the stop string or stop token id that ended it
         self.logprobs: list[float] = []  # sampling.logprobs: each output token's logprob ...
         self.top_logprobs: list[list[tuple[int, float]]] = []  # ... and the top k (id, logprob)
+        self.grammar = None  # sampling.response_format: this row's xgrammar matcher (engine/grammar.py)
 
     @property
     def num_tokens(self) -> int:

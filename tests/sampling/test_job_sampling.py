@@ -49,7 +49,6 @@ def test_stop_accepts_a_string_or_a_list():
     ({"logprobs": 21}, "sampling.logprobs: must be null (none) or an integer in [0, 20]"),
     ({"logprobs": -1}, "sampling.logprobs: must be null"),
     ({"ignore_eos": "yes"}, "sampling.ignore_eos: expected true or false"),
-    ({"response_format": {"type": "json_object"}}, "sampling.response_format: structured output is not supported yet"),
     ({"overrides": "none"}, "sampling.overrides: expected auto, or a list of column names"),
     ({"overrides": ["n"]}, "sampling.overrides: 'n' is not a per-row sampling field"),
     ({"temperature": -0.5}, "sampling.temperature: must be a finite number >= 0"),
