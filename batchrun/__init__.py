@@ -1,2 +1,6 @@
 """batchrun: offline batch inference for LLMs with LoRA adapters."""
 __version__ = "0.1.0"
+
+from batchrun.api import LLM, CompletionOutput, RequestOutput, run  # noqa: E402  (no torch until used)
+
+__all__ = ["LLM", "CompletionOutput", "RequestOutput", "run", "__version__"]

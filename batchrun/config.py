@@ -13,6 +13,19 @@ class SamplingParams:
     seed: int | None = None  # per-row seed: same seed -> same tokens, whatever the batch-mates
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False  # benchmarks: fixed output length
+    stop: tuple[str, ...] = ()  # stop strings (need a tokenizer): text ends before the first match
+    include_stop_str_in_output: bool = False
+    min_tokens: int = 0  # EOS / stop_token_ids / stop strings do not end the output before this
+    presence_penalty: float = 0.0  # vLLM semantics: over output tokens
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # over prompt + output tokens (HF / vLLM)
+    logprobs: int | None = None  # k: each generated token's logprob plus the top k
+    response_format: str | None = None  # canonical JSON (job.response_format_json): a token mask per step
+
+    @property
+    def penalized(self) -> bool:
+        return (self.presence_penalty != 0 or self.frequency_penalty != 0
+                or self.repetition_penalty != 1)
 
     def __post_init__(self):
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -23,6 +36,12 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not isinstance(self.top_k, int) or self.top_k < 0:
             raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
+        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be an integer in [0, max_tokens], got {self.min_tokens!r}")
+        if not self.repetition_penalty > 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
+            raise ValueError(f"logprobs must be None or an integer >= 0, got {self.logprobs!r}")
 
     @property
     def greedy(self) -> bool:

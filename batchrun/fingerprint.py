@@ -16,7 +16,22 @@ import hashlib
 import json
 import os
 
-from batchrun.job import JobSpec
+from batchrun.job import JobSpec, SamplingSpec
+
+# Sampling fields fingerprinted as before #13; newer fields count only when set, so a job that
+# does not use them keeps its fingerprint (and resumes) across the upgrade.
+_FIRST_SAMPLING = ("max_tokens", "temperature", "top_p", "top_k", "seed")
+_SAMPLING_DEFAULTS = SamplingSpec()
+
+
+# Input fields added with #13: in the layout part only when set (old jobs keep their fingerprint).
+_NEW_INPUT = {"passthrough_columns": (), "prompt_token_ids_column": None, "system_prompt": None,
+              "chat_template_kwargs": {}, "add_special_tokens": "auto"}
+
+
+def _sampling_part(sampling: SamplingSpec) -> dict:
+    return {k: v for k, v in sampling.__dict__.items()
+            if k != "from_generation_config" and (k in _FIRST_SAMPLING or v != getattr(_SAMPLING_DEFAULTS, k))}
 
 SMALL_FILE = 64 << 20
 _BLOCK = 64 << 10
@@ -70,10 +85,11 @@ def job_fingerprint(spec: JobSpec, files: list[str], file_names: list[str],
         "model": dir_digest(spec.model),
         "adapters": _digest({name: dir_digest(p) for name, p in spec.adapters.items()}),
         "inputs": _digest([[n, d] for n, d in zip(file_names, digests)]),
-        "sampling": _digest({**spec.sampling.__dict__, "override_columns": list(override_columns)}),
+        "sampling": _digest({**_sampling_part(spec.sampling), "override_columns": list(override_columns)}),
         "engine": _digest({"device": eng.device, "dtype": eng.dtype, "max_model_len": eng.max_model_len}),
         "layout": _digest({k: getattr(inp, k) for k in
-                           ("id_column", "prompt_column", "messages_column", "adapter_column", "rows_per_unit")}),
+                           ("id_column", "prompt_column", "messages_column", "adapter_column", "rows_per_unit")}
+                          | {k: getattr(inp, k) for k in _NEW_INPUT if getattr(inp, k) != _NEW_INPUT[k]}),
     }
 
 

@@ -15,7 +15,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from batchrun.errors import ConfigError
-from batchrun.job import OVERRIDE_COLUMNS, InputSpec
+from batchrun.job import JOB_ONLY_SAMPLING, OVERRIDE_COLUMNS, InputSpec
 
 _GLOB_CHARS = set("*?[")
 
@@ -89,11 +89,84 @@ class InputSchema:
     """What the runner needs to know about the input columns (same for every file)."""
     id_type: pa.DataType  # int64 or string
     override_columns: tuple[str, ...]  # sampling override columns present in the input
+    passthrough: tuple[tuple[str, pa.DataType], ...] = ()  # input.passthrough_columns, resolved
 
 
-def check_schemas(files: list[str], spec: InputSpec) -> InputSchema:
-    """Open every file's footer and check the configured columns exist with usable types."""
-    id_kinds, overrides = set(), None
+# The output's fixed and optional columns: a passthrough column may not take one of these names.
+OUTPUT_COLUMNS = ("id", "adapter", "sample_index", "output_text", "output_token_ids", "prompt_tokens",
+                  "output_tokens", "finish_reason", "stop_reason", "error", "logprobs", "top_logprobs")
+
+_INT_OVERRIDES = ("max_tokens", "top_k", "seed", "min_tokens", "logprobs")
+_FLOAT_OVERRIDES = ("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
+_BOOL_OVERRIDES = ("include_stop_str_in_output", "ignore_eos")
+
+
+def _override_type_ok(col: str, t: pa.DataType) -> tuple[bool, str]:
+    if pa.types.is_null(t):
+        return True, ""
+    if col in _INT_OVERRIDES:
+        return _is_int(t), "integers"
+    if col in _FLOAT_OVERRIDES:
+        return _is_int(t) or pa.types.is_floating(t), "numbers"
+    if col in _BOOL_OVERRIDES:
+        return pa.types.is_boolean(t), "true/false values"
+    if col == "response_format":
+        return _is_str(t), "JSON strings ({type: json_schema, schema: ...} and the like)"
+    listy = pa.types.is_list(t) or pa.types.is_large_list(t)
+    if col == "stop":
+        return _is_str(t) or (listy and _is_str(t.value_type)), "strings or lists of strings"
+    return listy and _is_int(t.value_type), "lists of integer token ids"  # stop_token_ids
+
+
+def _override_columns(names: set, f: str, schema: pa.Schema, overrides) -> list[str]:
+    if overrides == "auto":
+        for col in JOB_ONLY_SAMPLING:
+            if col in names:
+                raise ConfigError(f"input column {col!r} in {f} is named like sampling.{col}, which cannot be "
+                                  "set per row (it is job-level only); rename the column, or set "
+                                  "sampling.overrides to the list of override columns to use ([] = none)")
+        wanted = [c for c in OVERRIDE_COLUMNS if c in names]
+    else:
+        for col in overrides:
+            if col not in names:
+                raise ConfigError(f"sampling.overrides: column {col!r} is missing from {f} "
+                                  f"(columns: {', '.join(schema.names)})")
+        wanted = [c for c in OVERRIDE_COLUMNS if c in overrides]
+    for col in wanted:
+        t = schema.field(col).type
+        ok, kind = _override_type_ok(col, t)
+        if not ok:
+            raise ConfigError(f"input column {col!r} in {f} overrides sampling.{col} per row and "
+                              f"must hold {kind} (or nulls), but has type {t}")
+    return wanted
+
+
+def _passthrough(spec: InputSpec, f: str, schema: pa.Schema, consumed: set) -> list[tuple[str, pa.DataType]]:
+    """input.passthrough_columns of one file, resolved ("*": every column, less the job's own
+    id/adapter/override columns where they are named like an output column)."""
+    wanted = spec.passthrough_columns
+    if wanted == "*":
+        wanted = [c for c in schema.names if not (c in OUTPUT_COLUMNS and c in consumed)]
+    out = []
+    for col in wanted:
+        if col not in schema.names:
+            raise ConfigError(f"input.passthrough_columns: column {col!r} is missing from {f} "
+                              f"(columns: {', '.join(schema.names)})")
+        if col in OUTPUT_COLUMNS:
+            how = ('list the columns to pass through instead of "*"' if spec.passthrough_columns == "*"
+                   else "leave it out of the list")
+            raise ConfigError(f"input.passthrough_columns: column {col!r} of {f} is named like an output column "
+                              f"({', '.join(OUTPUT_COLUMNS)}); rename it in the input, or {how}")
+        out.append((col, schema.field(col).type))
+    return out
+
+
+def check_schemas(files: list[str], spec: InputSpec, overrides="auto") -> InputSchema:
+    """Open every file's footer and check the configured columns exist with usable types.
+
+    ``overrides``: sampling.overrides (auto, or the list of override columns to use).
+    """
+    id_kinds, overrides_seen, passthrough = set(), None, None
     for f in files:
         try:
             schema = pq.read_schema(f)
@@ -118,29 +191,34 @@ def check_schemas(files: list[str], spec: InputSpec) -> InputSchema:
         if spec.messages_column:
             need("messages_column", spec.messages_column, _is_messages,
                  "a list of {role: string, content: string} structs")
+        if spec.prompt_token_ids_column:
+            need("prompt_token_ids_column", spec.prompt_token_ids_column,
+                 lambda t: (pa.types.is_list(t) or pa.types.is_large_list(t)) and _is_int(t.value_type),
+                 "a list of integer token ids")
         if spec.adapter_column:
             need("adapter_column", spec.adapter_column, _is_str, "strings (adapter names)")
-        present = []
-        for col in OVERRIDE_COLUMNS:
-            if col in names:
-                t = schema.field(col).type
-                numeric = _is_int(t) or (col in ("temperature", "top_p") and pa.types.is_floating(t))
-                if not (numeric or pa.types.is_null(t)):
-                    kind = "numbers" if col in ("temperature", "top_p") else "integers"
-                    raise ConfigError(f"input column {col!r} in {f} overrides sampling.{col} per row and "
-                                      f"must hold {kind} (or nulls), but has type {t}")
-                present.append(col)
-        if overrides is None:
-            overrides = tuple(present)
-        elif tuple(present) != overrides:
+        present = _override_columns(names, f, schema, overrides)
+        if overrides_seen is None:
+            overrides_seen = tuple(present)
+        elif tuple(present) != overrides_seen:
             raise ConfigError(f"input file {f} has sampling override columns {present}, but earlier files "
-                              f"have {list(overrides)}; all files must have the same ones")
+                              f"have {list(overrides_seen)}; all files must have the same ones")
+        consumed = {spec.id_column, spec.adapter_column, *present}
+        these = _passthrough(spec, f, schema, consumed)
+        if passthrough is None:
+            passthrough = these
+        elif these != passthrough:
+            raise ConfigError(f"input.passthrough_columns: {f} has columns/types "
+                              f"{[(c, str(t)) for c, t in these]}, but earlier files have "
+                              f"{[(c, str(t)) for c, t in passthrough]}; passthrough columns must have the same "
+                              "type in every file")
     id_kinds.discard("null")
     if len(id_kinds) > 1:
         raise ConfigError(f"input.id_column: column {spec.id_column!r} is integer in some files and "
                           "string in others; use one type")
     id_type = pa.int64() if id_kinds == {"int"} else pa.string()
-    return InputSchema(id_type=id_type, override_columns=overrides or ())
+    return InputSchema(id_type=id_type, override_columns=overrides_seen or (),
+                       passthrough=tuple(passthrough or ()))
 
 
 class RowReader:
@@ -150,8 +228,11 @@ class RowReader:
     decoded row groups makes reading a shard linear instead of quadratic.
     """
 
-    def __init__(self, files: list[str], columns: list[str], cache_size: int = 2):
-        self.files, self.columns = files, columns
+    def __init__(self, files: list[str], columns: list[str], cache_size: int = 2, arrow_columns=()):
+        # arrow_columns: also returned as Arrow data under rows[ARROW] (passthrough columns)
+        self.arrow_columns = list(arrow_columns)
+        self._lists = set(columns)
+        self.files, self.columns = files, list(dict.fromkeys(list(columns) + self.arrow_columns))
         self._pf: dict[int, tuple[pq.ParquetFile, np.ndarray]] = {}
         self._cache: OrderedDict[tuple[int, int], pa.Table] = OrderedDict()
         self._cache_size = cache_size
@@ -184,7 +265,8 @@ class RowReader:
         one bad cell makes one error row instead of failing the unit. Python lists (not one Arrow table) because files may differ in physical types
         (string vs dictionary, int32 vs int64); the runner works row by row anyway.
         """
-        out: dict[str, list] = {c: [] for c in self.columns}
+        out: dict[str, list] = {c: [] for c in self.columns if c not in self.arrow_columns or c in self._lists}
+        arrow: dict[str, list] = {c: [] for c in self.arrow_columns}
         # Group runs of equal (file, row group) so each decoded group is sliced once.
         i, n = 0, len(row_file)
         while i < n:
@@ -196,10 +278,17 @@ class RowReader:
             while j < n and row_file[j] == fi and lo <= row_index[j] < hi:
                 j += 1
             piece = self._row_group(fi, rg).take(pa.array(row_index[i:j] - lo))
-            for c in self.columns:
+            for c in out:
                 out[c] += column_values(piece.column(c))
+            for c in arrow:
+                arrow[c] += piece.column(c).chunks
             i = j
+        if self.arrow_columns:
+            out[ARROW] = {c: pa.chunked_array(chunks) for c, chunks in arrow.items()}
         return out
+
+
+ARROW = "\0arrow"  # RowReader.read: the key under which arrow_columns come back, {name: ChunkedArray}
 
 
 # ---- values that Arrow stores but Python cannot decode -------------------------------------------

@@ -27,8 +27,20 @@ DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 # A job file is a small mapping; anything that expands past this many values (counting every
 # use of a YAML alias) is refused before it is built, so an alias bomb cannot exhaust memory.
-# Input columns that, when present, override the job's sampling defaults row by row.
-OVERRIDE_COLUMNS = ("max_tokens", "temperature", "top_p", "top_k", "seed")
+# Input columns that, when present, override the job's sampling defaults row by row
+# (sampling.overrides: auto = every one of these the input has; a list = only those).
+OVERRIDE_COLUMNS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
+                    "include_stop_str_in_output", "stop_token_ids", "ignore_eos", "min_tokens",
+                    "presence_penalty", "frequency_penalty", "repetition_penalty", "logprobs",
+                    "response_format")
+# Sampling fields that are job-level only: a row cannot change how many output rows it has (n).
+JOB_ONLY_SAMPLING = ("n",)
+RESPONSE_FORMATS = ("json_schema", "json_object", "regex")
+MAX_LOGPROBS = 20  # the cap on sampling.logprobs (vLLM's default max_logprobs)
+# Keys of a model's generation_config.json used as sampling defaults (as vLLM's
+# generation_config="auto"): job.yaml wins over them, per-row columns over both.
+GENERATION_CONFIG_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
+                          "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
 
 
 @dataclass(frozen=True)
@@ -39,6 +51,11 @@ class InputSpec:
     messages_column: str | None = None
     adapter_column: str | None = None  # None: every row runs on the base model
     rows_per_unit: int = 1024  # a work unit = one part file = one commit
+    passthrough_columns: tuple[str, ...] | str = ()  # copied into the output; "*" = all input columns
+    prompt_token_ids_column: str | None = None  # list<int> prompts: no tokenizer needed
+    system_prompt: str | None = None  # prompt_column rows render [system, user] through the chat template
+    chat_template_kwargs: dict = field(default_factory=dict)  # passed to the chat template
+    add_special_tokens: bool | str = "auto"  # auto: none after a chat template, else the tokenizer's default
 
 
 @dataclass(frozen=True)
@@ -53,6 +70,19 @@ class SamplingSpec:
     top_p: float = 1.0
     top_k: int = 0
     seed: int = 0  # job seed; each row's seed is derived from it and the row id
+    n: int = 1  # samples per row: one output row each, with sample_index
+    stop: tuple[str, ...] = ()  # the output ends before the first match
+    include_stop_str_in_output: bool = False
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    min_tokens: int = 0  # EOS and stop_token_ids are masked until this many tokens
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # over prompt + output tokens
+    logprobs: int | None = None  # None = no logprob columns; k: each token's logprob + the top k
+    response_format: str | None = None  # canonical JSON of {type: json_schema|json_object|regex, ...}
+    overrides: tuple[str, ...] | str = "auto"  # auto | the override column names to use
+    from_generation_config: tuple[str, ...] = ()  # fields whose value came from generation_config.json
 
 
 @dataclass(frozen=True)
@@ -86,7 +116,7 @@ class JobSpec:
 # ---- field checking ---------------------------------------------------------------------------
 
 _TYPE_NAMES = {str: "a string", int: "an integer", float: "a number", bool: "true or false",
-               dict: "a mapping"}
+               dict: "a mapping", list: "a list", object: "a value"}
 
 
 def _type_ok(value: Any, typ: type) -> bool:
@@ -237,13 +267,31 @@ def parse_job(raw: Any, base_dir: str | os.PathLike, job_file: str = "") -> JobS
         "messages_column": (str, True, None),
         "adapter_column": (str, True, None),
         "rows_per_unit": (int, False, 1024),
+        "passthrough_columns": (object, True, None),
+        "prompt_token_ids_column": (str, True, None),
+        "system_prompt": (str, True, None),
+        "chat_template_kwargs": (dict, True, None),
+        "add_special_tokens": (object, False, "auto"),
     })
-    if inp["prompt_column"] is None and inp["messages_column"] is None:
+    inp["passthrough_columns"] = _passthrough(inp["passthrough_columns"])
+    inp["chat_template_kwargs"] = dict(inp["chat_template_kwargs"] or {})
+    _check(inp["add_special_tokens"] == "auto" or isinstance(inp["add_special_tokens"], bool), "input.add_special_tokens",
+           f"expected auto, true or false, got {_show(inp['add_special_tokens'])}")
+    sources = [k for k in ("prompt_column", "messages_column", "prompt_token_ids_column") if inp[k] is not None]
+    if not sources:
         inp["prompt_column"] = "prompt"
     _check(not (inp["prompt_column"] and inp["messages_column"]), "input",
            "set either prompt_column (text prompts) or messages_column (chat messages), not both")
+    _check(len(sources) <= 1, "input", "set one of prompt_column (text), messages_column (chat messages) or "
+           f"prompt_token_ids_column (token ids), not several (got {', '.join(sources)})")
+    if inp["prompt_token_ids_column"] is not None:
+        for key in ("system_prompt", "chat_template_kwargs"):
+            _check(not inp[key], f"input.{key}", "has no effect with prompt_token_ids_column "
+                   "(the prompts are token ids already); remove it")
+    if inp["system_prompt"] is not None:
+        _check(inp["system_prompt"].strip() != "", "input.system_prompt", "must not be empty (use null)")
     _check(inp["rows_per_unit"] >= 1, "input.rows_per_unit", "must be >= 1")
-    for key in ("id_column", "prompt_column", "messages_column", "adapter_column"):
+    for key in ("id_column", "prompt_column", "messages_column", "adapter_column", "prompt_token_ids_column"):
         if inp[key] is not None:
             _check(inp[key] != "", f"input.{key}", "must not be empty (use null to leave it unset)")
     _check(not adapters or inp["adapter_column"] is not None, "input.adapter_column",
@@ -254,17 +302,7 @@ def parse_job(raw: Any, base_dir: str | os.PathLike, job_file: str = "") -> JobS
     out = _fields(top["output"], "output", {"path": (str, False, _REQUIRED)})
     out["path"] = _resolve(base, out["path"], "output.path")
 
-    smp = _fields(top["sampling"], "sampling", {
-        "max_tokens": (int, False, 64),
-        "temperature": (float, False, 0.0),
-        "top_p": (float, False, 1.0),
-        "top_k": (int, False, 0),
-        "seed": (int, False, 0),
-    })
-    _check(smp["max_tokens"] >= 1, "sampling.max_tokens", "must be >= 1")
-    _check(smp["temperature"] >= 0, "sampling.temperature", "must be >= 0 (0 = greedy)")
-    _check(0 < smp["top_p"] <= 1, "sampling.top_p", "must be in (0, 1]")
-    _check(smp["top_k"] >= 0, "sampling.top_k", "must be >= 0 (0 = off)")
+    smp = parse_sampling(top["sampling"], model)
 
     eng = _fields(top["engine"], "engine", {
         "device": (str, False, "auto"),
@@ -282,7 +320,8 @@ def parse_job(raw: Any, base_dir: str | os.PathLike, job_file: str = "") -> JobS
     for key in ("max_num_seqs", "max_model_len", "max_loras", "max_lora_rank", "max_num_batched_tokens"):
         _check(eng[key] >= 1, f"engine.{key}", "must be >= 1")
     _check(0 < eng["gpu_memory_utilization"] <= 1, "engine.gpu_memory_utilization", "must be in (0, 1]")
-    _check(smp["max_tokens"] < eng["max_model_len"], "sampling.max_tokens",
+    _check(smp.max_tokens < eng["max_model_len"], "sampling.max_tokens",
+           ("(from the model's generation_config.json max_new_tokens) " if "max_tokens" in smp.from_generation_config else "") +
            f"must be smaller than engine.max_model_len ({eng['max_model_len']}) to leave room for the prompt")
 
     _check(top["on_error"] in ON_ERROR, "on_error",
@@ -291,5 +330,189 @@ def parse_job(raw: Any, base_dir: str | os.PathLike, job_file: str = "") -> JobS
     return JobSpec(
         job_file=job_file, model=model, adapters=adapters,
         input=InputSpec(**inp), output=OutputSpec(**out),
-        sampling=SamplingSpec(**smp), engine=EngineSpec(**eng), on_error=top["on_error"],
+        sampling=smp, engine=EngineSpec(**eng), on_error=top["on_error"],
     )
+
+
+# ---- input.passthrough_columns and the sampling section ---------------------------------------
+
+def _passthrough(value: Any) -> tuple[str, ...] | str:
+    where = "input.passthrough_columns"
+    if value is None:
+        return ()
+    if value == "*":
+        return "*"
+    _check(isinstance(value, list) and all(isinstance(c, str) and c != "" for c in value), where,
+           f'expected a list of column names or "*" (all input columns), got {_show(value)}')
+    _check(len(set(value)) == len(value), where, f"lists a column twice: {_short(value)}")
+    return tuple(value)
+
+
+def _str_list(value: Any, path: str) -> tuple[str, ...]:
+    if isinstance(value, str):
+        value = [value]
+    _check(isinstance(value, list) and all(isinstance(v, str) and v != "" for v in value), path,
+           f"expected a string or a list of non-empty strings, got {_show(value)}")
+    return tuple(value)
+
+
+def _int_list(value: Any, path: str) -> tuple[int, ...]:
+    _check(isinstance(value, list) and all(_type_ok(v, int) and v >= 0 for v in value), path,
+           f"expected a list of token ids (integers >= 0), got {_show(value)}")
+    return tuple(value)
+
+
+_SAMPLING_SCHEMA = {
+    "max_tokens": (int, False, 64),
+    "temperature": (float, False, 0.0),
+    "top_p": (float, False, 1.0),
+    "top_k": (int, False, 0),
+    "seed": (int, False, 0),
+    "n": (int, False, 1),
+    "stop": (object, True, None),
+    "include_stop_str_in_output": (bool, False, False),
+    "stop_token_ids": (list, True, None),
+    "ignore_eos": (bool, False, False),
+    "min_tokens": (int, False, 0),
+    "presence_penalty": (float, False, 0.0),
+    "frequency_penalty": (float, False, 0.0),
+    "repetition_penalty": (float, False, 1.0),
+    "logprobs": (int, True, None),
+    "response_format": (dict, True, None),
+    "overrides": (object, False, "auto"),
+}
+
+
+def generation_config_defaults(model_dir: str) -> dict[str, Any]:
+    """The sampling defaults a model directory's generation_config.json sets ({} without one)."""
+    path = Path(model_dir) / "generation_config.json"
+    if not path.is_file():
+        return {}
+    import json
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{path}: cannot read it as JSON ({e}); fix or remove the file "
+                          "(it sets the model's default sampling settings)") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: expected a JSON object")
+    out = {}
+    for key, field_name in GENERATION_CONFIG_KEYS.items():
+        if raw.get(key) is not None:
+            out[field_name] = raw[key]
+    return out
+
+
+def parse_sampling(raw: Any, model_dir: str) -> SamplingSpec:
+    """sampling: -> SamplingSpec; fields job.yaml leaves out take generation_config.json's value."""
+    explicit = set(raw or {}) if isinstance(raw, dict) else set()
+    smp = _fields(raw, "sampling", _SAMPLING_SCHEMA)
+    from_gc = []
+    for key, value in generation_config_defaults(model_dir).items():
+        if key in explicit:
+            continue
+        typ = _SAMPLING_SCHEMA[key][0]
+        if not _type_ok(value, typ):
+            raise ConfigError(f"{Path(model_dir) / 'generation_config.json'}: {key} must be "
+                              f"{_TYPE_NAMES[typ]}, got {_show(value)}; set sampling.{key} in the job "
+                              "file to override it")
+        smp[key] = float(value) if typ is float else value
+        from_gc.append(key)
+    smp["from_generation_config"] = tuple(from_gc)
+    smp["stop"] = _str_list(smp["stop"] if smp["stop"] is not None else [], "sampling.stop")
+    smp["stop_token_ids"] = _int_list(smp["stop_token_ids"] or [], "sampling.stop_token_ids")
+    src = {k: " (from the model's generation_config.json)" for k in from_gc}
+    for key, message in sampling_problems(smp):
+        raise ConfigError(f"sampling.{key}: {message}{src.get(key, '')}")
+    if smp["response_format"] is not None:
+        try:
+            smp["response_format"] = response_format_json(smp["response_format"])
+        except ValueError as e:
+            raise ConfigError(f"sampling.response_format: {e}") from None
+    overrides = smp["overrides"]
+    if overrides != "auto":
+        _check(isinstance(overrides, list) and all(isinstance(c, str) for c in overrides),
+               "sampling.overrides", f"expected auto, or a list of column names ([] = none), got {_show(overrides)}")
+        for col in overrides:
+            _check(col in OVERRIDE_COLUMNS, "sampling.overrides",
+                   f"{_short(col)} is not a per-row sampling field (allowed: {', '.join(OVERRIDE_COLUMNS)})"
+                   + ("; it is job-level only" if col in JOB_ONLY_SAMPLING else ""))
+        smp["overrides"] = tuple(overrides)
+    return SamplingSpec(**smp)
+
+
+def sampling_problems(v: dict[str, Any]):
+    """(field, message) for each bad value among the sampling fields in ``v`` (a job's or a row's).
+
+    The range checks vLLM's SamplingParams makes; NaN fails them all (it compares false).
+    """
+    def bad(cond):
+        return not cond
+    checks = [
+        ("max_tokens", lambda x: x >= 1, "must be >= 1"),
+        ("temperature", lambda x: math.isfinite(x) and x >= 0, "must be a finite number >= 0 (0 = greedy)"),
+        ("top_p", lambda x: math.isfinite(x) and 0 < x <= 1, "must be in (0, 1]"),
+        ("top_k", lambda x: x >= 0, "must be >= 0 (0 = off)"),
+        ("n", lambda x: x >= 1, "must be >= 1"),
+        ("min_tokens", lambda x: x >= 0, "must be >= 0"),
+        ("presence_penalty", lambda x: math.isfinite(x) and -2 <= x <= 2, "must be in [-2, 2]"),
+        ("frequency_penalty", lambda x: math.isfinite(x) and -2 <= x <= 2, "must be in [-2, 2]"),
+        ("repetition_penalty", lambda x: math.isfinite(x) and x > 0, "must be > 0 (1 = off)"),
+        ("logprobs", lambda x: x is None or 0 <= x <= MAX_LOGPROBS,
+         f"must be null (none) or an integer in [0, {MAX_LOGPROBS}]"),
+    ]
+    for key, ok, message in checks:
+        if key in v and bad(ok(v[key])):
+            yield key, f"{message}, got {_short(v[key])}"
+    if "min_tokens" in v and "max_tokens" in v and v["min_tokens"] > v["max_tokens"]:
+        yield "min_tokens", f"must be <= max_tokens ({v['max_tokens']}), got {v['min_tokens']}"
+
+
+def sampling_summary(s: SamplingSpec, override_columns=()) -> list[str]:
+    """`batchrun plan`: the effective sampling defaults, where each came from, and the override columns."""
+    gc = set(s.from_generation_config)
+    shown = []
+    for key in ("max_tokens", "temperature", "top_p", "top_k", "seed", "n", "stop", "include_stop_str_in_output",
+                "stop_token_ids", "ignore_eos", "min_tokens", "presence_penalty", "frequency_penalty",
+                "repetition_penalty", "logprobs"):
+        value = getattr(s, key)
+        if isinstance(value, tuple):
+            value = list(value)
+        shown.append(f"{key}={value!r}" + (" (generation_config.json)" if key in gc else ""))
+    lines = ["sampling: " + ", ".join(shown[:5]), "          " + ", ".join(shown[5:10]),
+             "          " + ", ".join(shown[10:])]
+    lines.append("          per-row overrides: " + (", ".join(override_columns) or "none")
+                 + f" (sampling.overrides: {s.overrides if s.overrides == 'auto' else list(s.overrides)})")
+    return lines
+
+
+def response_format_json(value: Any) -> str:
+    """A response_format mapping (or its JSON text, as a per-row column holds it) -> canonical JSON.
+
+    ``{type: json_schema, schema: {...}}`` | ``{type: json_object}`` | ``{type: regex, pattern: "..."}``.
+    Raises ValueError naming what is wrong; whether the schema compiles is the grammar engine's call.
+    """
+    import json
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as e:
+            raise ValueError(f"is not valid JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"expected a mapping with a type ({', '.join(RESPONSE_FORMATS)}), got {_show(value)}")
+    kind = value.get("type")
+    need = {"json_schema": "schema", "json_object": None, "regex": "pattern"}
+    if kind not in need:
+        raise ValueError(f"type must be one of {', '.join(RESPONSE_FORMATS)}, got {_short(kind)}")
+    allowed = {"type", need[kind]} - {None}
+    extra = sorted(set(value) - allowed, key=str)
+    if extra:
+        raise ValueError(f"unknown key {_short(extra[0])} for type {kind} (allowed: {', '.join(sorted(allowed))})")
+    if kind == "json_schema" and not isinstance(value.get("schema"), dict):
+        raise ValueError(f"type json_schema needs schema: a JSON-schema mapping, got {_show(value.get('schema'))}")
+    if kind == "regex" and not (isinstance(value.get("pattern"), str) and value["pattern"]):
+        raise ValueError(f"type regex needs pattern: a non-empty string, got {_show(value.get('pattern'))}")
+    try:
+        return json.dumps(value, sort_keys=True)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"cannot be written as JSON ({e})") from None

@@ -22,17 +22,33 @@ import pyarrow as pa
 META = "_batchrun"
 
 
-def output_schema(id_type: pa.DataType) -> pa.Schema:
-    return pa.schema([
+# Columns a job has only when it uses the feature (rows.optional_columns says which).
+OPTIONAL_COLUMNS = {
+    "sample_index": pa.int32(),  # sampling.n > 1: 0..n-1
+    "stop_reason": pa.string(),  # the stop string or stop token id (as text) that ended the row
+    "logprobs": pa.list_(pa.float32()),  # one per output token
+    "top_logprobs": pa.list_(pa.list_(pa.struct([("token_id", pa.int32()), ("logprob", pa.float32())]))),
+}
+
+
+def output_schema(id_type: pa.DataType, optional=frozenset(), passthrough=()) -> pa.Schema:
+    """The part-file schema: fixed columns, the job's optional ones, then passthrough columns."""
+    fields = [
         pa.field("id", id_type),
         pa.field("adapter", pa.string()),  # null = base model
+        pa.field("sample_index", OPTIONAL_COLUMNS["sample_index"]),
         pa.field("output_text", pa.string()),
         pa.field("output_token_ids", pa.list_(pa.int32())),
         pa.field("prompt_tokens", pa.int32()),
         pa.field("output_tokens", pa.int32()),
         pa.field("finish_reason", pa.string()),  # stop | length | error
+        pa.field("stop_reason", OPTIONAL_COLUMNS["stop_reason"]),
         pa.field("error", pa.string()),  # null unless finish_reason == "error"
-    ])
+        pa.field("logprobs", OPTIONAL_COLUMNS["logprobs"]),
+        pa.field("top_logprobs", OPTIONAL_COLUMNS["top_logprobs"]),
+    ]
+    fields = [f for f in fields if f.name not in OPTIONAL_COLUMNS or f.name in optional]
+    return pa.schema(fields + [pa.field(name, t) for name, t in passthrough])
 
 
 def part_name(unit: int) -> str:

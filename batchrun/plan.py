@@ -58,6 +58,7 @@ class Plan:
     row_index: np.ndarray  # int64 [total_rows], unit order
     fingerprint: str = ""
     file_ids: list = field(default_factory=list)  # per file [size, mtime_ns, digest] when planned/run
+    passthrough_columns: list = field(default_factory=list)  # input columns copied into the output
 
     @property
     def total_rows(self) -> int:
@@ -129,7 +130,7 @@ def make_plan(spec: JobSpec, files: list[str] | None = None, root: str | None = 
     if files is None:
         files, root = find_input_files(inp)
     if schema is None:
-        schema = check_schemas(files, inp)
+        schema = check_schemas(files, inp, spec.sampling.overrides)
     columns = [c for c in (inp.id_column, inp.adapter_column) if c]
 
     # Global shard codes: 0 = base, 1..k = configured adapters (job order), then unknown names.
@@ -182,6 +183,7 @@ def make_plan(spec: JobSpec, files: list[str] | None = None, root: str | None = 
         file_rows=[int(n) for n in file_rows],
         id_type="int64" if schema.id_type == pa.int64() else "string",
         override_columns=list(schema.override_columns),
+        passthrough_columns=[name for name, _ in schema.passthrough],
         units=units,
         row_file=file_idx[order],
         row_index=row_idx[order],

@@ -75,13 +75,17 @@ def load_tokenizer(spec: JobSpec):
     if spec.input.messages_column and not getattr(tok, "chat_template", None):
         raise ConfigError(f"input.messages_column: the tokenizer in {spec.model} has no chat template; "
                           "use prompt_column with preformatted text instead")
+    if spec.input.system_prompt is not None and not getattr(tok, "chat_template", None):
+        raise ConfigError(f"input.system_prompt: the tokenizer in {spec.model} has no chat template to render "
+                          "it with; remove system_prompt, or write it into the prompts")
     return tok
 
 
 def token_counter(spec: JobSpec):
     """What counts prompt tokens before the engine exists (token_count.py: no transformers for
     plain-text prompts with a tokenizer.json)."""
-    return load_counter(spec.model, bool(spec.input.messages_column), lambda: load_tokenizer(spec))
+    from batchrun.prompts import uses_chat_template
+    return load_counter(spec.model, uses_chat_template(spec.input), lambda: load_tokenizer(spec))
 
 
 def check_output_writable(out: OutputDir) -> None:
@@ -95,12 +99,26 @@ def check_output_writable(out: OutputDir) -> None:
         raise ConfigError(f"output.path: cannot write to {out.path}: {e.strerror or e}") from None
 
 
+def check_structured(spec: JobSpec, model_config) -> None:
+    """response_format: xgrammar is installed, and the job-level format compiles (imports torch:
+    only jobs that ask for structured output pay for it here)."""
+    from batchrun.engine.grammar import _xgrammar, check_response_format
+    _xgrammar()
+    if spec.sampling.response_format is not None:
+        tok = load_tokenizer(spec)
+        eos = set(model_config.eos_token_ids) | ({tok.eos_token_id} if tok.eos_token_id is not None else set())
+        check_response_format(spec.sampling.response_format, tok, model_config.vocab_size, eos)
+
+
 def validate(spec: JobSpec) -> tuple[list[str], str, object, object]:
     """All pre-load checks; returns (files, root, input schema, model config)."""
     files, root = find_input_files(spec.input)
-    schema = check_schemas(files, spec.input)
+    schema = check_schemas(files, spec.input, spec.sampling.overrides)
     model_config = check_model_and_adapters(spec)
-    token_counter(spec)  # a broken tokenizer or missing chat template fails before the weights load
+    if not spec.input.prompt_token_ids_column:  # token-id prompts need no tokenizer
+        token_counter(spec)  # a broken tokenizer or missing chat template fails before the weights load
+    if spec.sampling.response_format is not None or "response_format" in schema.override_columns:
+        check_structured(spec, model_config)
     check_output_path(spec, files)
     return files, root, schema, model_config
 

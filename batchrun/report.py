@@ -10,12 +10,14 @@ import pyarrow.parquet as pq
 from batchrun.commit import check_part, committed_units, read_commits, uncommitted_parts
 from batchrun.errors import ConfigError
 from batchrun.inputs import INVALID, InvalidText, RowReader, column_values
-from batchrun.job import JobSpec
+from batchrun.job import JobSpec, sampling_summary
 from batchrun.lock import is_locked
 from batchrun.output import OutputDir
 from batchrun.output_path import check_unowned_dir
 from batchrun.plan import Plan, assign_tasks, engine_groups, group_rows, make_plan
 from batchrun.prepare import token_counter, validate
+from batchrun.prompts import chat_messages
+from batchrun.rows import _sampling
 
 
 def _shard_name(adapter: str | None, known: bool) -> str:
@@ -39,7 +41,8 @@ def plan_report(spec: JobSpec, num_tasks: int, count_tokens: bool = True) -> str
              f"model:    {spec.model}",
              f"adapters: {', '.join(f'{k} ({v})' for k, v in spec.adapters.items()) or 'none'}",
              f"input:    {len(files)} file(s), {plan.total_rows} rows",
-             f"output:   {spec.output.path}", ""]
+             f"output:   {spec.output.path}"]
+    lines += sampling_summary(spec.sampling, plan.override_columns) + [""]
     tokens, bad = (_prompt_tokens(spec, plan) if count_tokens else ({}, {}))
     shards = plan.shards()
     rows = []
@@ -80,8 +83,8 @@ def _batches(plan: Plan, spec: JobSpec) -> list[list]:
 
 def _prompt_tokens(spec: JobSpec, plan: Plan) -> tuple[dict, dict]:
     """Prompt tokens and predictable error rows per shard (tokenizer only, file by file)."""
-    tok = token_counter(spec)
     inp = spec.input
+    tok = None if inp.prompt_token_ids_column else token_counter(spec)
     shard_keys = list(dict.fromkeys((u.adapter, u.known) for u in plan.units))
     code_of = {k: i for i, k in enumerate(shard_keys)}
     # shard code of every row, per file (the plan stores rows in unit order)
@@ -92,16 +95,18 @@ def _prompt_tokens(spec: JobSpec, plan: Plan) -> tuple[dict, dict]:
             per_file[fi][ri[rf == fi]] = code_of[(u.adapter, u.known)]
     tokens = np.zeros(len(shard_keys), dtype=np.int64)
     bad = np.zeros(len(shard_keys), dtype=np.int64)
-    col = inp.prompt_column or inp.messages_column
-    extra = ["max_tokens"] if "max_tokens" in plan.override_columns else []
+    col = inp.prompt_column or inp.messages_column or inp.prompt_token_ids_column
+    extra = [c for c in plan.override_columns if c != col]
     for fi, path in enumerate(plan.files):
         start = 0
         for batch in pq.ParquetFile(path).iter_batches(batch_size=4096, columns=[col] + extra):
             values = column_values(batch.column(col))  # invalid UTF-8: error rows, as in build_unit
-            mts = batch.column("max_tokens").to_pylist() if extra else [None] * len(values)
+            overrides = {c: column_values(batch.column(c)) for c in extra}
             codes = per_file[fi][start:start + len(values)]
             start += len(values)
-            if inp.prompt_column:
+            if inp.prompt_token_ids_column:
+                lens = {i: len(v) for i, v in enumerate(values) if v and None not in v}
+            elif inp.prompt_column and inp.system_prompt is None:
                 ok = [i for i, v in enumerate(values)
                       if v is not None and not isinstance(v, InvalidText) and v.strip()]
                 lens = dict(zip(ok, tok.lengths([values[i] for i in ok])))
@@ -109,17 +114,21 @@ def _prompt_tokens(spec: JobSpec, plan: Plan) -> tuple[dict, dict]:
                 lens = {}
                 for i, v in enumerate(values):
                     try:
-                        if not v or v is INVALID:
+                        if not v or v is INVALID or isinstance(v, InvalidText) or (isinstance(v, str) and not v.strip()):
                             continue
-                        lens[i] = tok.chat_length(v)
+                        msgs = chat_messages(inp, prompt=v) if isinstance(v, str) else chat_messages(inp, messages=v)
+                        lens[i] = tok.chat_length(msgs, **inp.chat_template_kwargs)
                     except Exception:
                         pass
                 lens = {i: n for i, n in lens.items() if n}
             for i in range(len(values)):
                 c = codes[i]
                 n = lens.get(i)
-                mt = mts[i] if mts[i] is not None else spec.sampling.max_tokens
-                if n is None or n + mt > spec.engine.max_model_len:
+                try:  # a bad override is an error row at run time too (rows._sampling decides both)
+                    mt = _sampling(spec, overrides, i, None, extra).max_tokens if extra else spec.sampling.max_tokens
+                except (ValueError, TypeError):
+                    mt = None
+                if n is None or mt is None or n + mt > spec.engine.max_model_len:
                     bad[c] += 1
                 if n:
                     tokens[c] += n

@@ -26,7 +26,7 @@ from batchrun.output import OutputDir
 from batchrun.plan import Unit, engine_groups, group_rows, task_units
 from batchrun.progress import Progress
 from batchrun.prepare import Prepared, prepare
-from batchrun.rows import UnitWork, build_unit, input_columns, unit_table
+from batchrun.rows import UnitWork, arrow_columns, build_unit, input_columns, unit_table
 
 
 class RowFailure(Exception):
@@ -229,7 +229,7 @@ class TaskRunner:
 
     def _run_units(self, engine, todo: list[Unit]) -> None:
         spec = self.spec
-        reader = RowReader(self.plan.files, input_columns(spec, self.plan))
+        reader = RowReader(self.plan.files, input_columns(spec, self.plan), arrow_columns=arrow_columns(self.plan))
         cap = group_rows(spec.engine.max_num_seqs)
         max_len = getattr(engine, "max_model_len", spec.engine.max_model_len)
         if self.mode != "none":

@@ -41,8 +41,8 @@ class HFCounter:
     def lengths(self, texts: list[str]) -> list[int]:
         return [len(ids) for ids in self.tok(texts)["input_ids"]] if texts else []
 
-    def chat_length(self, messages) -> int:
-        out = self.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    def chat_length(self, messages, **template_kwargs) -> int:
+        out = self.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **template_kwargs)
         return len(out["input_ids"] if hasattr(out, "keys") else out)
 
 

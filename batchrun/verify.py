@@ -29,6 +29,9 @@ def verify(out_path: str) -> tuple[str, bool]:
         if why is None:
             try:
                 table = pq.read_table(out.part(unit), columns=["id"])
+                if "sample_index" in pq.read_schema(out.part(unit)).names:  # sampling.n > 1: count sample 0
+                    si = pq.read_table(out.part(unit), columns=["sample_index"]).column("sample_index")
+                    table = table.filter(pc.equal(si, 0))
             except (OSError, pa.ArrowException) as e:
                 why = f"{os.path.basename(out.part(unit))} cannot be parsed ({e})"
             else:

@@ -17,7 +17,8 @@ from batchrun.engine.block_manager import BlockManager
 from batchrun.engine.kv_sizing import check_one_sequence_fits, num_kv_blocks
 from batchrun.engine.model_runner import ModelRunner
 from batchrun.engine.request import Request, Result
-from batchrun.engine.sampler import sample
+from batchrun.engine.sampler import RowState, sample
+from batchrun.engine.stop import stop_string_in_tail, truncate_at_stop
 from batchrun.engine.scheduler import Scheduler
 from batchrun.engine.sequence import Sequence
 from batchrun.errors import ConfigError
@@ -139,6 +140,15 @@ class Engine:
         if len(ids) + sp.max_tokens > self.max_model_len:
             return (f"prompt ({len(ids)} tokens) + max_tokens ({sp.max_tokens}) exceeds "
                     f"max_model_len ({self.max_model_len})")
+        if sp.stop and self.tokenizer is None:
+            return "sampling.stop (stop strings) needs a tokenizer, and this model directory has none"
+        if sp.response_format is not None:
+            if self.tokenizer is None:
+                return "sampling.response_format needs a tokenizer, and this model directory has none"
+            try:
+                self._grammar_engine().compile(sp.response_format)
+            except ValueError as e:
+                return str(e)
         if req.adapter:
             if self.lora is None:
                 return f"adapter {req.adapter!r} requested but LoRA is not enabled in this engine"
@@ -195,10 +205,23 @@ class Engine:
             seqs = batch.seqs
         if not seqs:
             return []
-        tokens = sample(logits, [s.sampling for s in seqs], [s.generator for s in seqs])
+        constrained = [i for i, s in enumerate(seqs) if s.sampling.response_format is not None]
+        if constrained:  # only rows with a response_format pay for the grammar mask
+            g = self._grammar_engine()
+            for i in constrained:
+                if seqs[i].grammar is None:
+                    seqs[i].grammar = g.matcher(seqs[i].sampling.response_format)
+            logits = g.mask(logits, constrained, [seqs[i].grammar for i in constrained])
+        out = sample(logits, [RowState(s.sampling, s.generator.initial_seed() if s.generator else 0,
+                                       s.token_ids, s.prompt_len) for s in seqs], self.eos_ids)
         finished = []
-        for seq, tok in zip(seqs, tokens):
+        for seq, tok, lp, top in zip(seqs, out.tokens, out.logprobs, out.top_logprobs):
             seq.token_ids.append(tok)
+            if seq.grammar is not None:
+                seq.grammar.accept_token(tok)
+            if lp is not None:
+                seq.logprobs.append(lp)
+                seq.top_logprobs.append(top)
             reason = self._stop_reason(seq, tok)
             if reason:
                 sched.finish(seq, reason)
@@ -207,15 +230,41 @@ class Engine:
 
     def _stop_reason(self, seq: Sequence, tok: int) -> str | None:
         sp = seq.sampling
-        if (tok in self.eos_ids and not sp.ignore_eos) or tok in sp.stop_token_ids:
+        if seq.grammar is not None and seq.grammar.is_terminated():
             return "stop"
+        if seq.num_output >= sp.min_tokens:  # vLLM: nothing stops a row short of min_tokens
+            if tok in sp.stop_token_ids:
+                seq.stop_reason = tok
+                return "stop"
+            if tok in self.eos_ids and not sp.ignore_eos:
+                return "stop"
+            if sp.stop:
+                hit = stop_string_in_tail(self.tokenizer, seq.output_ids, sp.stop)
+                if hit is not None:
+                    seq.stop_reason = hit
+                    return "stop"
         if seq.num_output >= sp.max_tokens or seq.num_tokens >= self.max_model_len:
             return "length"
         return None
 
+    def _grammar_engine(self):
+        """The xgrammar compiler for this tokenizer, made on first use (jobs without
+        response_format never import xgrammar)."""
+        if getattr(self, "_grammars", None) is None:
+            from batchrun.engine.grammar import Grammars
+            self._grammars = Grammars(self.tokenizer, self.model.config.vocab_size, self.eos_ids)
+        return self._grammars
+
     def _result(self, seq: Sequence) -> Result:
         out = seq.output_ids
         text = None
+        sp = seq.sampling
+        stop_reason = seq.stop_reason
         if self.tokenizer is not None:
             text = self.tokenizer.decode(out, skip_special_tokens=True)
-        return Result(seq.request_id, seq.adapter, seq.prompt_len, out, text, seq.finish_reason)
+            if isinstance(stop_reason, str):
+                text, stop_reason = truncate_at_stop(text, sp.stop, sp.include_stop_str_in_output, stop_reason)
+        lp = seq.logprobs if sp.logprobs is not None else None
+        top = seq.top_logprobs if sp.logprobs is not None else None
+        return Result(seq.request_id, seq.adapter, seq.prompt_len, out, text, seq.finish_reason,
+                      stop_reason=stop_reason, logprobs=lp, top_logprobs=top)

@@ -24,6 +24,9 @@ class Result:
     output_text: str | None
     finish_reason: str  # "stop" | "length" | "error"
     error: str | None = None
+    stop_reason: str | int | None = None  # the matched stop string or stop token id (not EOS)
+    logprobs: list[float] | None = None  # sampling.logprobs set: each output token's logprob
+    top_logprobs: list[list[tuple[int, float]]] | None = None  # and the top k (token id, logprob)
 
     @property
     def output_tokens(self) -> int:

@@ -1,45 +1,200 @@
-"""Turn fp32 logits into next tokens: greedy, temperature, top-k, top-p, per-row seeds.
+"""Turn fp32 logits into next tokens, the whole batch in tensor ops.
 
-Sampled rows use the Gumbel-max form (argmax of probs / Exp(1) noise) with noise drawn from the
-row's own generator, so a row's tokens depend only on its seed and its own logits, never on
-which rows share the batch.
+Order (vLLM's): logprobs of the raw logits -> min_tokens mask -> penalties -> greedy argmax, or
+temperature -> top-k / top-p -> Gumbel-max draw. Greedy rows are exactly the argmax of the
+(penalised) logits.
+
+Sampled rows use the Gumbel-max form (argmax of probs / Exp(1) noise). The noise is counter
+based: splitmix64 of (row seed, output position, token id), so a row's tokens depend only on
+its seed, its position and its own logits: never on batch-mates, on preemption, or on whether
+the run was resumed or split into tasks. No per-row Python loop touches the vocabulary; the
+full-vocabulary sort runs only for the rows that set top_p < 1.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from batchrun.config import SamplingParams
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams],
-           generators: list[torch.Generator | None]) -> list[int]:
+@dataclass
+class RowState:
+    """What the sampler needs of one sequence."""
+    params: SamplingParams
+    seed: int  # unused by greedy rows
+    token_ids: list[int]  # prompt + output so far (only read for penalties)
+    prompt_len: int
+
+    @property
+    def num_output(self) -> int:
+        return len(self.token_ids) - self.prompt_len
+
+
+@dataclass
+class SampleOutput:
+    tokens: list[int]
+    logprobs: list[float | None]  # per row; None where the row did not ask for logprobs
+    top_logprobs: list[list[tuple[int, float]] | None]
+
+
+def sample(logits: torch.Tensor, rows: list[RowState], eos_ids=()) -> SampleOutput:
     # logits: [N, V] fp32, one row per sequence to sample
+    n, vocab = logits.shape
+    dev = logits.device
+    want = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+    raw_lp = logits[want].float().log_softmax(dim=-1) if want else None
+
+    logits = _mask_min_tokens(logits, rows, eos_ids)
+    logits = _apply_penalties(logits, rows)
     tokens = logits.argmax(dim=-1)
-    sampled = [i for i, p in enumerate(params) if not p.greedy]
+    sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
     if sampled:
-        idx = torch.tensor(sampled, device=logits.device)
-        probs = _filtered_probs(logits[idx], [params[i] for i in sampled])
-        for row, i in enumerate(sampled):
-            noise = torch.empty_like(probs[row]).exponential_(generator=generators[i])
-            tokens[i] = (probs[row] / noise).argmax()
-    return tokens.tolist()
+        idx = torch.tensor(sampled, device=dev)
+        params = [rows[i].params for i in sampled]
+        probs = _filtered_probs(logits[idx], params)
+        seeds = torch.tensor([rows[i].seed for i in sampled], device=dev, dtype=torch.int64)
+        steps = torch.tensor([rows[i].num_output for i in sampled], device=dev, dtype=torch.int64)
+        noise = exponential_noise(seeds, steps, vocab)
+        tokens[idx] = (probs.double() / noise).argmax(dim=-1)
+    token_list = tokens.tolist()
+
+    logprobs: list[float | None] = [None] * n
+    top: list[list[tuple[int, float]] | None] = [None] * n
+    if want:
+        chosen = torch.tensor([token_list[i] for i in want], device=dev)
+        picked = raw_lp.gather(1, chosen[:, None])[:, 0].tolist()
+        k_max = max(rows[i].params.logprobs for i in want)
+        if k_max:
+            top_v, top_i = raw_lp.topk(min(k_max, vocab), dim=-1)
+            top_v, top_i = top_v.tolist(), top_i.tolist()
+        for j, i in enumerate(want):
+            k = rows[i].params.logprobs
+            logprobs[i] = picked[j]
+            top[i] = list(zip(top_i[j][:k], top_v[j][:k])) if k else []
+    return SampleOutput(token_list, logprobs, top)
+
+
+def _mask_min_tokens(logits: torch.Tensor, rows: list[RowState], eos_ids) -> torch.Tensor:
+    """Rows short of min_tokens cannot pick EOS (unless ignore_eos) or a stop_token_id."""
+    row_idx, tok_idx = [], []
+    vocab = logits.shape[-1]
+    for i, r in enumerate(rows):
+        p = r.params
+        if p.min_tokens and r.num_output < p.min_tokens:
+            banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_ids))
+            banned = [t for t in banned if 0 <= t < vocab]
+            row_idx += [i] * len(banned)
+            tok_idx += banned
+    if not row_idx:
+        return logits
+    logits = logits.clone()
+    dev = logits.device
+    logits[torch.tensor(row_idx, device=dev), torch.tensor(tok_idx, device=dev)] = float("-inf")
+    return logits
+
+
+def _apply_penalties(logits: torch.Tensor, rows: list[RowState]) -> torch.Tensor:
+    """vLLM's presence/frequency penalties (output tokens) and repetition penalty (prompt + output)."""
+    pen = [i for i, r in enumerate(rows) if r.params.penalized]
+    if not pen:
+        return logits
+    dev, vocab = logits.device, logits.shape[-1]
+    out_counts = _counts([rows[i].token_ids[rows[i].prompt_len:] for i in pen], vocab, dev)
+    prompt_seen = _counts([rows[i].token_ids[:rows[i].prompt_len] for i in pen], vocab, dev) > 0
+    seen = prompt_seen | (out_counts > 0)
+    idx = torch.tensor(pen, device=dev)
+    sub = logits[idx]
+    rep = torch.tensor([rows[i].params.repetition_penalty for i in pen], device=dev, dtype=sub.dtype)[:, None]
+    sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
+    freq = torch.tensor([rows[i].params.frequency_penalty for i in pen], device=dev, dtype=sub.dtype)[:, None]
+    pres = torch.tensor([rows[i].params.presence_penalty for i in pen], device=dev, dtype=sub.dtype)[:, None]
+    sub = sub - freq * out_counts.to(sub.dtype) - pres * (out_counts > 0).to(sub.dtype)
+    logits = logits.clone()
+    logits[idx] = sub
+    return logits
+
+
+def _counts(seqs: list[list[int]], vocab: int, dev) -> torch.Tensor:
+    """[len(seqs), vocab] int32: how often each token occurs in each list."""
+    counts = torch.zeros(len(seqs), vocab + 1, dtype=torch.int32, device=dev)
+    width = max((len(s) for s in seqs), default=0)
+    if width:
+        pad = torch.full((len(seqs), width), vocab, dtype=torch.int64)  # column `vocab` = padding
+        for i, s in enumerate(seqs):
+            pad[i, :len(s)] = torch.tensor(s, dtype=torch.int64)
+        counts.scatter_add_(1, pad.to(dev), torch.ones_like(pad, dtype=torch.int32, device=dev))
+    return counts[:, :vocab]
 
 
 def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     # logits: [M, V] -> probabilities after temperature, top-k and top-p
     dev = logits.device
+    vocab = logits.shape[-1]
     temp = torch.tensor([p.temperature for p in params], device=dev, dtype=logits.dtype)
     logits = logits / temp[:, None]
+    ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+    nucleus = [i for i, p in enumerate(params) if p.top_p < 1]
+    only_k = [i for i, p in enumerate(params) if p.top_p >= 1 and ks[i] < vocab]
+    if only_k:  # top-k alone: a threshold from topk, no sort of the whole vocabulary
+        idx = torch.tensor(only_k, device=dev)
+        sub = logits[idx]
+        k = torch.tensor([ks[i] for i in only_k], device=dev)
+        top_vals = sub.topk(int(k.max()), dim=-1).values
+        thresh = top_vals.gather(1, (k - 1)[:, None])
+        logits[idx] = sub.masked_fill(sub < thresh, float("-inf"))
+    if nucleus:
+        idx = torch.tensor(nucleus, device=dev)
+        top_k = torch.tensor([ks[i] for i in nucleus], device=dev)
+        top_p = torch.tensor([params[i].top_p for i in nucleus], device=dev, dtype=logits.dtype)
+        logits[idx] = _top_k_top_p_sorted(logits[idx], top_k, top_p)
+    return logits.softmax(dim=-1)
+
+
+def _top_k_top_p_sorted(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     vocab = logits.shape[-1]
-    top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device=dev)
-    top_p = torch.tensor([p.top_p for p in params], device=dev, dtype=logits.dtype)
     sorted_logits, order = logits.sort(dim=-1, descending=True)
-    ranks = torch.arange(vocab, device=dev)[None, :]
+    ranks = torch.arange(vocab, device=logits.device)[None, :]
     drop = ranks >= top_k[:, None]
     sorted_probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
     # top-p: keep the smallest prefix whose mass reaches p (the top token always stays)
     before = sorted_probs.cumsum(dim=-1) - sorted_probs
     drop |= before >= top_p[:, None]
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    filtered = torch.empty_like(logits).scatter_(-1, order, sorted_logits)
-    return filtered.softmax(dim=-1)
+    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+
+# ---- counter-based Exp(1) noise --------------------------------------------------------------
+
+def _u64(c: int) -> int:
+    """A 64-bit constant as the signed int64 torch stores."""
+    return c - (1 << 64) if c >= 1 << 63 else c
+
+
+_GOLDEN = _u64(0x9E3779B97F4A7C15)
+_M1 = _u64(0xBF58476D1CE4E5B9)
+_M2 = _u64(0x94D049BB133111EB)
+_STEP = _u64(0xD1B54A32D192ED03)
+_SEED = _u64(0xA24BAED4963EE407)
+
+
+def _shr(x: torch.Tensor, k: int) -> torch.Tensor:
+    """Logical right shift of int64 (torch's >> is arithmetic)."""
+    return (x >> k) & ((1 << (64 - k)) - 1)
+
+
+def exponential_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[M, vocab] float64 Exp(1) draws, a pure function of (seed, step, token id).
+
+    splitmix64 over a counter; int64 multiplication wraps modulo 2**64 in torch, which is the
+    arithmetic splitmix64 needs.
+    """
+    tok = torch.arange(vocab, device=seeds.device, dtype=torch.int64)[None, :]
+    x = seeds[:, None] * _SEED + steps[:, None] * _STEP + tok
+    z = x + _GOLDEN
+    z = (z ^ _shr(z, 30)) * _M1
+    z = (z ^ _shr(z, 27)) * _M2
+    z = z ^ _shr(z, 31)
+    u = (_shr(z, 11).double() + 0.5) * (2.0 ** -53)  # in (0, 1)
+    return -torch.log(u)

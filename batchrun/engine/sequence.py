@@ -30,6 +30,10 @@ class Sequence:
         self.lora_slot = -1
         self.generator = generator  # per-row RNG: sampled tokens independent of batch-mates
         self.num_preemptions = 0
+        self.stop_reason: str | int | None = None  # the stop string or stop token id that ended it
+        self.logprobs: list[float] = []  # sampling.logprobs: each output token's logprob ...
+        self.top_logprobs: list[list[tuple[int, float]]] = []  # ... and the top k (id, logprob)
+        self.grammar = None  # sampling.response_format: this row's xgrammar matcher (engine/grammar.py)
 
     @property
     def num_tokens(self) -> int:
