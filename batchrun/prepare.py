@@ -65,23 +65,16 @@ def check_model_and_adapters(spec: JobSpec) -> object:
     return model_config
 
 
-def load_tokenizer(spec: JobSpec):
-    """The model directory's tokenizer (no weights); checks a chat template exists if needed."""
-    from transformers import AutoTokenizer
-    try:
-        tok = AutoTokenizer.from_pretrained(spec.model)
-    except Exception as e:  # transformers raises many types for a broken/missing tokenizer
-        raise ConfigError(f"model: cannot load the tokenizer from {spec.model}: {e}") from None
-    if spec.input.messages_column and not getattr(tok, "chat_template", None):
+def token_counter(spec: JobSpec, use_transformers: bool = False):
+    """What counts prompt tokens as the engine will (token_count.py). ``use_transformers``: a run,
+    which loads transformers' tokenizer for the engine anyway (token_count.load_tokenizer loads
+    it once per process); `plan` needs no transformers for plain-text prompts. Checks that a chat
+    template exists if the job needs one."""
+    counter = load_counter(spec.model, bool(spec.input.messages_column), use_transformers)
+    if spec.input.messages_column and not getattr(counter.hf, "chat_template", None):
         raise ConfigError(f"input.messages_column: the tokenizer in {spec.model} has no chat template; "
                           "use prompt_column with preformatted text instead")
-    return tok
-
-
-def token_counter(spec: JobSpec):
-    """What counts prompt tokens before the engine exists (token_count.py: no transformers for
-    plain-text prompts with a tokenizer.json)."""
-    return load_counter(spec.model, bool(spec.input.messages_column), lambda: load_tokenizer(spec))
+    return counter
 
 
 def check_output_writable(out: OutputDir) -> None:
@@ -95,12 +88,13 @@ def check_output_writable(out: OutputDir) -> None:
         raise ConfigError(f"output.path: cannot write to {out.path}: {e.strerror or e}") from None
 
 
-def validate(spec: JobSpec) -> tuple[list[str], str, object, object]:
-    """All pre-load checks; returns (files, root, input schema, model config)."""
+def validate(spec: JobSpec, for_run: bool = False) -> tuple[list[str], str, object, object]:
+    """All pre-load checks; returns (files, root, input schema, model config). ``for_run``: load
+    the engine's (transformers) tokenizer now, so the run loads it once."""
     files, root = find_input_files(spec.input)
     schema = check_schemas(files, spec.input)
     model_config = check_model_and_adapters(spec)
-    token_counter(spec)  # a broken tokenizer or missing chat template fails before the weights load
+    token_counter(spec, for_run)  # a broken tokenizer or missing chat template fails before the weights load
     check_output_path(spec, files)
     return files, root, schema, model_config
 
@@ -115,7 +109,7 @@ def prepare(spec: JobSpec, restart: bool = False, log=None, restart_token: str |
 
     Runs under the output dir's manifest lock so concurrent array tasks agree on one plan.
     """
-    files, root, schema, model_config = validate(spec)
+    files, root, schema, model_config = validate(spec, for_run=True)
     out = OutputDir(spec.output.path)
     names = [os.path.relpath(f, root) for f in files]
     pins = [identity(f) for f in files]  # each input read once: its digest serves the fingerprint too
@@ -222,4 +216,4 @@ def _read_manifest(out: OutputDir) -> dict | None:
     return manifest
 
 
-__all__ = ["JobChanged", "Prepared", "prepare", "validate", "load_tokenizer", "token_counter", "check_output_writable", "META"]
+__all__ = ["JobChanged", "Prepared", "prepare", "validate", "token_counter", "check_output_writable", "META"]

@@ -5,6 +5,8 @@ import json
 import os
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from batchrun.commit import check_part, committed_units, read_commits, uncommitted_parts
@@ -79,7 +81,8 @@ def _batches(plan: Plan, spec: JobSpec) -> list[list]:
 
 
 def _prompt_tokens(spec: JobSpec, plan: Plan) -> tuple[dict, dict]:
-    """Prompt tokens and predictable error rows per shard (tokenizer only, file by file)."""
+    """Prompt tokens and predictable error rows per shard (tokenizer only, file by file, in
+    column batches: token_count.py's counts, numpy for the checks, no Python object kept per row)."""
     tok = token_counter(spec)
     inp = spec.input
     shard_keys = list(dict.fromkeys((u.adapter, u.known) for u in plan.units))
@@ -96,34 +99,58 @@ def _prompt_tokens(spec: JobSpec, plan: Plan) -> tuple[dict, dict]:
     extra = ["max_tokens"] if "max_tokens" in plan.override_columns else []
     for fi, path in enumerate(plan.files):
         start = 0
-        for batch in pq.ParquetFile(path).iter_batches(batch_size=4096, columns=[col] + extra):
-            values = column_values(batch.column(col))  # invalid UTF-8: error rows, as in build_unit
-            mts = batch.column("max_tokens").to_pylist() if extra else [None] * len(values)
-            codes = per_file[fi][start:start + len(values)]
-            start += len(values)
+        for batch in pq.ParquetFile(path).iter_batches(batch_size=32768, columns=[col] + extra):
+            n = batch.num_rows
+            codes = per_file[fi][start:start + n]
+            start += n
             if inp.prompt_column:
-                ok = [i for i, v in enumerate(values)
-                      if v is not None and not isinstance(v, InvalidText) and v.strip()]
-                lens = dict(zip(ok, tok.lengths([values[i] for i in ok])))
+                lens = prompt_lengths(tok, batch.column(col))
             else:
-                lens = {}
-                for i, v in enumerate(values):
-                    try:
-                        if not v or v is INVALID:
-                            continue
-                        lens[i] = tok.chat_length(v)
-                    except Exception:
-                        pass
-                lens = {i: n for i, n in lens.items() if n}
-            for i in range(len(values)):
-                c = codes[i]
-                n = lens.get(i)
-                mt = mts[i] if mts[i] is not None else spec.sampling.max_tokens
-                if n is None or n + mt > spec.engine.max_model_len:
-                    bad[c] += 1
-                if n:
-                    tokens[c] += n
+                lens = chat_lengths(tok, batch.column(col))
+            mt = np.full(n, spec.sampling.max_tokens, dtype=np.float64)
+            if extra:
+                given = batch.column("max_tokens").cast(pa.float64()).to_numpy(zero_copy_only=False)
+                mt = np.where(np.isnan(given), mt, given)
+            is_bad = (lens <= 0) | (lens + mt > spec.engine.max_model_len)
+            bad += np.bincount(codes, weights=is_bad, minlength=len(shard_keys)).astype(np.int64)
+            tokens += np.bincount(codes, weights=np.maximum(lens, 0), minlength=len(shard_keys)).astype(np.int64)
     return ({k: int(tokens[i]) for k, i in code_of.items()}, {k: int(bad[i]) for k, i in code_of.items()})
+
+
+def prompt_lengths(tok, texts) -> np.ndarray:
+    """Tokens of each prompt the engine would run; -1 for the rows rows.build_unit refuses before
+    tokenizing (null, invalid UTF-8, empty or whitespace only, as str.strip() sees it)."""
+    if pa.types.is_null(texts.type):
+        return np.full(len(texts), -1, dtype=np.int64)
+    if isinstance(texts, pa.ChunkedArray):
+        texts = texts.combine_chunks()
+    if pa.types.is_dictionary(texts.type):
+        texts = texts.cast(texts.type.value_type)
+    if pa.types.is_string_view(texts.type):
+        texts = texts.cast(pa.large_string())
+    try:
+        texts.validate(full=True)  # invalid UTF-8 (writers do not all check): those rows are refused
+    except pa.ArrowInvalid:
+        values = column_values(texts)
+        ok = np.array([v is not None and not isinstance(v, InvalidText) for v in values], dtype=bool)
+        texts = pa.array([v if k else None for v, k in zip(values, ok)], pa.large_string())
+    keep = pc.greater(pc.utf8_length(pc.utf8_trim(texts, characters=PY_WHITESPACE)), 0).fill_null(False)
+    keep = np.asarray(keep, dtype=bool)
+    lens = tok.lengths(pc.if_else(keep, texts, pa.scalar(None, texts.type)))
+    return np.where(keep, lens, -1)
+
+
+def chat_lengths(tok, messages) -> np.ndarray:
+    """Tokens of each conversation; -1 for the rows rows.build_unit refuses (invalid UTF-8,
+    null or empty, a null role or content, a failing chat template)."""
+    values = column_values(messages)
+    convs = [v if v and v is not INVALID and all(m and m.get("role") is not None and m.get("content") is not None
+                                                   for m in v) else None for v in values]
+    return tok.chat_lengths(convs)
+
+
+# What str.strip() removes: rows.build_unit refuses a prompt that is only these.
+PY_WHITESPACE = "".join(c for c in map(chr, range(0x3001)) if c.isspace())
 
 
 def load_state(out_path: str) -> tuple[OutputDir, dict, list]:
