@@ -26,7 +26,7 @@ from batchrun.models.checkpoint import inspect_model
 from batchrun.models.config import check_context_length
 from batchrun.output import META, OutputDir
 from batchrun.output_path import check_output_path, check_unowned_dir
-from batchrun.pins import InputPins, identity
+from batchrun.pins import InputPins, Pin, identity
 from batchrun.plan import Plan, make_plan
 from batchrun.token_count import load_counter
 from batchrun.restart import begin_wipe, check_no_active_task, end_wipe, finish_wipe, pending_wipe
@@ -112,7 +112,7 @@ def prepare(spec: JobSpec, restart: bool = False, log=None, restart_token: str |
     files, root, schema, model_config = validate(spec, for_run=True)
     out = OutputDir(spec.output.path)
     names = [os.path.relpath(f, root) for f in files]
-    pins = [identity(f) for f in files]  # each input read once: its digest serves the fingerprint too
+    pins = _pins(out, files)  # each input read at most once: its digest serves the fingerprint too
     parts = job_fingerprint(spec, files, names, list(schema.override_columns), digests=[p.digest for p in pins])
     fp = combine(parts)
     token = restart_token or os.environ.get("SLURM_ARRAY_JOB_ID")  # restart once per token
@@ -122,7 +122,7 @@ def prepare(spec: JobSpec, restart: bool = False, log=None, restart_token: str |
     check_output_writable(out)
 
     meta_lock = TaskLock(os.path.join(out.locks, "manifest.lock"), "planning")
-    _acquire_blocking(meta_lock)
+    _acquire_blocking(meta_lock, out, log or (lambda m: None))
     try:
         file_ids = [[p.size, p.mtime_ns, p.digest] for p in pins]
         plan = _job_state(spec, out, restart, parts, fp, token, files, root, schema, file_ids,
@@ -135,6 +135,29 @@ def prepare(spec: JobSpec, restart: bool = False, log=None, restart_token: str |
         plan.files = list(files)
     plan.file_ids = file_ids
     return Prepared(spec, out, plan, fp, model_config, InputPins(plan.files, pins))
+
+
+def _pins(out: OutputDir, files: list[str]) -> list[Pin]:
+    """Each input's identity. A file the stored plan lists at the same path with the same size
+    and mtime keeps the plan's digest (the rule pins.py applies during a run), so the workers
+    that join a planned output directory stat the inputs instead of reading them again."""
+    known = {}
+    try:
+        with open(os.path.join(out.plan_dir, "plan.json")) as f:
+            meta = json.load(f)
+        known = {path: ids for path, ids in zip(meta["files"], meta.get("file_ids") or [])}
+    except (OSError, ValueError, KeyError, TypeError):
+        pass  # no stored plan (yet), or a damaged one: digest everything
+    pins = []
+    for path in files:
+        ids = known.get(path)
+        if isinstance(ids, list) and len(ids) == 3:
+            st = os.stat(path)
+            if [st.st_size, st.st_mtime_ns] == ids[:2]:
+                pins.append(Pin(st.st_size, st.st_mtime_ns, ids[2]))
+                continue
+        pins.append(identity(path))
+    return pins
 
 
 def _job_state(spec, out, restart, parts, fp, token, files, root, schema, file_ids, log) -> Plan:
@@ -189,15 +212,29 @@ def _job_state(spec, out, restart, parts, fp, token, files, root, schema, file_i
     return plan
 
 
-def _acquire_blocking(lock: TaskLock, timeout: float = 600.0) -> None:
+# How long a worker waits for another to finish planning the same output directory: planning
+# 100M rows takes minutes; a holder that died releases the lock at once (lockf).
+PLAN_WAIT_S = 600.0
+
+
+def _acquire_blocking(lock: TaskLock, out: OutputDir, log, timeout: float | None = None) -> None:
+    """Wait (bounded) for the worker that is planning this output directory; it publishes the
+    plan and the manifest before it lets go, so the waiter then reads them instead of planning."""
+    timeout = PLAN_WAIT_S if timeout is None else timeout
     deadline = time.monotonic() + timeout
+    waiting = False
     while True:
         try:
             lock.acquire()
             return
-        except LockBusy:
+        except LockBusy as e:
+            if not waiting:
+                log(f"another worker is planning {out.path}; waiting for its plan (up to {timeout:g} s)")
+                waiting = True
             if time.monotonic() > deadline:
-                raise
+                raise LockBusy(f"output.path: waited {timeout:g} s for another worker to finish planning "
+                               f"{out.path} and it has not ({e}). If that worker is hung, stop it; "
+                               "then rerun (a finished plan is reused)") from None
             time.sleep(0.2)
 
 
