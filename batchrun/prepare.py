@@ -26,9 +26,9 @@ from batchrun.models.checkpoint import inspect_model
 from batchrun.models.config import check_context_length
 from batchrun.output import META, OutputDir
 from batchrun.output_path import check_output_path, check_unowned_dir
-from batchrun.pins import InputPins, identity
+from batchrun.pins import InputPins, Pin, identity
 from batchrun.plan import Plan, make_plan
-from batchrun.token_count import load_counter
+from batchrun.token_count import load_counter, load_tokenizer
 from batchrun.restart import begin_wipe, check_no_active_task, end_wipe, finish_wipe, pending_wipe
 
 
@@ -65,27 +65,20 @@ def check_model_and_adapters(spec: JobSpec) -> object:
     return model_config
 
 
-def load_tokenizer(spec: JobSpec):
-    """The model directory's tokenizer (no weights); checks a chat template exists if needed."""
-    from transformers import AutoTokenizer
-    try:
-        tok = AutoTokenizer.from_pretrained(spec.model)
-    except Exception as e:  # transformers raises many types for a broken/missing tokenizer
-        raise ConfigError(f"model: cannot load the tokenizer from {spec.model}: {e}") from None
-    if spec.input.messages_column and not getattr(tok, "chat_template", None):
+def token_counter(spec: JobSpec, use_transformers: bool = False):
+    """What counts prompt tokens as the engine will (token_count.py). ``use_transformers``: a run,
+    which loads transformers' tokenizer for the engine anyway (token_count.load_tokenizer loads
+    it once per process); `plan` needs no transformers for plain-text prompts. Checks that a chat
+    template exists if the job needs one."""
+    from batchrun.prompts import uses_chat_template
+    counter = load_counter(spec.model, uses_chat_template(spec.input), use_transformers)
+    if spec.input.messages_column and not getattr(counter.hf, "chat_template", None):
         raise ConfigError(f"input.messages_column: the tokenizer in {spec.model} has no chat template; "
                           "use prompt_column with preformatted text instead")
-    if spec.input.system_prompt is not None and not getattr(tok, "chat_template", None):
+    if spec.input.system_prompt is not None and not getattr(counter.hf, "chat_template", None):
         raise ConfigError(f"input.system_prompt: the tokenizer in {spec.model} has no chat template to render "
                           "it with; remove system_prompt, or write it into the prompts")
-    return tok
-
-
-def token_counter(spec: JobSpec):
-    """What counts prompt tokens before the engine exists (token_count.py: no transformers for
-    plain-text prompts with a tokenizer.json)."""
-    from batchrun.prompts import uses_chat_template
-    return load_counter(spec.model, uses_chat_template(spec.input), lambda: load_tokenizer(spec))
+    return counter
 
 
 def check_output_writable(out: OutputDir) -> None:
@@ -105,18 +98,21 @@ def check_structured(spec: JobSpec, model_config) -> None:
     from batchrun.engine.grammar import _xgrammar, check_response_format
     _xgrammar()
     if spec.sampling.response_format is not None:
-        tok = load_tokenizer(spec)
+        tok = load_tokenizer(spec.model)
+        if tok is None:
+            raise ConfigError(f"sampling.response_format: {spec.model} has no tokenizer to build the grammar from")
         eos = set(model_config.eos_token_ids) | ({tok.eos_token_id} if tok.eos_token_id is not None else set())
         check_response_format(spec.sampling.response_format, tok, model_config.vocab_size, eos)
 
 
-def validate(spec: JobSpec) -> tuple[list[str], str, object, object]:
-    """All pre-load checks; returns (files, root, input schema, model config)."""
+def validate(spec: JobSpec, for_run: bool = False) -> tuple[list[str], str, object, object]:
+    """All pre-load checks; returns (files, root, input schema, model config). ``for_run``: load
+    the engine's (transformers) tokenizer now, so the run loads it once."""
     files, root = find_input_files(spec.input)
     schema = check_schemas(files, spec.input, spec.sampling.overrides)
     model_config = check_model_and_adapters(spec)
     if not spec.input.prompt_token_ids_column:  # token-id prompts need no tokenizer
-        token_counter(spec)  # a broken tokenizer or missing chat template fails before the weights load
+        token_counter(spec, for_run)  # a broken tokenizer or missing chat template fails before the weights load
     if spec.sampling.response_format is not None or "response_format" in schema.override_columns:
         check_structured(spec, model_config)
     check_output_path(spec, files)
@@ -133,10 +129,10 @@ def prepare(spec: JobSpec, restart: bool = False, log=None, restart_token: str |
 
     Runs under the output dir's manifest lock so concurrent array tasks agree on one plan.
     """
-    files, root, schema, model_config = validate(spec)
+    files, root, schema, model_config = validate(spec, for_run=True)
     out = OutputDir(spec.output.path)
     names = [os.path.relpath(f, root) for f in files]
-    pins = [identity(f) for f in files]  # each input read once: its digest serves the fingerprint too
+    pins = _pins(out, files)  # each input read at most once: its digest serves the fingerprint too
     parts = job_fingerprint(spec, files, names, list(schema.override_columns), digests=[p.digest for p in pins])
     fp = combine(parts)
     token = restart_token or os.environ.get("SLURM_ARRAY_JOB_ID")  # restart once per token
@@ -146,7 +142,7 @@ def prepare(spec: JobSpec, restart: bool = False, log=None, restart_token: str |
     check_output_writable(out)
 
     meta_lock = TaskLock(os.path.join(out.locks, "manifest.lock"), "planning")
-    _acquire_blocking(meta_lock)
+    _acquire_blocking(meta_lock, out, log or (lambda m: None))
     try:
         file_ids = [[p.size, p.mtime_ns, p.digest] for p in pins]
         plan = _job_state(spec, out, restart, parts, fp, token, files, root, schema, file_ids,
@@ -159,6 +155,29 @@ def prepare(spec: JobSpec, restart: bool = False, log=None, restart_token: str |
         plan.files = list(files)
     plan.file_ids = file_ids
     return Prepared(spec, out, plan, fp, model_config, InputPins(plan.files, pins))
+
+
+def _pins(out: OutputDir, files: list[str]) -> list[Pin]:
+    """Each input's identity. A file the stored plan lists at the same path with the same size
+    and mtime keeps the plan's digest (the rule pins.py applies during a run), so the workers
+    that join a planned output directory stat the inputs instead of reading them again."""
+    known = {}
+    try:
+        with open(os.path.join(out.plan_dir, "plan.json")) as f:
+            meta = json.load(f)
+        known = {path: ids for path, ids in zip(meta["files"], meta.get("file_ids") or [])}
+    except (OSError, ValueError, KeyError, TypeError):
+        pass  # no stored plan (yet), or a damaged one: digest everything
+    pins = []
+    for path in files:
+        ids = known.get(path)
+        if isinstance(ids, list) and len(ids) == 3:
+            st = os.stat(path)
+            if [st.st_size, st.st_mtime_ns] == ids[:2]:
+                pins.append(Pin(st.st_size, st.st_mtime_ns, ids[2]))
+                continue
+        pins.append(identity(path))
+    return pins
 
 
 def _job_state(spec, out, restart, parts, fp, token, files, root, schema, file_ids, log) -> Plan:
@@ -213,15 +232,29 @@ def _job_state(spec, out, restart, parts, fp, token, files, root, schema, file_i
     return plan
 
 
-def _acquire_blocking(lock: TaskLock, timeout: float = 600.0) -> None:
+# How long a worker waits for another to finish planning the same output directory: planning
+# 100M rows takes minutes; a holder that died releases the lock at once (lockf).
+PLAN_WAIT_S = 600.0
+
+
+def _acquire_blocking(lock: TaskLock, out: OutputDir, log, timeout: float | None = None) -> None:
+    """Wait (bounded) for the worker that is planning this output directory; it publishes the
+    plan and the manifest before it lets go, so the waiter then reads them instead of planning."""
+    timeout = PLAN_WAIT_S if timeout is None else timeout
     deadline = time.monotonic() + timeout
+    waiting = False
     while True:
         try:
             lock.acquire()
             return
-        except LockBusy:
+        except LockBusy as e:
+            if not waiting:
+                log(f"another worker is planning {out.path}; waiting for its plan (up to {timeout:g} s)")
+                waiting = True
             if time.monotonic() > deadline:
-                raise
+                raise LockBusy(f"output.path: waited {timeout:g} s for another worker to finish planning "
+                               f"{out.path} and it has not ({e}). If that worker is hung, stop it; "
+                               "then rerun (a finished plan is reused)") from None
             time.sleep(0.2)
 
 
@@ -240,4 +273,4 @@ def _read_manifest(out: OutputDir) -> dict | None:
     return manifest
 
 
-__all__ = ["JobChanged", "Prepared", "prepare", "validate", "load_tokenizer", "token_counter", "check_output_writable", "META"]
+__all__ = ["JobChanged", "Prepared", "prepare", "validate", "token_counter", "check_output_writable", "META"]

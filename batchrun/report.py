@@ -5,6 +5,8 @@ import json
 import os
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from batchrun.commit import check_part, committed_units, read_commits, uncommitted_parts
@@ -82,7 +84,8 @@ def _batches(plan: Plan, spec: JobSpec) -> list[list]:
 
 
 def _prompt_tokens(spec: JobSpec, plan: Plan) -> tuple[dict, dict]:
-    """Prompt tokens and predictable error rows per shard (tokenizer only, file by file)."""
+    """Prompt tokens and predictable error rows per shard (tokenizer only, file by file, in
+    column batches: token_count.py's counts, numpy for the checks, no Python object kept per row)."""
     inp = spec.input
     tok = None if inp.prompt_token_ids_column else token_counter(spec)
     shard_keys = list(dict.fromkeys((u.adapter, u.known) for u in plan.units))
@@ -99,40 +102,82 @@ def _prompt_tokens(spec: JobSpec, plan: Plan) -> tuple[dict, dict]:
     extra = [c for c in plan.override_columns if c != col]
     for fi, path in enumerate(plan.files):
         start = 0
-        for batch in pq.ParquetFile(path).iter_batches(batch_size=4096, columns=[col] + extra):
-            values = column_values(batch.column(col))  # invalid UTF-8: error rows, as in build_unit
-            overrides = {c: column_values(batch.column(c)) for c in extra}
-            codes = per_file[fi][start:start + len(values)]
-            start += len(values)
-            if inp.prompt_token_ids_column:
-                lens = {i: len(v) for i, v in enumerate(values) if v and None not in v}
-            elif inp.prompt_column and inp.system_prompt is None:
-                ok = [i for i, v in enumerate(values)
-                      if v is not None and not isinstance(v, InvalidText) and v.strip()]
-                lens = dict(zip(ok, tok.lengths([values[i] for i in ok])))
-            else:
-                lens = {}
-                for i, v in enumerate(values):
+        for batch in pq.ParquetFile(path).iter_batches(batch_size=32768, columns=[col] + extra):
+            n = batch.num_rows
+            codes = per_file[fi][start:start + n]
+            start += n
+            lens = row_lengths(tok, inp, batch.column(col))
+            mt = np.full(n, spec.sampling.max_tokens, dtype=np.float64)
+            if extra:  # a bad override is an error row at run time too (rows._sampling decides both)
+                overrides = {c: column_values(batch.column(c)) for c in extra}
+                for i in range(n):
                     try:
-                        if not v or v is INVALID or isinstance(v, InvalidText) or (isinstance(v, str) and not v.strip()):
-                            continue
-                        msgs = chat_messages(inp, prompt=v) if isinstance(v, str) else chat_messages(inp, messages=v)
-                        lens[i] = tok.chat_length(msgs, **inp.chat_template_kwargs)
-                    except Exception:
-                        pass
-                lens = {i: n for i, n in lens.items() if n}
-            for i in range(len(values)):
-                c = codes[i]
-                n = lens.get(i)
-                try:  # a bad override is an error row at run time too (rows._sampling decides both)
-                    mt = _sampling(spec, overrides, i, None, extra).max_tokens if extra else spec.sampling.max_tokens
-                except (ValueError, TypeError):
-                    mt = None
-                if n is None or mt is None or n + mt > spec.engine.max_model_len:
-                    bad[c] += 1
-                if n:
-                    tokens[c] += n
+                        mt[i] = _sampling(spec, overrides, i, None, extra).max_tokens
+                    except (ValueError, TypeError):
+                        mt[i] = np.inf
+            is_bad = (lens <= 0) | (lens + mt > spec.engine.max_model_len)
+            bad += np.bincount(codes, weights=is_bad, minlength=len(shard_keys)).astype(np.int64)
+            tokens += np.bincount(codes, weights=np.maximum(lens, 0), minlength=len(shard_keys)).astype(np.int64)
     return ({k: int(tokens[i]) for k, i in code_of.items()}, {k: int(bad[i]) for k, i in code_of.items()})
+
+
+def row_lengths(tok, inp, column) -> np.ndarray:
+    """Prompt tokens of each row as prompts.py builds them; -1 for rows the runner refuses."""
+    if inp.prompt_token_ids_column:
+        return np.array([len(v) if v and v is not INVALID and None not in v else -1 for v in column_values(column)],
+                        dtype=np.int64)
+    kwargs = dict(inp.chat_template_kwargs or {})
+    if inp.messages_column:
+        return chat_lengths(tok, column, inp)
+    if inp.system_prompt is not None:  # [system, user=prompt] through the chat template
+        keep = prompt_lengths(tok, column, lengths=False)
+        values = column_values(column)
+        convs = [chat_messages(inp, prompt=v) if k else None for v, k in zip(values, keep)]
+        return tok.chat_lengths(convs, kwargs, inp.add_special_tokens is True)
+    return prompt_lengths(tok, column, add_special_tokens=inp.add_special_tokens is not False)
+
+
+def prompt_lengths(tok, texts, add_special_tokens: bool = True, lengths: bool = True) -> np.ndarray:
+    """Tokens of each prompt the engine would run; -1 for the rows rows.build_unit refuses before
+    tokenizing (null, invalid UTF-8, empty or whitespace only, as str.strip() sees it).
+    ``lengths=False``: only the mask of the rows it keeps."""
+    if pa.types.is_null(texts.type):
+        return np.full(len(texts), -1, dtype=np.int64) if lengths else np.zeros(len(texts), dtype=bool)
+    if isinstance(texts, pa.ChunkedArray):
+        texts = texts.combine_chunks()
+    if pa.types.is_dictionary(texts.type):
+        texts = texts.cast(texts.type.value_type)
+    if pa.types.is_string_view(texts.type):
+        texts = texts.cast(pa.large_string())
+    try:
+        texts.validate(full=True)  # invalid UTF-8 (writers do not all check): those rows are refused
+    except pa.ArrowInvalid:
+        values = column_values(texts)
+        ok = np.array([v is not None and not isinstance(v, InvalidText) for v in values], dtype=bool)
+        texts = pa.array([v if k else None for v, k in zip(values, ok)], pa.large_string())
+    keep = pc.greater(pc.utf8_length(pc.utf8_trim(texts, characters=PY_WHITESPACE)), 0).fill_null(False)
+    keep = np.asarray(keep, dtype=bool)
+    if not lengths:
+        return keep
+    lens = tok.lengths(pc.if_else(keep, texts, pa.scalar(None, texts.type)), add_special_tokens)
+    return np.where(keep, lens, -1)
+
+
+def chat_lengths(tok, messages, inp=None) -> np.ndarray:
+    """Tokens of each conversation; -1 for the rows rows.build_unit refuses (invalid UTF-8,
+    null or empty, a null role or content, a failing chat template). ``inp``: the job's input
+    section (system_prompt, chat_template_kwargs, add_special_tokens), as prompts.py uses it."""
+    values = column_values(messages)
+    convs = [v if v and v is not INVALID and all(m and m.get("role") is not None and m.get("content") is not None
+                                                   for m in v) else None for v in values]
+    if inp is None:
+        return tok.chat_lengths(convs)
+    convs = [chat_messages(inp, messages=c) if c is not None else None for c in convs]
+    return tok.chat_lengths(convs, dict(inp.chat_template_kwargs or {}), inp.add_special_tokens is True)
+
+
+# What str.strip() removes: rows.build_unit refuses a prompt that is only these.
+PY_WHITESPACE = "".join(c for c in map(chr, range(0x3001)) if c.isspace())
 
 
 def load_state(out_path: str) -> tuple[OutputDir, dict, list]:

@@ -1,54 +1,192 @@
-"""Prompt token counts for the pre-run checks and `plan`, without importing transformers when the
-model directory has a ``tokenizer.json`` and prompts are plain text.
+"""The model directory's tokenizer, loaded once per process, and prompt token counts for the
+pre-run checks and `plan`.
 
-The Rust ``tokenizers`` library reads the same ``tokenizer.json`` that transformers' fast
-tokenizer wraps (normaliser, pre-tokeniser, model and post-processor, so BOS/EOS templates are
-applied the same way) and encodes a batch in parallel. Chat messages need the chat template,
-which only transformers renders the way the engine does, so ``messages_column`` jobs (and model
-directories without ``tokenizer.json``) load transformers' AutoTokenizer. The engine always
-tokenizes with transformers; these counts are for checks and the plan's report.
+``load_tokenizer`` is the one loader: the engine and the pre-run checks both call it, and it
+returns the same transformers tokenizer for the same directory. Counting never keeps a Python
+object per row: a column chunk's distinct strings are encoded in one batch by the Rust
+``tokenizers`` library and only their lengths come back, as a numpy array.
+
+``plan`` on plain-text prompts does not import transformers (nor torch) when the directory's
+tokenizer is a plain ``tokenizer.json`` that transformers wraps unchanged (``TEXT_SAFE_CLASSES``,
+none of the options in ``_REWRITING_OPTIONS``): those tokenizers encode through the same Rust
+object, so the counts are the engine's. Any other tokenizer is loaded through transformers and
+counted with its own backend tokenizer. Chat messages are rendered with the tokenizer's chat
+template (``apply_chat_template(tokenize=False)``, one string per row) and the rendered strings
+encoded in one batch without special tokens, which is what ``apply_chat_template(tokenize=True)``
+does for the engine.
 """
 from __future__ import annotations
 
+import json
 import os
+import threading
+
+import numpy as np
+import pyarrow as pa
 
 from batchrun.errors import ConfigError
 
+# transformers' generic fast-tokenizer classes: they use tokenizer.json's pipeline as it is.
+TEXT_SAFE_CLASSES = {None, "PreTrainedTokenizerFast", "TokenizersBackend"}
+# tokenizer_config.json options with which transformers rebuilds parts of that pipeline
+_REWRITING_OPTIONS = ("add_bos_token", "add_eos_token", "add_prefix_space", "legacy", "from_slow",
+                      "split_special_tokens", "do_lower_case")
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 
-class TextCounter:
-    """tokenizers.Tokenizer from tokenizer.json."""
+_lock = threading.Lock()
+_loaded: dict = {}  # (kind, abs dir, file stamps) -> tokenizer
 
-    def __init__(self, path: str):
-        from tokenizers import Tokenizer
+
+def _stamp(model_dir: str) -> tuple:
+    out = []
+    for name in _TOKENIZER_FILES + ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
         try:
-            self.tok = Tokenizer.from_file(path)
-        except Exception as e:  # the Rust side raises plain Exceptions for a bad file
-            raise ConfigError(f"model: cannot load the tokenizer from {path}: {e}") from None
-        # transformers ignores the file's padding/truncation settings when it encodes one prompt
-        self.tok.no_padding()
-        self.tok.no_truncation()
-
-    def lengths(self, texts: list[str]) -> list[int]:
-        return [len(e.ids) for e in self.tok.encode_batch(texts)] if texts else []
+            st = os.stat(os.path.join(model_dir, name))
+            out.append((name, st.st_size, st.st_mtime_ns))
+        except OSError:
+            pass
+    return tuple(out)
 
 
-class HFCounter:
-    """transformers' AutoTokenizer (chat templates, or no tokenizer.json)."""
-
-    def __init__(self, tok):
-        self.tok = tok
-
-    def lengths(self, texts: list[str]) -> list[int]:
-        return [len(ids) for ids in self.tok(texts)["input_ids"]] if texts else []
-
-    def chat_length(self, messages, **template_kwargs) -> int:
-        out = self.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **template_kwargs)
-        return len(out["input_ids"] if hasattr(out, "keys") else out)
+def _cached(kind: str, model_dir: str, load):
+    key = (kind, os.path.abspath(model_dir), _stamp(model_dir))
+    with _lock:
+        if key not in _loaded:
+            _loaded[key] = load()
+        return _loaded[key]
 
 
-def load_counter(model_dir: str, messages: bool, load_hf) -> TextCounter | HFCounter:
-    """``load_hf()``: the transformers tokenizer, loaded only if this job needs it."""
+def has_tokenizer(model_dir: str) -> bool:
+    return any(os.path.exists(os.path.join(model_dir, n)) for n in _TOKENIZER_FILES)
+
+
+def load_tokenizer(model_dir: str):
+    """The directory's transformers tokenizer (loaded once per process), or None when the
+    directory has no tokenizer files (random-weight benchmarks). ConfigError if it is broken."""
+    model_dir = str(model_dir)
+    if not has_tokenizer(model_dir):
+        return None
+
+    def load():
+        from transformers import AutoTokenizer
+        try:
+            return AutoTokenizer.from_pretrained(model_dir, trust_remote_code=False)
+        except Exception as e:  # transformers raises many types for a broken/missing tokenizer
+            raise ConfigError(f"model: cannot load the tokenizer from {model_dir}: {e}") from None
+
+    return _cached("hf", model_dir, load)
+
+
+def _counting_copy(tok):
+    """A tokenizers.Tokenizer that encodes as transformers' ``tokenizer(text)`` does: no padding,
+    no truncation (transformers ignores the file's settings for one unpadded prompt)."""
+    from tokenizers import Tokenizer
+    copy = Tokenizer.from_str(tok.to_str())
+    copy.no_padding()
+    copy.no_truncation()
+    return copy
+
+
+def _encode_lengths(tok, texts: list[str], add_special_tokens: bool) -> np.ndarray:
+    if not texts:
+        return np.zeros(0, dtype=np.int64)
+    encode = getattr(tok, "encode_batch_fast", None) or tok.encode_batch  # _fast: no offsets (0.21+)
+    return np.fromiter((len(e.ids) for e in encode(texts, add_special_tokens=add_special_tokens)),
+                       dtype=np.int64, count=len(texts))
+
+
+class Counter:
+    """Token counts of prompt strings and of chat conversations, as the engine tokenizes them."""
+
+    def __init__(self, backend, hf=None):
+        # backend None: a slow (Python) transformers tokenizer, which encodes row by row
+        self.backend = _counting_copy(backend) if backend is not None else None
+        self.hf = hf  # transformers tokenizer: chat templates (and slow tokenizers)
+
+    def _lengths(self, texts: list[str], add_special_tokens: bool) -> np.ndarray:
+        if self.backend is not None:
+            return _encode_lengths(self.backend, texts, add_special_tokens)
+        ids = self.hf(texts, add_special_tokens=add_special_tokens)["input_ids"] if texts else []
+        return np.fromiter((len(x) for x in ids), dtype=np.int64, count=len(texts))
+
+    def lengths(self, texts: pa.Array | pa.ChunkedArray, add_special_tokens: bool = True) -> np.ndarray:
+        """Tokens of each string (0 for nulls), special tokens included unless
+        ``add_special_tokens`` is False. Each distinct string is encoded once."""
+        if isinstance(texts, pa.ChunkedArray):
+            texts = texts.combine_chunks() if texts.num_chunks != 1 else texts.chunk(0)
+        if pa.types.is_null(texts.type):
+            return np.zeros(len(texts), dtype=np.int64)
+        if pa.types.is_string_view(texts.type) or (
+                pa.types.is_dictionary(texts.type) and pa.types.is_string_view(texts.type.value_type)):
+            texts = texts.cast(pa.large_string())
+        enc = texts if pa.types.is_dictionary(texts.type) else texts.dictionary_encode()
+        unique = self._lengths(enc.dictionary.to_pylist(), add_special_tokens)
+        idx = enc.indices.fill_null(0).to_numpy(zero_copy_only=False)
+        out = unique[idx] if len(unique) else np.zeros(len(texts), dtype=np.int64)
+        if enc.null_count:
+            out[np.asarray(enc.indices.is_null())] = 0
+        return out
+
+    def chat_lengths(self, conversations: list, template_kwargs: dict | None = None,
+                     add_special_tokens: bool = False) -> np.ndarray:
+        """Tokens of each conversation with the generation prompt (``template_kwargs`` passed to
+        the template; the rendered text tokenized with or without special tokens, as
+        prompts.chat_token_ids does); -1 where the template fails (the engine refuses that row)
+        or the conversation is None."""
+        if self.hf is None:
+            raise RuntimeError("chat_lengths needs the transformers tokenizer (load_counter(messages=True))")
+        rendered, where = [], []
+        out = np.full(len(conversations), -1, dtype=np.int64)
+        for i, msgs in enumerate(conversations):
+            if msgs is None:
+                continue
+            try:
+                text = self.hf.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False,
+                                                   **(template_kwargs or {}))
+            except Exception:  # a template can raise anything (jinja errors, role checks)
+                continue
+            rendered.append(text)
+            where.append(i)
+        out[where] = self._lengths(rendered, add_special_tokens)
+        return out
+
+
+def _text_safe(model_dir: str) -> str | None:
+    """tokenizer.json's path when transformers would use it unchanged, else None."""
     path = os.path.join(model_dir, "tokenizer.json")
-    if not messages and os.path.isfile(path):
-        return TextCounter(path)
-    return HFCounter(load_hf())
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(os.path.join(model_dir, "tokenizer_config.json")) as f:
+            cfg = json.load(f)
+    except FileNotFoundError:
+        cfg = {}
+    except (OSError, ValueError):
+        return None  # let transformers report (or cope with) a damaged config
+    if not isinstance(cfg, dict) or cfg.get("tokenizer_class") not in TEXT_SAFE_CLASSES:
+        return None
+    if any(k in cfg for k in _REWRITING_OPTIONS):
+        return None
+    return path
+
+
+def load_counter(model_dir: str, messages: bool, use_transformers: bool = False) -> Counter:
+    """The counter for a job. ``use_transformers``: count with the transformers tokenizer (a run
+    loads it anyway for the engine, so it is loaded once); ``plan`` leaves it False so plain-text
+    prompts on a plain tokenizer.json need neither transformers nor torch. ConfigError when the
+    tokenizer cannot be loaded."""
+    model_dir = str(model_dir)
+    path = None if (messages or use_transformers) else _text_safe(model_dir)
+    if path is not None:
+        def load():
+            from tokenizers import Tokenizer
+            try:
+                return Tokenizer.from_file(path)
+            except Exception as e:  # the Rust side raises plain Exceptions for a bad file
+                raise ConfigError(f"model: cannot load the tokenizer from {path}: {e}") from None
+        return _cached("counter", model_dir, lambda: Counter(load()))
+    hf = load_tokenizer(model_dir)
+    if hf is None:
+        raise ConfigError(f"model: {model_dir} has no tokenizer (tokenizer.json, tokenizer.model or "
+                          "vocab.json); batchrun needs one to turn prompts into tokens")
+    return _cached("counter-hf", model_dir, lambda: Counter(getattr(hf, "backend_tokenizer", None), hf))

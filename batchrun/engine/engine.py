@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import time
-from pathlib import Path
 from typing import Callable
 
 import torch
@@ -24,6 +23,7 @@ from batchrun.engine.sequence import Sequence
 from batchrun.errors import ConfigError
 from batchrun.models.loader import load_model, resolve_dtype
 from batchrun.models.config import ModelConfig, check_context_length
+from batchrun.token_count import load_tokenizer  # one loader, shared with the pre-run checks
 
 
 def resolve_device(name: str) -> torch.device:
@@ -33,18 +33,6 @@ def resolve_device(name: str) -> torch.device:
         raise ConfigError("engine.device: 'cuda' asked for but no CUDA GPU is visible; "
                           "use device: auto or cpu")
     return torch.device(name)
-
-
-def load_tokenizer(model_dir: str | Path):
-    """The model directory's tokenizer, or None when it has none (random-weight benchmarks)."""
-    d = Path(model_dir)
-    if not any((d / n).exists() for n in ("tokenizer.json", "tokenizer.model", "vocab.json")):
-        return None
-    from transformers import AutoTokenizer
-    try:
-        return AutoTokenizer.from_pretrained(str(d), trust_remote_code=False)
-    except Exception as e:
-        raise ConfigError(f"{d}: cannot load the tokenizer ({e})") from e
 
 
 def limit_cpu_threads() -> int | None:

@@ -2,12 +2,16 @@
 
 safetensors only (single file or sharded with model.safetensors.index.json), read through mmap;
 pickled checkpoints are refused, never unpickled; no code from the model directory is run.
-The model is built on the meta device, materialised on the target device, and each HF tensor
-is copied into its (possibly fused) slice.
+The model is built on the meta device in the target dtype and materialised once on the target
+device (no float32 copy first, no transformers init work), and each HF tensor is copied once,
+converting dtype on the way, into its (possibly fused) slice. On a GPU the copies go through
+two pinned staging buffers (stage.py): the next tensor is read from the page cache while the
+previous one is on its way to the device.
 """
 from __future__ import annotations
 
 import re
+from contextlib import ExitStack
 from pathlib import Path
 
 import torch
@@ -17,6 +21,7 @@ from batchrun.errors import ModelLoadError
 from batchrun.models.checkpoint import IGNORED, check_checkpoint, inspect_model  # noqa: F401 (re-exported)
 from batchrun.models.config import ModelConfig
 from batchrun.models.llama import LlamaForCausalLM
+from batchrun.models.stage import StagedCopier
 
 # HF name suffix -> (our module suffix, slice index within the fused weight)
 FUSED = {
@@ -55,11 +60,12 @@ def our_name(hf_name: str) -> tuple[str, int | None]:
 
 def _materialise(cfg: ModelConfig, device: torch.device, dtype: torch.dtype,
                  max_position: int) -> LlamaForCausalLM:
-    """Build on the meta device, then allocate (uninitialised) storage on the target device."""
+    """Build on the meta device in ``dtype``, then allocate (uninitialised) storage on the target
+    device once."""
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg, max_position)
+    model.to(dtype)  # on meta: no memory, no copy
     model.to_empty(device=device)
-    model.to(dtype)
     if cfg.tie_word_embeddings:  # to_empty breaks the tie; restore it
         model.lm_head.weight = model.model.embed_tokens.weight
     model.model.rotary.init_cache(device)
@@ -95,23 +101,28 @@ def load_model(path: str | Path, device: torch.device, dtype: torch.dtype,
     for name, (f, _) in found.items():
         if not IGNORED.match(name) and not (name == "lm_head.weight" and cfg.tie_word_embeddings):
             by_file.setdefault(f, []).append(name)
-    for f, names in by_file.items():
-        with safe_open(str(f), framework="pt") as sf:  # mmap
+    with ExitStack() as files, StagedCopier(device, dtype) as copier:  # files stay open until copied
+        for f, names in by_file.items():
+            sf = files.enter_context(safe_open(str(f), framework="pt"))  # mmap
             for name in names:
-                copy_hf_tensor(model, params, name, sf.get_tensor(name))
+                copier.copy(hf_target(model, params, name), lambda sf=sf, name=name: sf.get_tensor(name))
     return model.eval()
+
+
+def hf_target(model, params: dict, hf_name: str) -> torch.Tensor:
+    """The part of our parameter that one HF checkpoint tensor fills (a slice for fused layers)."""
+    ours, idx = our_name(hf_name)
+    param = params[ours]
+    if idx is None:
+        return param
+    sizes = model.get_submodule(ours.rsplit(".", 1)[0]).output_sizes
+    start = sum(sizes[:idx])
+    return param[start:start + sizes[idx]]
 
 
 def copy_hf_tensor(model, params: dict, hf_name: str, src: torch.Tensor) -> None:
     """Copy one HF checkpoint tensor into our parameter (a slice of it for fused layers)."""
-    ours, idx = our_name(hf_name)
-    param = params[ours]
-    if idx is None:
-        param.copy_(src)
-        return
-    sizes = model.get_submodule(ours.rsplit(".", 1)[0]).output_sizes
-    start = sum(sizes[:idx])
-    param[start:start + sizes[idx]].copy_(src)
+    hf_target(model, params, hf_name).copy_(src)
 
 
 @torch.no_grad()

@@ -7,7 +7,9 @@ import sys
 
 import pytest
 
-from batchrun.token_count import HFCounter, TextCounter
+import pyarrow as pa
+
+from batchrun.token_count import load_counter
 from runner_helpers import REPO, demo_rows
 
 BLOCK = ("import sys; sys.modules['torch'] = None; sys.modules['transformers'] = None; "
@@ -49,6 +51,6 @@ def test_text_counts_equal_the_transformers_tokenizer(tiny_model, which):
         pytest.skip("no demo model here")
     texts = ["hello world", "  leading and trailing  ", "Ünïcödé ✓ text", "a" * 300, "x", "tab\there\nnew line",
              "?!.,;:'-", "MiXeD CaSe 123"]
-    fast = TextCounter(os.path.join(model, "tokenizer.json")).lengths(texts)
-    hf = HFCounter(AutoTokenizer.from_pretrained(model)).lengths(texts)
+    fast = load_counter(model, messages=False).lengths(pa.array(texts)).tolist()
+    hf = [len(ids) for ids in AutoTokenizer.from_pretrained(model)(texts)["input_ids"]]
     assert fast == hf

@@ -1,0 +1,31 @@
+"""`batchrun plan` imports neither torch nor transformers (plain-text prompts, tokenizer.json),
+so it starts in well under a second and never reaches torch through models/loader.py."""
+import os
+import subprocess
+import sys
+
+from runner_helpers import REPO, demo_rows
+
+WRAPPER = ("import sys\nfrom batchrun.__main__ import entry\n"
+           "try:\n    entry(sys.argv[1:])\nexcept SystemExit as e:\n    code = e.code\nelse:\n    code = 0\n"
+           "print('IMPORTED', sorted(m for m in ('torch', 'transformers', 'batchrun.models.loader', "
+           "'batchrun.engine.engine') if m in sys.modules), code, file=sys.stderr)\n")
+
+
+def _imported(*args):
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    r = subprocess.run([sys.executable, "-c", WRAPPER, *map(str, args)], capture_output=True, text=True,
+                       env=env, timeout=120)
+    line = next(ln for ln in r.stderr.splitlines() if ln.startswith("IMPORTED"))
+    return r, line
+
+
+def test_plan_does_not_import_torch(make_job):
+    r, line = _imported("plan", make_job(demo_rows(12)))
+    assert line == "IMPORTED [] 0", (line, r.stderr)
+    assert "work units: 3 of up to 4 rows" in r.stdout
+
+
+def test_demo_plan_does_not_import_torch():
+    r, line = _imported("plan", REPO / "jobs" / "demo.yaml")
+    assert line == "IMPORTED [] 0", (line, r.stderr)
