@@ -177,7 +177,7 @@ class Engine:
         # keep at least max_num_seqs waiting: a prefill step admits at most that many, so the
         # steps are those of a scheduler that holds every request from the start
         low = self.config.max_num_seqs
-        count, ended = 0, False
+        count, ended, ok = 0, False, False
         try:
             while True:
                 while not ended and len(sched.waiting) < low:
@@ -198,12 +198,15 @@ class Engine:
                                            req.adapter, self._generator(req)))
                 if not sched.has_work():
                     if ended:
+                        ok = True
                         return
                     continue  # the next take waits
                 for seq in self.step(sched):
                     emit(seq.index, self._result(seq))
         finally:
             self.stats["preemptions"] += sched.num_preemptions
+            if not ok:
+                sched.abort()
 
     def _generator(self, req: Request) -> torch.Generator | None:
         if req.sampling.greedy:
