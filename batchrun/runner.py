@@ -1,22 +1,28 @@
 """Run one task of a job: every uncommitted unit of this task, base shard first, then adapters.
 
-Units of one shard are fed to the engine a group at a time (several units per ``generate`` call,
-so continuous batching does not drain at every unit boundary); each unit is written and committed
-the moment its last row finishes, so a crash loses at most the units still in flight.
+Three threads: the feeder (``feeder.py``) reads and tokenizes the next units ahead of the GPU;
+the engine thread (this one, which also takes the signals) streams their requests through
+``Engine.generate_stream``, so consecutive units and shards share steps and the batch never
+drains at a unit or shard boundary; the writer (``writer.py``) writes and commits each unit the
+moment its last row finishes. A crash loses at most the units still in flight or queued for the
+writer; nothing visible is ever partial (``commit.py``).
 """
 from __future__ import annotations
 
 import os
 import re
 import shutil
+import threading
 import time
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
-from typing import Callable
+from typing import Callable, Iterable
 
 from batchrun import commit
 from batchrun.commit import check_part, read_commits
 from batchrun.engine.request import Result
 from batchrun.errors import ConfigError, OutputIOError, io_message
+from batchrun.feeder import END as FEED_END, Feeder, UnitSource
 from batchrun.interrupt import Interrupted, Signals
 from batchrun.inputs import RowReader
 from batchrun.job import JobSpec
@@ -27,6 +33,9 @@ from batchrun.plan import Unit, engine_groups, group_rows, task_units
 from batchrun.progress import Progress
 from batchrun.prepare import Prepared, prepare
 from batchrun.rows import UnitWork, arrow_columns, build_unit, input_columns, unit_table
+from batchrun.writer import Writer
+
+WRITER_QUEUE_UNITS = 4  # finished units that may wait for the writer before the engine thread blocks
 
 
 class RowFailure(Exception):
@@ -50,13 +59,16 @@ class TaskStats:
     elapsed_s: float = 0.0
     model_load_s: float = 0.0
     startup_s: float = 0.0  # from the start of run_job until the engine was ready (checks, plan, load)
-    writing_s: float = 0.0  # writing, publishing and committing part files
+    writing_s: float = 0.0  # writing, publishing and committing part files (on the writer thread)
+    writer_wait_s: float = 0.0  # the engine thread blocked on the writer (full queue, final drain)
     error_reasons: dict = field(default_factory=dict)  # reason (digits as N) -> error rows
 
     @property
     def generation_s(self) -> float:
-        """Wall time after start-up (checks, plan, model load), less writing part files."""
-        return max(self.elapsed_s - max(self.startup_s, self.model_load_s) - self.writing_s, 0.0)
+        """Wall time after start-up (checks, plan, model load), less the time the engine thread
+        waited for the writer (writing overlaps generation, so only waiting on it is not
+        generation)."""
+        return max(self.elapsed_s - max(self.startup_s, self.model_load_s) - self.writer_wait_s, 0.0)
 
     @property
     def output_tok_per_s(self) -> float:
@@ -91,6 +103,7 @@ class TaskRunner:
             self.stats.started = started
         self.signals = Signals()
         self.progress: Progress | None = None
+        self._lock = threading.Lock()  # stats and progress: the engine and writer threads both count
 
     # ---- commit -----------------------------------------------------------------------------
 
@@ -104,7 +117,7 @@ class TaskRunner:
                 "time": time.time()}
         unit = work.unit.index
         t0 = time.time()
-        with self.signals.deferred():
+        with self._commit_guard():
             try:
                 written = commit.write_part(self.out, self.task_id, unit, table)
                 commit.publish_part(self.out, unit, written.tmp)
@@ -113,14 +126,22 @@ class TaskRunner:
             except OSError as e:  # disk full, read-only, quota: the unit stays uncommitted
                 raise OutputIOError(io_message(e, f"cannot commit unit {unit}")) from None
         st = self.stats
-        st.writing_s += time.time() - t0
-        st.units_done += 1
-        st.error_rows += errors
-        st.prompt_tokens += info["prompt_tokens"]
-        if self.progress is not None:
-            self.progress.unit(unit, work.unit.rows, errors)
+        with self._lock:
+            st.writing_s += time.time() - t0
+            st.units_done += 1
+            st.error_rows += errors
+            st.prompt_tokens += info["prompt_tokens"]
+            if self.progress is not None:
+                self.progress.unit(unit, work.unit.rows, errors)
 
-    def _on_result(self, pending: dict[int, UnitWork]) -> Callable[[Result], None]:
+    def _commit_guard(self):
+        """On the main thread, SIGTERM/SIGINT wait until the commit ends. The writer thread needs
+        nothing: Python runs signal handlers on the main thread only, so no signal cuts it."""
+        if threading.current_thread() is threading.main_thread():
+            return self.signals.deferred()
+        return nullcontext()
+
+    def _on_result(self, pending: dict[int, UnitWork], done: Callable[[UnitWork], None]) -> Callable[[Result], None]:
         def on_result(res: Result) -> None:
             unit_index, pos = res.request_id
             work = pending.get(unit_index)
@@ -132,10 +153,14 @@ class TaskRunner:
                 raise RowFailure(self._fail_message(work.ids[pos], res.error))
             if work.remaining == 0:
                 del pending[unit_index]
-                self._finish(work)
+                done(work)
         return on_result
 
     def _row_done(self, res: Result) -> None:
+        with self._lock:
+            self._count_row(res)
+
+    def _count_row(self, res: Result) -> None:
         st = self.stats
         st.rows += 1
         st.output_tokens += len(res.output_token_ids)
@@ -159,22 +184,23 @@ class TaskRunner:
         marker here (markers go before parts, as in a restart) and is run again.
         """
         commits = read_commits(self.out)
-        done = set()
-        for u in mine:
-            reason = commits.damaged.get(u.index)
-            if reason is None and u.index in commits.valid:
-                reason = check_part(self.out, u.index, commits.valid[u.index], self.prep.fingerprint)
-                if reason is None:
-                    done.add(u.index)
-                    continue
-            if reason is not None:
-                self.log(f"task {self.task_id}: unit {u.index} was committed but {reason}; rewriting it")
-                try:
-                    os.remove(self.out.commit_marker(u.index))
-                except FileNotFoundError:
-                    pass
-                self.stats.units_repaired += 1
-        return done
+        return {u.index for u in mine if self._verified_commit(u, commits)}
+
+    def _verified_commit(self, u: Unit, commits) -> bool:
+        """One unit of ``_verified_commits``: True if its commit checks out (``commits``: read_commits)."""
+        reason = commits.damaged.get(u.index)
+        if reason is None and u.index in commits.valid:
+            reason = check_part(self.out, u.index, commits.valid[u.index], self.prep.fingerprint)
+            if reason is None:
+                return True
+        if reason is not None:
+            self.log(f"task {self.task_id}: unit {u.index} was committed but {reason}; rewriting it")
+            try:
+                os.remove(self.out.commit_marker(u.index))
+            except FileNotFoundError:
+                pass
+            self.stats.units_repaired += 1
+        return False
 
     def run(self) -> TaskStats:
         st = self.stats
@@ -210,6 +236,9 @@ class TaskRunner:
             engine = self.engine_factory(self.spec)
             st.model_load_s = time.time() - t0
             st.startup_s = time.time() - st.started
+            if self.mode != "none":
+                self.progress = Progress(self.mode, f"task {self.task_id}/{self.num_tasks}", sum(u.rows for u in todo),
+                                         len(todo), self.log, self.log_interval, self.verbose)
             self._run_units(engine, todo)
             st.status = "done"
         except Interrupted:
@@ -227,51 +256,106 @@ class TaskRunner:
             self._write_metrics()
         return st
 
-    def _run_units(self, engine, todo: list[Unit]) -> None:
+    def _run_units(self, engine, todo: Iterable[Unit]) -> None:
+        """Stream ``todo`` (any iterable, consumed lazily and in order) through the engine."""
         spec = self.spec
+        _settle_tokenizer(engine.tokenizer)
         reader = RowReader(self.plan.files, input_columns(spec, self.plan), arrow_columns=arrow_columns(self.plan))
-        cap = group_rows(spec.engine.max_num_seqs)
         max_len = getattr(engine, "max_model_len", spec.engine.max_model_len)
-        if self.mode != "none":
-            self.progress = Progress(self.mode, f"task {self.task_id}/{self.num_tasks}", sum(u.rows for u in todo),
-                                     len(todo), self.log, self.log_interval, self.verbose)
-        for group in engine_groups(todo, cap, spec.engine.max_loras):
-            if self.progress is not None:
-                self.progress.set_shard("+".join(dict.fromkeys(u.adapter for u in group if u.adapter)) or None)
-            pending: dict[int, UnitWork] = {}
-            requests = []
-            for unit in group:
-                rf, ri = self.plan.unit_rows(unit)
-                pins = self.prep.pins
-                pins.check(rf)  # before and after: a file replaced mid-read mixes rows
-                try:
-                    rows = reader.read(rf, ri)
-                except Exception:
-                    pins.check(rf)  # a file that changed under the reader says so ...
-                    raise  # ... anything else is a real failure
-                pins.check(rf)
-                work = build_unit(unit, rows, rf, ri, self.plan, spec, engine.tokenizer, max_len,
-                                  engine.check_request)
-                bad = work.first_error()
-                if bad and spec.on_error == "fail":
-                    raise RowFailure(self._fail_message(*bad))
-                for r in work.results:
-                    if r is not None:
-                        self._row_done(r)
-                if work.remaining == 0:
-                    self._finish(work)
-                else:
-                    pending[unit.index] = work
-                    requests += work.requests
-            if not requests:
-                continue
-            on_result = self._on_result(pending)
-            results = engine.generate(requests, on_result=on_result)
-            for res in results:  # rows the engine returned without a callback
-                on_result(res)
+
+        def build(unit: Unit) -> UnitWork:  # on the feeder thread
+            rf, ri = self.plan.unit_rows(unit)
+            pins = self.prep.pins
+            pins.check(rf)  # before and after: a file replaced mid-read mixes rows
+            try:
+                rows = reader.read(rf, ri)
+            except Exception:
+                pins.check(rf)  # a file that changed under the reader says so ...
+                raise  # ... anything else is a real failure
+            pins.check(rf)
+            work = build_unit(unit, rows, rf, ri, self.plan, spec, engine.tokenizer, max_len,
+                              engine.check_request)
+            bad = work.first_error()
+            if bad and spec.on_error == "fail":
+                raise RowFailure(self._fail_message(*bad))
+            return work
+
+        pending: dict[int, UnitWork] = {}
+        streams = hasattr(engine, "generate_stream")
+        writer = Writer(self._finish, WRITER_QUEUE_UNITS, inline=not streams).start()
+        feeder = Feeder(todo, build, ahead_rows=group_rows(spec.engine.max_num_seqs)).start()
+        shard = [object()]
+
+        def on_unit(work: UnitWork) -> None:  # on the engine thread, as the unit's requests go out
+            self.prep.pins.check(self.plan.unit_rows(work.unit)[0])  # still the pinned file
+            if self.progress is not None and work.unit.adapter != shard[0]:
+                shard[0] = work.unit.adapter
+                self.progress.set_shard(work.unit.adapter)
+            for r in work.results:
+                if r is not None:
+                    self._row_done(r)
+            if work.remaining == 0:
+                writer.put(work)
+            else:
+                pending[work.unit.index] = work
+
+        source = UnitSource(feeder, on_unit, poll=writer.check)
+        on_result = self._on_result(pending, writer.put)
+        try:
+            if streams:
+                engine.generate_stream(source, on_result)
+            else:
+                self._generate_by_groups(engine, source, on_result)
+            if source.error is not None:  # the units before it ran and are committed below
+                raise source.error
             if pending:
                 missing = sorted(pending)
                 raise RuntimeError(f"engine returned no result for some rows of units {missing[:5]}")
+            feeder.close()
+            writer.close()
+        except BaseException as e:
+            self._drain(feeder, writer, e)
+            raise
+        finally:
+            self.stats.writer_wait_s += writer.wait_s
+
+    def _drain(self, feeder: Feeder, writer: Writer, error: BaseException) -> None:
+        """The run is failing: stop the feeder, and still commit the units that finished before
+        ``error`` (as a run that commits on its own thread would have), with signals deferred so
+        a second Ctrl-C does not cut the wait; a writer error of its own is logged, ``error`` wins."""
+        with self.signals.deferred():
+            feeder.close()
+            try:
+                writer.close()
+            except Exception as e:
+                if e is not error:
+                    self.log(f"task {self.task_id}: while stopping: {e}")
+
+    def _generate_by_groups(self, engine, source: UnitSource, on_result) -> None:
+        """Engines without ``generate_stream`` (test doubles): one ``generate`` call per engine
+        group (``plan.engine_groups``), fed by the same feeder and writer."""
+        cap, max_loras = group_rows(self.spec.engine.max_num_seqs), self.spec.engine.max_loras
+        carry = None
+        while carry is not None or not source.ended:
+            group: list[UnitWork] = [carry] if carry is not None else []
+            carry = None
+            while True:
+                work = source.get(wait=True)
+                if work is FEED_END:
+                    break
+                if group and len(engine_groups([w.unit for w in group] + [work.unit], cap, max_loras)) > 1:
+                    carry = work  # starts the next group
+                    break
+                group.append(work)
+            requests = []
+            for work in group:  # registered as they go to the engine, as the stream does
+                if not source.register(work):
+                    carry = None
+                    break
+                requests += work.requests
+            if requests:
+                for res in engine.generate(requests, on_result=on_result):
+                    on_result(res)  # rows the engine returned without a callback
 
     # ---- metrics ----------------------------------------------------------------------------
 
@@ -284,6 +368,14 @@ class TaskRunner:
 
 
 _DIGITS = re.compile(r"\d+")  # error reasons are counted with their numbers as N
+
+
+def _settle_tokenizer(tokenizer) -> None:
+    """Encode once on this thread before the feeder thread shares the tokenizer: a fast
+    tokenizer resets its truncation/padding state on its first call (a mutation that must not
+    race the engine thread's decode); later calls only read it."""
+    if tokenizer is not None and callable(tokenizer):
+        tokenizer(["a"])
 
 
 def run_job(spec: JobSpec, task_id: int = 0, num_tasks: int = 1, restart: bool = False,

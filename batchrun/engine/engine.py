@@ -2,6 +2,7 @@
 
     engine = Engine.from_config(EngineConfig(model="dir"), adapters={"name": "adapter-dir"})
     results = engine.generate([Request("a", ids, SamplingParams(max_tokens=32))])
+    engine.generate_stream(source, on_result)  # requests pulled as the batch has room
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from batchrun.engine.sampler import RowState, sample
 from batchrun.engine.stop import stop_string_in_tail, truncate_at_stop
 from batchrun.engine.scheduler import Scheduler
 from batchrun.engine.sequence import Sequence
+from batchrun.engine.source import ListSource, RequestSource, as_source
 from batchrun.errors import ConfigError
 from batchrun.models.loader import load_model, resolve_dtype
 from batchrun.models.config import ModelConfig, check_context_length
@@ -147,26 +149,64 @@ class Engine:
 
     def generate(self, requests: list[Request],
                  on_result: Callable[[Result], None] | None = None) -> list[Result]:
+        """Run a list of requests to completion; results in request order (the stream over a
+        list: the same steps as admitting the whole list at once)."""
+        requests = list(requests)
         results: list[Result | None] = [None] * len(requests)
-        sched = Scheduler(self.config, self.blocks, self.lora)
-        for i, req in enumerate(requests):
-            err = self.check_request(req)
-            if err is not None:
-                results[i] = Result(req.request_id, req.adapter or None, len(req.prompt_token_ids),
-                                    [], None, "error", err)
-                if on_result:
-                    on_result(results[i])
-                continue
-            sched.add(Sequence(i, req.request_id, req.prompt_token_ids, req.sampling,
-                               req.adapter, self._generator(req)))
-        while sched.has_work():
-            for seq in self.step(sched):
-                results[seq.index] = r = self._result(seq)
-                if on_result:
-                    on_result(r)
-        self.stats["preemptions"] += sched.num_preemptions
-        self.stats["recomputed_tokens"] += sched.num_recomputed_tokens
+
+        def keep(index: int, res: Result) -> None:
+            results[index] = res
+            if on_result:
+                on_result(res)
+        self._run(ListSource(requests), keep)
         return results  # type: ignore[return-value]
+
+    def generate_stream(self, source, on_result: Callable[[Result], None]) -> None:
+        """Run requests pulled from ``source`` until it ends; each result goes to ``on_result``.
+
+        ``source`` is a ``RequestSource`` (``take(n, wait)``, see ``engine/source.py``) or any
+        iterable of Requests. It is pulled whenever fewer than ``max_num_seqs`` sequences wait,
+        without blocking while the engine has work, so requests that arrive over time join the
+        running batch: consecutive units and shards do not drain it.
+        """
+        self._run(as_source(source), lambda index, res: on_result(res))
+
+    def _run(self, source: RequestSource, emit: Callable[[int, Result], None]) -> None:
+        sched = Scheduler(self.config, self.blocks, self.lora)
+        # keep at least max_num_seqs waiting: a prefill step admits at most that many, so the
+        # steps are those of a scheduler that holds every request from the start
+        low = self.config.max_num_seqs
+        count, ended, ok = 0, False, False
+        try:
+            while True:
+                while not ended and len(sched.waiting) < low:
+                    got = source.take(2 * low - len(sched.waiting), wait=not sched.has_work())
+                    if got is None:
+                        ended = True
+                        break
+                    if not got:
+                        break  # nothing ready yet: keep stepping what is running
+                    for req in got:
+                        index, count = count, count + 1
+                        err = self.check_request(req)
+                        if err is not None:
+                            emit(index, Result(req.request_id, req.adapter or None, len(req.prompt_token_ids),
+                                               [], None, "error", err))
+                            continue
+                        sched.add(Sequence(index, req.request_id, req.prompt_token_ids, req.sampling,
+                                           req.adapter, self._generator(req)))
+                if not sched.has_work():
+                    if ended:
+                        ok = True
+                        return
+                    continue  # the next take waits
+                for seq in self.step(sched):
+                    emit(seq.index, self._result(seq))
+        finally:
+            self.stats["preemptions"] += sched.num_preemptions
+            self.stats["recomputed_tokens"] += sched.num_recomputed_tokens
+            if not ok:
+                sched.abort()
 
     def _generator(self, req: Request) -> torch.Generator | None:
         if req.sampling.greedy:

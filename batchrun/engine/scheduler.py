@@ -106,6 +106,13 @@ class Scheduler:
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
 
+    def abort(self) -> None:
+        """Drop every sequence (the caller stopped on an error): hand back their KV blocks and
+        LoRA slot pins, which outlive this scheduler (the engine's block manager and slots)."""
+        for seq in self.running:
+            self._release(seq)
+        self.running, self.waiting = [], deque()
+
     def _release(self, seq: Sequence) -> None:
         self.blocks.release(seq)
         if seq.adapter and self.lora is not None and seq.lora_slot >= 0:

@@ -17,7 +17,7 @@ class SeqStatus(enum.Enum):
 class Sequence:
     def __init__(self, index: int, request_id, prompt_token_ids: list[int],
                  sampling: SamplingParams, adapter: str | None, generator: torch.Generator | None):
-        self.index = index  # position in the generate() call, for ordering results
+        self.index = index  # order in which the engine took it (position in a generate() list)
         self.request_id = request_id
         self.adapter = adapter or None
         self.sampling = sampling
