@@ -125,7 +125,7 @@ def _blocks(D: int, max_query_len: int, block_size: int) -> tuple[int, int, int,
 
 def prefill_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
                       query_start: Tensor, context_lens: Tensor, max_query_len: int,
-                      scale: float, out: Tensor) -> None:
+                      scale: float, out: Tensor, *, tuning: dict | None = None) -> None:
     # q:            [T, Hq, D]                          the step's queries, packed by sequence
     # k/v_cache:    [num_blocks, block_size, Hkv, D]    this step's K/V already written
     # block_tables: int32 [B, max_blocks_per_seq]       entries past a sequence's blocks ignored
@@ -133,6 +133,7 @@ def prefill_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables:
     # context_lens: int32 [B]                           cached tokens incl. this chunk (>= n_q)
     # max_query_len: host int >= every n_q              sizes the grid
     # out:          [T, Hq, D]                          every row of a sequence written
+    # tuning:       {block_m, block_n, num_warps, num_stages} overrides, for benchmarks only
     check(q.dim() == 3 and k_cache.dim() == 4 and v_cache.shape == k_cache.shape,
           f"expected q [T, Hq, D] and k/v caches [num_blocks, block_size, Hkv, D]; got "
           f"{tuple(q.shape)}, {tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
@@ -161,6 +162,10 @@ def prefill_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables:
         return
     check(max_query_len >= 1, f"max_query_len must be >= 1, got {max_query_len}")
     block_m, block_n, warps, stages = _blocks(D, max_query_len, block_size)
+    if tuning:
+        block_m, block_n = tuning.get("block_m", block_m), tuning.get("block_n", block_n)
+        warps, stages = tuning.get("num_warps", warps), tuning.get("num_stages", stages)
+    check(block_n >= block_size, f"block_n ({block_n}) must be >= the page size ({block_size})")
     block_d = max(16, triton.next_power_of_2(D))
     _prefill_kernel[(Hq, triton.cdiv(max_query_len, block_m), B)](
         q, k_cache, v_cache, block_tables, query_start, context_lens, out,
