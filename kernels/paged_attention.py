@@ -148,13 +148,15 @@ def decode_num_splits(programs: int, max_ctx: int, sms: int) -> int:
     """Context splits for `programs` = B * Hkv (sequence, kv head) programs whose contexts can
     reach `max_ctx` tokens (the block table's capacity) on a GPU of `sms` SMs.
 
-    Split only when the programs cannot fill the GPU (fewer than one per SM) and contexts can be
-    long; otherwise the merge kernel costs more than it saves. Splits aim at 2 programs per SM
-    and keep >= 512 tokens of capacity each. Static inputs only, so a captured graph's split
-    count never changes (short actual contexts leave the tail splits empty)."""
-    if max_ctx < 1024 or programs >= sms:
+    Split only when the programs cannot fill the GPU (fewer than 2 per SM) and contexts can be
+    long; otherwise the merge kernel costs more than it saves. Splits aim at 4 programs per SM
+    and keep >= 256 tokens of capacity each (H200 sweep, benchmarks/results/
+    2026-12-04-kernel-attention-sweep.json: B=8 x 1024 MHA 51 -> 39 us with 2 splits, B=1 x
+    4096 best at 16). Static inputs only, so a captured graph's split count never changes
+    (short actual contexts leave the tail splits empty)."""
+    if max_ctx < 1024 or programs >= 2 * sms:
         return 1
-    return max(1, min(-(-2 * sms // programs), max_ctx // 512, 16))
+    return max(1, min(-(-4 * sms // programs), max_ctx // 256, 16))
 
 
 def paged_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,

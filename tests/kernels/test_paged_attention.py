@@ -78,18 +78,19 @@ def test_decode_attention_split_kv_odd_contexts(num_splits):
 
 def test_decode_num_splits_heuristic():
     sms = 132  # H200
-    # enough (sequence, kv head) programs to fill the GPU, or short table capacity: no split
+    # enough (sequence, kv head) programs to fill the GPU twice, or short capacity: no split
     assert decode_num_splits(256 * 32, 4096, sms) == 1
-    assert decode_num_splits(sms, 4096, sms) == 1
+    assert decode_num_splits(2 * sms, 4096, sms) == 1
     assert decode_num_splits(8, 512, sms) == 1
-    # small batches, long capacity: ~2 programs per SM, >= 512 tokens per split, at most 16
-    assert decode_num_splits(8, 4096, sms) == 8            # capacity-bound
-    assert decode_num_splits(32, 32768, sms) == 9          # ceil(264 / 32)
-    assert decode_num_splits(1, 1 << 20, sms) == 16
-    for programs in (1, 7, 64, 131):
+    # small batches, long capacity: ~4 programs per SM, >= 256 tokens per split, at most 16
+    assert decode_num_splits(8 * 32, 4096, sms) == 3         # ceil(528 / 256)
+    assert decode_num_splits(8 * 8, 4096, sms) == 9
+    assert decode_num_splits(32, 4096, sms) == 16
+    assert decode_num_splits(8, 1024, sms) == 4              # capacity-bound
+    for programs in (1, 7, 64, 263):
         for cap in (1024, 2048, 8192):
             n = decode_num_splits(programs, cap, sms)
-            assert 2 <= n <= 16 and cap // n >= 512
+            assert 2 <= n <= 16 and cap // n >= 256
 
 
 def test_decode_attention_gqa8_odd_head_dim():
