@@ -144,20 +144,24 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def _num_splits(q: Tensor, programs: int, max_ctx: int, block_n: int) -> int:
-    # Split only when the (sequence, kv head) programs cannot fill the GPU and contexts can be
-    # long; otherwise the merge kernel costs more than it saves. Static inputs only.
-    if q.device.type != "cuda" or max_ctx < 1024:
+def decode_num_splits(programs: int, max_ctx: int, sms: int) -> int:
+    """Context splits for `programs` = B * Hkv (sequence, kv head) programs whose contexts can
+    reach `max_ctx` tokens (the block table's capacity) on a GPU of `sms` SMs.
+
+    Split only when the programs cannot fill the GPU (fewer than 2 per SM) and contexts can be
+    long; otherwise the merge kernel costs more than it saves. Splits aim at 4 programs per SM
+    and keep >= 256 tokens of capacity each (H200 sweep, benchmarks/results/
+    2026-12-04-kernel-attention-sweep.json: B=8 x 1024 MHA 51 -> 39 us with 2 splits, B=1 x
+    4096 best at 16). Static inputs only, so a captured graph's split count never changes
+    (short actual contexts leave the tail splits empty)."""
+    if max_ctx < 1024 or programs >= 2 * sms:
         return 1
-    sms = _num_sms(q.device.index if q.device.index is not None else torch.cuda.current_device())
-    if programs >= sms:
-        return 1
-    return max(1, min(triton.cdiv(2 * sms, programs), max_ctx // 512, 16))
+    return max(1, min(-(-4 * sms // programs), max_ctx // 256, 16))
 
 
 def paged_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
                            context_lens: Tensor, scale: float, out: Tensor,
-                           *, num_splits: int | None = None) -> None:
+                           *, num_splits: int | None = None, tuning: dict | None = None) -> None:
     # q:            [B, Hq, D]                          one new token per sequence
     # k/v_cache:    [num_blocks, block_size, Hkv, D]    one layer's paged cache, Hq % Hkv == 0
     # block_tables: int32 [B, max_blocks_per_seq]       entries past a sequence's blocks ignored
@@ -165,6 +169,7 @@ def paged_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_ta
     # out:          [B, Hq, D]                          written for every row
     # num_splits:   context splits (None = heuristic from static shapes); must stay fixed
     #               between graph capture and replay, which it does when left None.
+    # tuning:       {block_n, num_warps, num_stages} overrides, for benchmarks only.
     check(q.dim() == 3 and k_cache.dim() == 4 and v_cache.shape == k_cache.shape,
           f"expected q [B, Hq, D] and k/v caches [num_blocks, block_size, Hkv, D]; got "
           f"{tuple(q.shape)}, {tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
@@ -193,8 +198,19 @@ def paged_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_ta
     block_d = max(16, triton.next_power_of_2(D))
     # Tiles of 64 tokens amortise the loop overhead; never smaller than a page.
     block_n = max(triton.next_power_of_2(block_size), 64 if block_d <= 128 else 32)
+    warps, stages = 4, 2
+    if tuning:
+        block_n = tuning.get("block_n", block_n)
+        warps, stages = tuning.get("num_warps", warps), tuning.get("num_stages", stages)
+    check(block_n >= block_size, f"block_n ({block_n}) must be >= the page size ({block_size})")
     max_ctx = block_tables.shape[1] * block_size
-    splits = num_splits or _num_splits(q, B * Hkv, max_ctx, block_n)
+    if num_splits is None:
+        num_splits = 1
+        if q.device.type == "cuda":
+            dev = q.device.index if q.device.index is not None else torch.cuda.current_device()
+            num_splits = decode_num_splits(B * Hkv, max_ctx, _num_sms(dev))
+    check(num_splits >= 1, f"num_splits must be >= 1, got {num_splits}")
+    splits = num_splits
     if splits > 1:
         part_out = torch.empty(B, Hq, splits, D, dtype=torch.float32, device=q.device)
         part_lse = torch.empty(B, Hq, splits, dtype=torch.float32, device=q.device)
@@ -211,7 +227,7 @@ def paged_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_ta
         out.stride(0), out.stride(1),
         BLOCK_SIZE=block_size, BLOCK_N=block_n, BLOCK_G=block_g, BLOCK_D=block_d,
         NUM_SPLITS=splits,
-        num_warps=4, num_stages=2,
+        num_warps=warps, num_stages=stages,
     )
     if splits > 1:
         _merge_splits_kernel[(B, Hq)](

@@ -83,6 +83,34 @@ def ref_paged_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, bloc
     return out.reshape(B, Hq, D).to(q.dtype)
 
 
+
+def ref_prefill_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
+                          query_start: Tensor, context_lens: Tensor, scale: float) -> Tensor:
+    # q: [T, Hq, D] packed by sequence (sequence b owns rows query_start[b]..query_start[b+1]),
+    # k_cache/v_cache: [num_blocks, block_size, Hkv, D] with this step's K/V already written,
+    # block_tables: int [B, max_blocks], context_lens: int [B] (this chunk included)
+    # -> out [T, Hq, D] (q's dtype). Query j of sequence b sits at position
+    # context_lens[b] - n_q + j and attends to cache positions 0..that position. fp32 math,
+    # one sequence at a time (host ints: a reference, not the engine's CPU path).
+    T, Hq, D = q.shape
+    bs, Hkv = k_cache.shape[1], k_cache.shape[2]
+    G = Hq // Hkv
+    out = torch.zeros(T, Hq, D, dtype=torch.float32, device=q.device)
+    starts, ctxs = query_start.tolist(), context_lens.tolist()
+    for b, n_ctx in enumerate(ctxs):
+        lo, hi = starts[b], starts[b + 1]
+        if hi == lo:
+            continue
+        blocks = block_tables[b, :-(-n_ctx // bs)].to(device=q.device, dtype=torch.long)
+        k = k_cache[blocks].flatten(0, 1)[:n_ctx].float().repeat_interleave(G, dim=1)  # [N, Hq, D]
+        v = v_cache[blocks].flatten(0, 1)[:n_ctx].float().repeat_interleave(G, dim=1)
+        scores = torch.einsum("qhd,nhd->hqn", q[lo:hi].float(), k) * scale         # [Hq, nq, N]
+        pos = n_ctx - (hi - lo) + torch.arange(hi - lo, device=q.device)
+        visible = torch.arange(n_ctx, device=q.device)[None, :] <= pos[:, None]    # [nq, N]
+        probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
+        out[lo:hi] = torch.einsum("hqn,nhd->qhd", probs, v)
+    return out.to(q.dtype)
+
 # --- elementwise ops (RMSNorm, rotary, SiLU-and-mul): HF op order, also the engine's CPU path ---
 
 def ref_rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:

@@ -13,7 +13,7 @@ import torch
 from batchrun.config import EngineConfig
 from batchrun.engine.block_manager import SCRATCH_BLOCK, BlockManager
 from batchrun.engine.sequence import Sequence
-from batchrun.layers.attention import AttnMetadata
+from batchrun.layers.attention import AttnMetadata, query_start_tensor
 from batchrun.layers.backend import use_triton
 
 
@@ -113,7 +113,8 @@ class ModelRunner:
         dev = self.device
         meta = AttnMetadata(True, torch.tensor(slots, dtype=torch.long, device=dev),
                             table.to(dev), torch.tensor(ctx_lens, dtype=torch.int32, device=dev),
-                            query_lens=q_lens, context_lens_host=ctx_lens)
+                            query_lens=q_lens, context_lens_host=ctx_lens,
+                            query_start=query_start_tensor(q_lens, dev))
         # small prefills fuse too (no launches); big ones amortise shrink + expand launches
         fuse = use_triton(self._i64) and len(ids) <= self.config.lora_fused_max_tokens
         self._prepare_lora(lora, any(v >= 0 for v in lora), fuse=fuse)

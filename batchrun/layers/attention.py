@@ -4,9 +4,11 @@ KV cache layout per layer: [num_blocks, block_size, Hkv, D]. Block 0 is a scratc
 never given to a sequence: padded rows of a captured decode step write their K/V there.
 
 Prefill (possibly a chunk of a long prompt): each sequence's queries attend to its whole cached
-context (earlier chunks + this chunk), causally; done per sequence with torch SDPA on K/V
-gathered through the block table. Decode: one query per sequence, Triton paged kernel on CUDA,
-torch reference on CPU (same math; the engine's CPU path is torch by design).
+context (earlier chunks + this chunk), causally. On the Triton path (CUDA) one varlen kernel
+covers the step's packed tokens, reading K/V through the block table
+(kernels/prefill_attention.py); on CPU it is done per sequence with torch SDPA on K/V gathered
+through the block table (exact and fast enough there). Decode: one query per sequence, Triton
+paged kernel on CUDA, torch reference on CPU (same math; the engine's CPU path is torch by design).
 """
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ class AttnMetadata:
     # prefill only (host ints; prefill runs eagerly, never inside a graph):
     query_lens: list[int] | None = None
     context_lens_host: list[int] | None = None
+    query_start: torch.Tensor | None = None  # int32 [B + 1] on device: cumsum of query_lens
 
 
 class PagedAttention(nn.Module):
@@ -52,6 +55,19 @@ class PagedAttention(nn.Module):
         return out
 
     def _prefill(self, q: torch.Tensor, meta: AttnMetadata) -> torch.Tensor:
+        if use_triton(q):
+            from batchrun.kernels.prefill_attention import prefill_attention
+            if meta.query_start is None:
+                raise ValueError("AttnMetadata.query_start (int32 [B + 1], cumsum of query_lens) "
+                                 "is required for prefill on the Triton path; build it with "
+                                 "query_start_tensor(query_lens, device)")
+            out = torch.empty_like(q)
+            prefill_attention(q, self.k_cache, self.v_cache, meta.block_tables, meta.query_start,
+                              meta.context_lens, max(meta.query_lens), self.scale, out)
+            return out
+        return self._prefill_per_sequence(q, meta)
+
+    def _prefill_per_sequence(self, q: torch.Tensor, meta: AttnMetadata) -> torch.Tensor:
         block_size = self.k_cache.shape[1]
         outs, start = [], 0
         for i, (n_q, n_ctx) in enumerate(zip(meta.query_lens, meta.context_lens_host)):
@@ -64,6 +80,14 @@ class PagedAttention(nn.Module):
             outs.append(_causal_sdpa(qi, k, v, self.scale, n_ctx - n_q))
             start += n_q
         return torch.cat(outs, dim=0)
+
+
+def query_start_tensor(query_lens: list[int], device) -> torch.Tensor:
+    """int32 [B + 1]: where each sequence's rows start in the packed prefill tokens."""
+    starts = [0]
+    for n in query_lens:
+        starts.append(starts[-1] + n)
+    return torch.tensor(starts, dtype=torch.int32, device=device)
 
 
 def _causal_sdpa(q, k, v, scale, offset: int) -> torch.Tensor:

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from batchrun.kernels.paged_attention import paged_decode_attention
+from batchrun.kernels.paged_attention import decode_num_splits, paged_decode_attention
 from batchrun.kernels.reference import ref_paged_decode_attention
 from kernel_testutils import CPU_DTYPES, DEVICE, randn
 
@@ -65,6 +65,32 @@ def test_decode_attention(dtype, D, heads):
 def test_decode_attention_block_size_and_splits(block_size, num_splits):
     gen = torch.Generator().manual_seed(block_size + num_splits)
     run_and_check([130, 0, 5, 64, 200], 8, 2, 64, block_size, torch.float16, gen, num_splits=num_splits)
+
+
+@pytest.mark.parametrize("num_splits", [2, 5, 16])
+def test_decode_attention_split_kv_odd_contexts(num_splits):
+    # Flash-decoding splits over odd contexts: shorter than one tile, than one split's share,
+    # one token past a tile, long; empty splits and an empty row must merge to the right answer.
+    gen = torch.Generator().manual_seed(num_splits)
+    run_and_check([1, 7, 33, 0, 65, 257, 1001], 8, 2, 64, 16, torch.float32, gen,
+                  num_splits=num_splits, max_blocks=80)
+
+
+def test_decode_num_splits_heuristic():
+    sms = 132  # H200
+    # enough (sequence, kv head) programs to fill the GPU twice, or short capacity: no split
+    assert decode_num_splits(256 * 32, 4096, sms) == 1
+    assert decode_num_splits(2 * sms, 4096, sms) == 1
+    assert decode_num_splits(8, 512, sms) == 1
+    # small batches, long capacity: ~4 programs per SM, >= 256 tokens per split, at most 16
+    assert decode_num_splits(8 * 32, 4096, sms) == 3         # ceil(528 / 256)
+    assert decode_num_splits(8 * 8, 4096, sms) == 9
+    assert decode_num_splits(32, 4096, sms) == 16
+    assert decode_num_splits(8, 1024, sms) == 4              # capacity-bound
+    for programs in (1, 7, 64, 263):
+        for cap in (1024, 2048, 8192):
+            n = decode_num_splits(programs, cap, sms)
+            assert 2 <= n <= 16 and cap // n >= 256
 
 
 def test_decode_attention_gqa8_odd_head_dim():
