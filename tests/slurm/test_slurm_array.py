@@ -130,3 +130,39 @@ def test_scancel_one_task_mid_run_the_others_finish_its_units(tmp_path):
     subprocess.run(["scancel", "--signal=KILL", f"{jid}_0"], check=True)
     wait_gone([jid])
     every_id_once(out)
+
+
+def test_restart_script_resubmitted_resumes_instead_of_wiping(tmp_path):
+    job = make_job(tmp_path)
+    wait_gone([submit(job, 2, "r.sbatch", "--restart")])
+    out = tmp_path / "out"
+    every_id_once(out)
+    before = {p.name: p.stat().st_mtime_ns for p in out.glob("part-*.parquet")}
+    r = subprocess.run(["sbatch", str(tmp_path / "r.sbatch")], capture_output=True, text=True, check=True,
+                       env={**os.environ, "PYTHONPATH": str(REPO)})
+    wait_gone([r.stdout.split()[-1]])
+    every_id_once(out)
+    assert {p.name: p.stat().st_mtime_ns for p in out.glob("part-*.parquet")} == before  # nothing rewritten
+    assert "nothing to do: all 12 of its units were committed by an earlier run" in logs(out)
+
+
+def test_sigterm_from_slurm_exits_130_and_a_resubmission_resumes(tmp_path):
+    # What the script's `--signal=B:TERM@120` does at the time limit, delivered now with scancel:
+    # SIGTERM to the batch shell, which exec'd batchrun.
+    job = make_job(tmp_path)
+    jid = submit(job, 1, "t.sbatch")
+    out = tmp_path / "out"
+    deadline = time.time() + 120
+    while time.time() < deadline and not list((out / "_batchrun" / "commits").glob("unit-*")):
+        time.sleep(0.05)  # (glob of a missing directory is empty)
+    subprocess.run(["scancel", "--batch", "--signal=TERM", jid], check=True)
+    wait_gone([jid])
+    text = logs(out)
+    committed = len(list((out / "_batchrun" / "commits").glob("unit-*")))
+    if committed < ROWS // 4:  # stopped mid-run (not already done)
+        assert "exit 130" in text, text[-3000:]
+    r = subprocess.run(["sbatch", str(tmp_path / "t.sbatch")], capture_output=True, text=True, check=True,
+                       env={**os.environ, "PYTHONPATH": str(REPO), "BATCHRUN_CLAIM_LEASE": "3"})
+    wait_gone([r.stdout.split()[-1]])
+    every_id_once(out)
+    assert f"({committed} already committed)" in logs(out) or committed == ROWS // 4
