@@ -43,6 +43,13 @@ def slurm_task_defaults() -> tuple[int | None, int | None]:
     return (tid - tmin) // step, _env_int("SLURM_ARRAY_TASK_COUNT")
 
 
+def worker_name(task_id: int) -> str:
+    """Lock/temp/metrics name of this worker: the task id, plus the array job id inside a Slurm
+    array (two arrays joining one output directory both have a task 0; a requeue keeps its name)."""
+    job = os.environ.get("SLURM_ARRAY_JOB_ID", "").strip()
+    return f"{task_id}-j{job}" if job.isdigit() else str(task_id)
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]}, epilog=EXIT_CODES_HELP)
 @click.version_option(package_name="batchrun")
 def main():
@@ -54,7 +61,8 @@ def main():
 @click.option("--task-id", type=click.IntRange(min=0), default=None,
               help="This task's index, 0-based. Default: from SLURM_ARRAY_TASK_ID (minus SLURM_ARRAY_TASK_MIN), else 0.")
 @click.option("--num-tasks", type=click.IntRange(min=1), default=None,
-              help="How many tasks share the job. Default: SLURM_ARRAY_TASK_COUNT, else 1.")
+              help="How many workers are expected: a hint for where this one starts claiming units (any "
+                   "number of workers may join one output dir). Default: SLURM_ARRAY_TASK_COUNT, else 1.")
 @click.option("--restart", is_flag=True,
               help="Discard a previous run's outputs in output.path and start over (needed when the job changed).")
 @click.option("--restart-token", default=None, metavar="TOKEN",
@@ -68,11 +76,21 @@ def main():
               help="Seconds between progress lines in log mode.")
 @click.option("--verbose", is_flag=True, help="In log mode, also one line per committed unit.")
 @click.option("--no-progress", is_flag=True, help="Same as --progress none (the summary is still printed).")
-def run(job, task_id, num_tasks, restart, restart_token, progress, log_interval, verbose, no_progress):
+@click.option("--claim-lease", type=click.FloatRange(min=0.0, min_open=True), default=None, metavar="S",
+              help="Seconds a unit claim lives without renewal before another worker may take the unit over "
+                   "(default: $BATCHRUN_CLAIM_LEASE, else 120).")
+@click.option("--workers", type=click.IntRange(min=1), default=None,
+              help="Run N worker processes on this node over the same unit claims (CPU workers unless --gpus).")
+@click.option("--gpus", default=None, metavar="0,1,...|all",
+              help="One worker per listed GPU (CUDA_VISIBLE_DEVICES=that id); 'all' = every visible GPU.")
+def run(job, task_id, num_tasks, restart, restart_token, progress, log_interval, verbose, no_progress,
+        claim_lease, workers, gpus):
     """Run JOB (a job.yaml), or this task's share of it; resumes a previous run."""
     from batchrun.job import load_job
     from batchrun.runner import run_job
 
+    if (workers is not None or gpus is not None) and (task_id is not None or num_tasks is not None):
+        _fail(ExitCode.USAGE, "--workers/--gpus start their own tasks 0..N-1: drop --task-id/--num-tasks")
     env_tid, env_n = slurm_task_defaults()
     task_id = task_id if task_id is not None else (env_tid or 0)
     num_tasks = num_tasks if num_tasks is not None else (env_n or 1)
@@ -81,10 +99,24 @@ def run(job, task_id, num_tasks, restart, restart_token, progress, log_interval,
               "(with a Slurm array of non-contiguous ids, pass --task-id/--num-tasks explicitly)")
     held = []
     try:
+        from batchrun.claims import lease_from_env
+        claim_lease = lease_from_env(claim_lease)
+    except ValueError as e:
+        _fail(ExitCode.USAGE, str(e))
+    if workers is not None or gpus is not None:
+        _run_workers(job, workers, gpus, restart, restart_token, log_interval, claim_lease)
+    try:
+        from batchrun.workers import GPU_ENV, check_worker_device
+        if os.environ.get(GPU_ENV):
+            check_worker_device()
+    except ConfigError as e:
+        _fail(ExitCode.CONFIG, str(e))
+    try:
         spec = load_job(job)
         stats = run_job(spec, task_id, num_tasks, restart=restart, progress="none" if no_progress else progress,
                         log=lambda m: click.echo(m, err=True), log_interval=log_interval, verbose=verbose,
-                        on_stats=held.append, restart_token=restart_token)
+                        on_stats=held.append, restart_token=restart_token, worker=worker_name(task_id),
+                        claim_lease=claim_lease)
     except BaseException as e:
         if isinstance(e, SystemExit):
             raise
@@ -103,6 +135,26 @@ def run(job, task_id, num_tasks, restart, restart_token, progress, log_interval,
         _fail(code, str(e))
     _summary(spec, stats)
     _summary_block(stats, ExitCode.OK, "done")
+
+
+def _run_workers(job, workers, gpus, restart, restart_token, log_interval, claim_lease):
+    """--workers/--gpus: the parent of N `batchrun run` workers; exits with the worst of their codes."""
+    import uuid
+    from batchrun import workers as wk
+    from batchrun.job import load_job
+    if any(os.environ.get(v) for v in ("BATCHRUN_WORKER_GPU",)):
+        _fail(ExitCode.USAGE, "--workers/--gpus inside a worker: nested worker pools are not supported")
+    try:
+        spec = load_job(job)
+        devices = wk.pick_gpus(gpus, workers, wk.visible_gpus() if gpus is not None else [])
+    except ConfigError as e:
+        _fail(ExitCode.CONFIG if not str(e).startswith("--") else ExitCode.USAGE, str(e))
+    args = ["run", job, "--progress", "none", "--claim-lease", str(claim_lease)]
+    if restart or restart_token:  # restart once for the whole pool, not once per worker
+        args += ["--restart-token", restart_token or uuid.uuid4().hex[:16]]
+    code = wk.run_workers(wk.worker_command() + args, devices, spec.output.path,
+                          log=lambda m: click.echo(m, err=True), interval=log_interval)
+    sys.exit(code)
 
 
 def _summary_block(st, code, what: str) -> None:

@@ -7,6 +7,7 @@
         restarting.json            only while a --restart is deleting the previous run (crash-safe)
         plan/                      plan.json + row_file.npy + row_index.npy
         commits/unit-000000.json   one marker per committed unit (rows, errors, tokens)
+        claims/unit-000000         a worker's claim on a unit in flight (batchrun/claims.py)
         tmp/task-0/                part files being written (never visible in the dataset)
         locks/task-0.lock          one fcntl lock per task id
         metrics.json               totals over all committed units + each task's last run
@@ -78,6 +79,13 @@ class OutputDir:
     @property
     def commits(self) -> str:
         return os.path.join(self.meta, "commits")
+
+    @property
+    def claims(self) -> str:
+        return os.path.join(self.meta, "claims")
+
+    def claim(self, unit: int) -> str:
+        return os.path.join(self.claims, f"unit-{unit:06d}")
 
     @property
     def locks(self) -> str:

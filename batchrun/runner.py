@@ -1,4 +1,5 @@
-"""Run one task of a job: every uncommitted unit of this task, base shard first, then adapters.
+"""Run one worker of a job: claim uncommitted units (batchrun/claims.py) and run them, base shard
+first, then adapters; any number of workers may share one output directory.
 
 Three threads: the feeder (``feeder.py``) reads and tokenizes the next units ahead of the GPU;
 the engine thread (this one, which also takes the signals) streams their requests through
@@ -18,18 +19,21 @@ from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Iterable
 
+import numpy as np
+
 from batchrun import commit
+from batchrun.claims import UnitClaims
 from batchrun.commit import check_part, read_commits
 from batchrun.engine.request import Result
 from batchrun.errors import ConfigError, OutputIOError, io_message
-from batchrun.feeder import END as FEED_END, Feeder, UnitSource
+from batchrun.feeder import END as FEED_END, FLUSH, Feeder, UnitSource
 from batchrun.interrupt import Interrupted, Signals
 from batchrun.inputs import RowReader
 from batchrun.job import JobSpec
 from batchrun.lock import TaskLock
 from batchrun.metrics import write_metrics
 from batchrun.output import OutputDir
-from batchrun.plan import Unit, engine_groups, group_rows, task_units
+from batchrun.plan import Unit, assign_tasks, engine_groups, group_rows
 from batchrun.progress import Progress
 from batchrun.prepare import Prepared, prepare
 from batchrun.rows import UnitWork, arrow_columns, build_unit, input_columns, unit_table
@@ -47,10 +51,13 @@ class TaskStats:
     task_id: int
     num_tasks: int
     status: str = "running"  # running | done | interrupted | failed
-    units_total: int = 0  # this task's units
-    units_skipped: int = 0  # committed by an earlier run
+    units_total: int = 0  # the job's units (any worker may run any of them)
+    units_skipped: int = 0  # committed before this run started (by an earlier run or another worker)
     units_done: int = 0  # committed by this run
     units_repaired: int = 0  # committed earlier, but the part file was missing/damaged: rewritten
+    units_lost: int = 0  # finished after another worker took over its expired claim: discarded
+    units_taken_over: int = 0  # claims of other workers that had expired (dead, killed) and this one took
+    worker: str = ""  # lock / temp-dir / metrics name (the task id, plus the Slurm array job id)
     rows: int = 0
     error_rows: int = 0
     prompt_tokens: int = 0
@@ -92,13 +99,16 @@ def load_engine(spec: JobSpec):
 class TaskRunner:
     def __init__(self, prep: Prepared, task_id: int, num_tasks: int, engine_factory: Callable,
                  progress: bool | str = True, log=print, log_interval: float = 30.0, verbose: bool = False,
-                 started: float | None = None):
+                 started: float | None = None, worker: str | None = None, claim_lease: float | None = None):
         self.prep, self.spec, self.out, self.plan = prep, prep.spec, prep.out, prep.plan
         self.task_id, self.num_tasks = task_id, num_tasks
         self.engine_factory = engine_factory
         self.mode = {True: "auto", False: "none"}.get(progress, progress)
         self.log, self.log_interval, self.verbose = log, log_interval, verbose
-        self.stats = TaskStats(task_id, num_tasks)
+        self.worker = worker or str(task_id)
+        self.claim_lease = claim_lease
+        self.claims: UnitClaims | None = None
+        self.stats = TaskStats(task_id, num_tasks, worker=self.worker)
         if started is not None:
             self.stats.started = started
         self.signals = Signals()
@@ -110,7 +120,7 @@ class TaskRunner:
     def _finish(self, work: UnitWork) -> None:
         table = unit_table(work, self.plan.input_schema.id_type)
         errors = sum(r.finish_reason == "error" for r in work.results)
-        info = {"task": self.task_id, "adapter": work.unit.adapter, "rows": work.unit.rows,
+        info = {"task": self.task_id, "worker": self.worker, "adapter": work.unit.adapter, "rows": work.unit.rows,
                 "error_rows": errors,
                 "prompt_tokens": sum(r.prompt_tokens for r in work.results),
                 "output_tokens": sum(len(r.output_token_ids) for r in work.results),
@@ -119,12 +129,21 @@ class TaskRunner:
         t0 = time.time()
         with self._commit_guard():
             try:
-                written = commit.write_part(self.out, self.task_id, unit, table)
+                written = commit.write_part(self.out, self.worker, unit, table)
+                if self.claims is not None and not self.claims.still_mine(unit):
+                    os.remove(written.tmp)  # our lease expired and another worker took the unit over
+                    self.claims.release(unit, committed=False)
+                    self.stats.units_lost += 1
+                    self.log(f"task {self.task_id}/{self.num_tasks}: unit {unit} was taken over by another "
+                             "worker (this worker's claim expired); its result is discarded")
+                    return
                 commit.publish_part(self.out, unit, written.tmp)
                 info.update(commit.part_record(self.out, unit, written, self.prep.fingerprint))
                 commit.record_commit(self.out, unit, info)
             except OSError as e:  # disk full, read-only, quota: the unit stays uncommitted
                 raise OutputIOError(io_message(e, f"cannot commit unit {unit}")) from None
+            if self.claims is not None:
+                self.claims.release(unit)
         st = self.stats
         with self._lock:
             st.writing_s += time.time() - t0
@@ -178,7 +197,7 @@ class TaskRunner:
     # ---- main loop --------------------------------------------------------------------------
 
     def _verified_commits(self, mine: list[Unit]) -> set[int]:
-        """This task's units whose marker is readable and whose part file is the one it recorded.
+        """The units whose marker is readable and whose part file is the one it recorded.
 
         A unit with a missing, truncated or changed part (or an unreadable marker) loses its
         marker here (markers go before parts, as in a restart) and is run again.
@@ -202,36 +221,46 @@ class TaskRunner:
             self.stats.units_repaired += 1
         return False
 
+    def _home(self) -> int:
+        """Where this worker starts claiming: its contiguous share for the --num-tasks hint."""
+        if not self.plan.units:
+            return 0
+        tasks = assign_tasks(self.plan, self.num_tasks)
+        return int(min(np.searchsorted(tasks, self.task_id), len(tasks) - 1))
+
     def run(self) -> TaskStats:
         st = self.stats
-        mine = task_units(self.plan, self.task_id, self.num_tasks)
-        done = self._verified_commits(mine)
-        todo = [u for u in mine if u.index not in done]
-        st.units_total, st.units_skipped = len(mine), len(mine) - len(todo)
-        tmp_dir = self.out.tmp(self.task_id)
-        shutil.rmtree(tmp_dir, ignore_errors=True)  # leftovers of a killed run of this task
+        units = self.plan.units
+        done = self._verified_commits(units)
+        todo = [u for u in units if u.index not in done]
+        st.units_total, st.units_skipped = len(units), len(done)
+        tmp_dir = self.out.tmp(self.worker)
+        shutil.rmtree(tmp_dir, ignore_errors=True)  # leftovers of a killed run of this worker
         os.makedirs(tmp_dir, exist_ok=True)
         os.makedirs(self.out.commits, exist_ok=True)
+        name = f"task {self.task_id}/{self.num_tasks}"
         try:
             self.signals.install()
             if not todo:
-                if mine:
-                    self.log(f"task {self.task_id}/{self.num_tasks}: nothing to do: all {len(mine)} of its units "
-                             "were committed by an earlier run")
-                else:
-                    self.log(f"task {self.task_id}/{self.num_tasks}: nothing to do: the job has only "
-                             f"{len(self.plan.units)} work unit(s), fewer than {self.num_tasks} tasks, and none "
-                             "fell to this task (use fewer tasks, or a smaller input.rows_per_unit)")
+                self.log(f"{name}: nothing to do: all {len(units)} of its units were committed by an earlier run")
                 st.status = "done"
                 return st
-            self.log(f"task {self.task_id}/{self.num_tasks}: {len(todo)} of {len(mine)} units to run "
-                     f"({st.units_skipped} already committed), {sum(u.rows for u in todo)} rows")
+            self.log(f"{name}: {len(todo)} of {len(units)} units to run ({st.units_skipped} already committed), "
+                     f"{sum(u.rows for u in todo)} rows; claimed one at a time, shared with any other worker")
             unknown = [u for u in todo if not u.known]
             if unknown and self.spec.on_error == "fail":  # known from the plan: fail before loading weights
                 names = sorted({u.adapter for u in unknown})
                 raise RowFailure(f"{sum(u.rows for u in unknown)} row(s) name adapters that are not configured "
                                  f"({', '.join(map(repr, names))}; configured: {', '.join(self.spec.adapters) or 'none'}). "
                                  "The job stopped (on_error: fail). Add them under adapters:, or set on_error: skip.")
+            self.claims = UnitClaims(self.out, units, self.worker, start=self._home(), done=done,
+                                     lease_s=self.claim_lease, log=self.log)
+            claimed = iter(self.claims)
+            first = next((u for u in claimed if u is not None), None)  # waits while others hold every unit
+            if first is None:
+                self.log(f"{name}: nothing to do: other workers committed the remaining units")
+                st.status = "done"
+                return st
             t0 = time.time()
             engine = self.engine_factory(self.spec)
             st.model_load_s = time.time() - t0
@@ -239,7 +268,7 @@ class TaskRunner:
             if self.mode != "none":
                 self.progress = Progress(self.mode, f"task {self.task_id}/{self.num_tasks}", sum(u.rows for u in todo),
                                          len(todo), self.log, self.log_interval, self.verbose)
-            self._run_units(engine, todo)
+            self._run_units(engine, _chain(first, claimed))
             st.status = "done"
         except Interrupted:
             st.status = "interrupted"
@@ -248,6 +277,9 @@ class TaskRunner:
             st.status = "failed"
             raise
         finally:
+            if self.claims is not None:
+                self.claims.close()  # gives back the units not committed
+                st.units_taken_over = self.claims.stolen
             if self.progress is not None:
                 self.progress.close()
             self.signals.restore()
@@ -257,7 +289,8 @@ class TaskRunner:
         return st
 
     def _run_units(self, engine, todo: Iterable[Unit]) -> None:
-        """Stream ``todo`` (any iterable, consumed lazily and in order) through the engine."""
+        """Stream ``todo`` (any iterable, consumed lazily and in order; ``None`` items = the claims
+        wait on other workers, see feeder.FLUSH) through the engine."""
         spec = self.spec
         _settle_tokenizer(engine.tokenizer)
         reader = RowReader(self.plan.files, input_columns(spec, self.plan), arrow_columns=arrow_columns(self.plan))
@@ -340,7 +373,11 @@ class TaskRunner:
             group: list[UnitWork] = [carry] if carry is not None else []
             carry = None
             while True:
-                work = source.get(wait=True)
+                work = source.get(wait=True, flush=True)
+                if work is FLUSH:  # the claims wait on other workers: run what this worker holds
+                    if group:
+                        break
+                    continue
                 if work is FEED_END:
                     break
                 if group and len(engine_groups([w.unit for w in group] + [work.unit], cap, max_loras)) > 1:
@@ -362,7 +399,7 @@ class TaskRunner:
     def _write_metrics(self) -> None:
         try:
             this_run = {**asdict(self.stats), "output_tok_per_s": self.stats.output_tok_per_s}
-            write_metrics(self.out, self.task_id, this_run, len(self.plan.units), self.plan.total_rows)
+            write_metrics(self.out, self.worker, this_run, len(self.plan.units), self.plan.total_rows)
         except OSError as e:  # metrics must never turn a finished run into a failed one
             self.log(f"warning: could not write metrics: {e}")
 
@@ -378,23 +415,33 @@ def _settle_tokenizer(tokenizer) -> None:
         tokenizer(["a"])
 
 
+def _chain(first, rest):
+    yield first
+    yield from rest
+
+
 def run_job(spec: JobSpec, task_id: int = 0, num_tasks: int = 1, restart: bool = False,
             engine_factory: Callable | None = None, progress: bool | str = True, log=print,
             log_interval: float = 30.0, verbose: bool = False, on_stats: Callable | None = None,
-            restart_token: str | None = None) -> TaskStats:
+            restart_token: str | None = None, worker: str | None = None,
+            claim_lease: float | None = None) -> TaskStats:
     """Validate + plan (no weights), take this task's lock, run its units. Raises on failure.
 
     ``progress``: auto | bar | log | none (True = auto, False = none). ``on_stats`` receives the
     task's TaskStats as soon as it exists, so a caller can report on a run that then fails.
+    ``task_id``/``num_tasks`` only pick where the worker starts claiming; ``worker`` (default: the
+    task id) names its lock, temp dir and metrics file, so two arrays' task 0s do not collide.
     """
     if not 0 <= task_id < num_tasks:
         raise ConfigError(f"--task-id must be in [0, {num_tasks}), got {task_id}")
     started = time.time()
     prep = prepare(spec, restart=restart, log=log, restart_token=restart_token)
-    lock = TaskLock(prep.out.lock(task_id), f"task {task_id} of {prep.out.path}")
+    worker = worker or str(task_id)
+    lock = TaskLock(prep.out.lock(worker), f"task {worker} of {prep.out.path}")
     with lock:
         runner = TaskRunner(prep, task_id, num_tasks, engine_factory or load_engine, progress=progress, log=log,
-                            log_interval=log_interval, verbose=verbose, started=started)
+                            log_interval=log_interval, verbose=verbose, started=started, worker=worker,
+                            claim_lease=claim_lease)
         if on_stats is not None:
             on_stats(runner.stats)
         return runner.run()

@@ -16,11 +16,13 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import batchrun.commit as commit  # noqa: E402
 import batchrun.runner as runner  # noqa: E402
+import batchrun.workers as workers  # noqa: E402
 from fake_engine import FakeEngine  # noqa: E402
 
 
 def install(crash_at: str = "") -> None:
     runner.load_engine = FakeEngine.from_spec
+    workers.worker_command = lambda: [sys.executable, os.path.abspath(__file__)]  # --workers children: fake too
     point, _, count = crash_at.partition(":")
     if not point:
         return

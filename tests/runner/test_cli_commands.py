@@ -107,7 +107,8 @@ def test_slurm_array_env_defaults(monkeypatch, make_job, tmp_path):
     monkeypatch.setenv("SLURM_ARRAY_TASK_STEP", "1")
     monkeypatch.setenv("SLURM_ARRAY_TASK_COUNT", "2")
     r = cli("run", make_job(demo_rows(12)), "--no-progress")
-    assert r.exit_code == 0 and "task 1/2" in r.output and "other tasks' units still pending" in r.output
+    # since #14 units are claimed dynamically: task 1 of 2, alone, runs the whole job
+    assert r.exit_code == 0 and "task 1/2: 3 unit(s) written" in r.output and "job: 3/3 units" in r.output
 
 
 def test_slurm_siblings_restart_only_once(monkeypatch, make_job, tmp_path):

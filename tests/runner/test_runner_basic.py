@@ -138,19 +138,27 @@ def test_changed_job_is_refused_unless_restart(make_job, tmp_path):
 
 
 def test_two_tasks_write_disjoint_units_covering_every_row(make_job, tmp_path):
+    # Units are claimed dynamically (#14): two tasks running at once share them; one task alone
+    # runs everything, so the second one, started after, has nothing left.
+    from fault_helpers import assert_every_id_once
+    from runner_helpers import fork_cli
     job = make_job(demo_rows(30))
-    s0 = run(job, task_id=0, num_tasks=2)
-    part0 = set(os.listdir(tmp_path / "out"))
-    s1 = run(job, task_id=1, num_tasks=2)
-    assert s0.units_total + s1.units_total == 9 and s0.units_done and s1.units_done
+    procs = [fork_cli(["run", job, "--no-progress", "--task-id", t, "--num-tasks", 2],
+                      env={"FAKE_ENGINE_SLEEP": "0.03", "BATCHRUN_CLAIM_LEASE": "2"}) for t in (0, 1)]
+    for p in procs:
+        p.join(60)
+    assert [p.exitcode for p in procs] == [0, 0]
     commits = [json.loads(p.read_text()) for p in (tmp_path / "out" / "_batchrun" / "commits").iterdir()]
     by_task = {t: {c["unit"] for c in commits if c["task"] == t} for t in (0, 1)}
+    assert by_task[0] and by_task[1] and len(commits) == 9
     assert by_task[0].isdisjoint(by_task[1]) and by_task[0] | by_task[1] == set(range(9))
-    assert {f"part-{u:06d}.parquet" for u in by_task[0]} == part0 - {"_batchrun"}
-    ids = [r["id"] for r in read_output(tmp_path / "out").to_pylist()]
-    assert sorted(ids) == list(range(30))
+    assert 0 in by_task[0] and 8 in by_task[1]  # each starts at its share of the --num-tasks hint
+    assert_every_id_once(tmp_path / "out")
     metrics = json.loads((tmp_path / "out" / "_batchrun" / "metrics.json").read_text())
     assert set(metrics["tasks"]) == {"task-0", "task-1"} and metrics["complete"]
+    assert os.listdir(tmp_path / "out" / "_batchrun" / "claims") == []  # every claim released
+    later = run(job, task_id=1, num_tasks=2)
+    assert (later.units_done, later.units_skipped, later.units_total) == (0, 9, 9)
 
 
 def test_task_id_out_of_range(make_job):

@@ -115,14 +115,15 @@ def test_lock_stops_a_second_run_of_the_same_task(make_job, tmp_path):
     second = fork_cli(task0)
     second.join(60)
     assert second.exitcode == ExitCode.LOCKED
+    # --restart refuses to wipe while a run is active (checked before `other`: since #14 a worker
+    # waits for the other workers' live claims, so `other` ends only after `first` is done)
+    restart = fork_cli(["run", job, "--no-progress", "--restart"])
+    restart.join(60)
+    assert restart.exitcode == ExitCode.LOCKED
     # another task of the same job is not blocked by task 0's lock
     other = fork_cli(["run", job, "--no-progress", "--task-id", "1", "--num-tasks", "2"])
     other.join(60)
     assert other.exitcode == 0
-    # --restart refuses to wipe while a run is active
-    restart = fork_cli(["run", job, "--no-progress", "--restart"])
-    restart.join(60)
-    assert restart.exitcode == ExitCode.LOCKED
     first.join(60)
     assert first.exitcode == 0
     check_dataset(out, complete=True)

@@ -1,0 +1,168 @@
+"""batchrun against a real single-node Slurm (scripts/slurm-ci.sh start; .ci/run does it in CI).
+
+Skipped with a message where no Slurm answers, except in CI (CI=true), where that fails.
+The demo model on the CPU engine, 48 rows (12 units); `--gpus-per-task 0`, small --mem/--cpus.
+"""
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+ROWS = 48
+
+
+def _slurm_up() -> str | None:
+    if shutil.which("sbatch") is None:
+        return "sbatch is not on PATH"
+    r = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True, timeout=20)
+    if r.returncode != 0 or "idle" not in r.stdout and "mix" not in r.stdout:
+        return f"no idle Slurm node (sinfo: {r.stdout.strip() or r.stderr.strip()})"
+    return None
+
+
+@pytest.fixture(scope="module", autouse=True)
+def slurm():
+    why = _slurm_up()
+    if why:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"CI=true but Slurm is not running: {why} (.ci/run starts it with scripts/slurm-ci.sh)")
+        pytest.skip(f"no Slurm here ({why}); start one with `scripts/slurm-ci.sh install && "
+                    "scripts/slurm-ci.sh start` and `eval $(scripts/slurm-ci.sh env)`")
+
+
+def make_job(tmp_path: Path) -> Path:
+    demo = pq.read_table(REPO / "demo" / "data" / "prompts.parquet").to_pylist()
+    rows = [{**demo[i % len(demo)], "id": f"r{i:03d}"} for i in range(ROWS)]
+    (tmp_path / "data").mkdir()
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "data" / "in.parquet")
+    job = yaml.safe_load((REPO / "jobs" / "demo.yaml").read_text())
+    job["model"] = str(REPO / "demo" / "model")
+    job["adapters"] = {k: str(REPO / "demo" / "adapters" / k) for k in job["adapters"]}
+    job["input"]["path"] = "data/in.parquet"
+    job["input"]["id_column"] = "id"
+    job["output"]["path"] = "out"
+    job["engine"]["device"] = "cpu"
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(job))
+    return path
+
+
+def submit(job: Path, array: int, script: str, *extra) -> str:
+    r = subprocess.run([sys.executable, "-m", "batchrun", "slurm", str(job), "--array", str(array),
+                        "--gpus-per-task", "0", "--cpus", "1", "--mem", "1G", "--time", "00:10:00",
+                        "--script", str(job.parent / script), "--submit", *extra],
+                       capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "PYTHONPATH": str(REPO), "BATCHRUN_CLAIM_LEASE": "3"})
+    assert r.returncode == 0, r.stderr
+    line = [ln for ln in r.stdout.splitlines() if ln.startswith("Submitted batch job")]
+    assert line, r.stdout
+    return line[0].split()[-1]
+
+
+def wait_gone(job_ids, timeout=150.0) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        r = subprocess.run(["squeue", "-h", "-j", ",".join(job_ids), "-o", "%i"], capture_output=True, text=True)
+        if r.returncode == 0 and not r.stdout.strip():
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"Slurm jobs {job_ids} still queued/running after {timeout}s")
+
+
+def every_id_once(out: Path) -> None:
+    import pyarrow.dataset as ds
+    parts = sorted(str(p) for p in out.glob("part-*.parquet"))
+    ids = ds.dataset(parts, format="parquet").to_table(columns=["id"]).column("id").to_pylist()
+    assert sorted(ids) == [f"r{i:03d}" for i in range(ROWS)], (len(ids), len(set(ids)))
+    r = subprocess.run([sys.executable, "-m", "batchrun", "verify", str(out)], capture_output=True, text=True,
+                       env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def logs(out: Path) -> str:
+    return "\n".join(p.read_text() for p in sorted((out / "_batchrun" / "slurm").glob("*.out")))
+
+
+def test_array_of_4_submitted_finishes_every_id_once(tmp_path):
+    job = make_job(tmp_path)
+    jid = submit(job, 4, "a.sbatch")
+    wait_gone([jid])
+    out = tmp_path / "out"
+    every_id_once(out)
+    assert logs(out).count("batchrun: summary task") == 4, logs(out)[-3000:]
+    assert os.listdir(out / "_batchrun" / "claims") == []
+
+
+def test_a_second_array_of_another_size_joins_a_running_one(tmp_path):
+    job = make_job(tmp_path)
+    a = submit(job, 2, "a.sbatch")
+    b = submit(job, 3, "b.sbatch")  # other --array count, same output dir, at the same time
+    wait_gone([a, b])
+    out = tmp_path / "out"
+    every_id_once(out)
+    text = logs(out)
+    assert text.count("exit 0 (done)") == 5, text[-3000:]
+    markers = [json.loads(p.read_text()) for p in (out / "_batchrun" / "commits").glob("unit-*.json")]
+    assert len(markers) == ROWS // 4
+
+
+def test_scancel_one_task_mid_run_the_others_finish_its_units(tmp_path):
+    job = make_job(tmp_path)
+    jid = submit(job, 3, "a.sbatch")
+    out = tmp_path / "out"
+    deadline = time.time() + 120
+    while time.time() < deadline:  # cancel task 0 once it holds a claim
+        claims = [json.loads(p.read_text() or "{}") for p in (out / "_batchrun" / "claims").glob("unit-*")] \
+            if (out / "_batchrun" / "claims").is_dir() else []
+        if any(c.get("worker", "").startswith("0-") for c in claims) or (out / "_batchrun" / "commits").is_dir() \
+                and len(list((out / "_batchrun" / "commits").glob("unit-*"))) >= 2:
+            break
+        time.sleep(0.05)
+    subprocess.run(["scancel", "--signal=KILL", f"{jid}_0"], check=True)
+    wait_gone([jid])
+    every_id_once(out)
+
+
+def test_restart_script_resubmitted_resumes_instead_of_wiping(tmp_path):
+    job = make_job(tmp_path)
+    wait_gone([submit(job, 2, "r.sbatch", "--restart")])
+    out = tmp_path / "out"
+    every_id_once(out)
+    before = {p.name: p.stat().st_mtime_ns for p in out.glob("part-*.parquet")}
+    r = subprocess.run(["sbatch", str(tmp_path / "r.sbatch")], capture_output=True, text=True, check=True,
+                       env={**os.environ, "PYTHONPATH": str(REPO)})
+    wait_gone([r.stdout.split()[-1]])
+    every_id_once(out)
+    assert {p.name: p.stat().st_mtime_ns for p in out.glob("part-*.parquet")} == before  # nothing rewritten
+    assert "nothing to do: all 12 of its units were committed by an earlier run" in logs(out)
+
+
+def test_sigterm_from_slurm_exits_130_and_a_resubmission_resumes(tmp_path):
+    # What the script's `--signal=B:TERM@120` does at the time limit, delivered now with scancel:
+    # SIGTERM to the batch shell, which exec'd batchrun.
+    job = make_job(tmp_path)
+    jid = submit(job, 1, "t.sbatch")
+    out = tmp_path / "out"
+    deadline = time.time() + 120
+    while time.time() < deadline and not list((out / "_batchrun" / "commits").glob("unit-*")):
+        time.sleep(0.05)  # (glob of a missing directory is empty)
+    subprocess.run(["scancel", "--batch", "--signal=TERM", jid], check=True)
+    wait_gone([jid])
+    text = logs(out)
+    committed = len(list((out / "_batchrun" / "commits").glob("unit-*")))
+    if committed < ROWS // 4:  # stopped mid-run (not already done)
+        assert "exit 130" in text, text[-3000:]
+    r = subprocess.run(["sbatch", str(tmp_path / "t.sbatch")], capture_output=True, text=True, check=True,
+                       env={**os.environ, "PYTHONPATH": str(REPO), "BATCHRUN_CLAIM_LEASE": "3"})
+    wait_gone([r.stdout.split()[-1]])
+    every_id_once(out)
+    assert f"({committed} already committed)" in logs(out) or committed == ROWS // 4
