@@ -39,6 +39,7 @@ from batchrun.prepare import Prepared, prepare
 from batchrun.rows import UnitWork, arrow_columns, build_unit, input_columns, unit_table
 from batchrun.writer import Writer
 
+FEEDER_AHEAD_BATCHES = 2  # the feeder reads and claims at most this many engine batches of rows ahead
 WRITER_QUEUE_UNITS = 4  # finished units that may wait for the writer before the engine thread blocks
 
 
@@ -316,7 +317,9 @@ class TaskRunner:
         pending: dict[int, UnitWork] = {}
         streams = hasattr(engine, "generate_stream")
         writer = Writer(self._finish, WRITER_QUEUE_UNITS, inline=not streams).start()
-        feeder = Feeder(todo, build, ahead_rows=group_rows(spec.engine.max_num_seqs)).start()
+        # claims go ahead of the engine only this far: enough to refill its batch, little enough that
+        # other workers of the output dir still find units (and bounded memory)
+        feeder = Feeder(todo, build, ahead_rows=FEEDER_AHEAD_BATCHES * spec.engine.max_num_seqs).start()
         shard = [object()]
 
         def on_unit(work: UnitWork) -> None:  # on the engine thread, as the unit's requests go out

@@ -1,5 +1,5 @@
-"""#13 on CUDA: the counter-based noise is the same on GPU as on CPU (so a job reproduces across
-device kinds' batch shapes), and penalties/logprobs/stop strings/n run through the graph path."""
+"""#13 on CUDA: the counter-based noise is the same on GPU as on CPU up to the last bits of
+float64 log (the integer hash is exact; CUDA's and libm's log differ by ulps), and penalties/logprobs/stop strings/n run through the graph path."""
 import pytest
 import torch
 
@@ -17,7 +17,9 @@ def test_noise_matches_cpu():
     steps = torch.tensor([0, 5, 999], dtype=torch.int64)
     cpu = exponential_noise(seeds, steps, 151_936)
     gpu = exponential_noise(seeds.cuda(), steps.cuda(), 151_936).cpu()
-    assert torch.equal(cpu, gpu)
+    # H200 run at e0df65e: torch.equal was False, the values agree to ~1e-16 relative: log's ulps
+    assert torch.allclose(cpu, gpu, rtol=1e-13, atol=0)
+    assert torch.equal(cpu.argmin(dim=1), gpu.argmin(dim=1))
 
 
 def test_sampled_tokens_match_cpu():

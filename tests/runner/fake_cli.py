@@ -21,7 +21,11 @@ from fake_engine import FakeEngine  # noqa: E402
 
 
 def install(crash_at: str = "") -> None:
-    runner.load_engine = FakeEngine.from_spec
+    if os.environ.get("FAKE_ENGINE_STREAM"):  # the streaming runner path (feeder + writer threads)
+        from stream_fake import StreamingFakeEngine
+        runner.load_engine = StreamingFakeEngine.from_spec
+    else:
+        runner.load_engine = FakeEngine.from_spec
     workers.worker_command = lambda: [sys.executable, os.path.abspath(__file__)]  # --workers children: fake too
     point, _, count = crash_at.partition(":")
     if not point:

@@ -142,23 +142,26 @@ def test_two_tasks_write_disjoint_units_covering_every_row(make_job, tmp_path):
     # runs everything, so the second one, started after, has nothing left.
     from fault_helpers import assert_every_id_once
     from runner_helpers import fork_cli
-    job = make_job(demo_rows(30))
+    # The streaming path: a worker's feeder claims only 2 x max_num_seqs rows (+ one unit) ahead
+    # of its engine, so the other worker, starting a moment later, still finds units.
+    job = make_job(demo_rows(120), engine={"max_num_seqs": 2})
     procs = [fork_cli(["run", job, "--no-progress", "--task-id", t, "--num-tasks", 2],
-                      env={"FAKE_ENGINE_SLEEP": "0.03", "BATCHRUN_CLAIM_LEASE": "2"}) for t in (0, 1)]
+                      env={"FAKE_ENGINE_SLEEP": "0.03", "BATCHRUN_CLAIM_LEASE": "2", "FAKE_ENGINE_STREAM": "1"})
+             for t in (0, 1)]
     for p in procs:
         p.join(60)
     assert [p.exitcode for p in procs] == [0, 0]
     commits = [json.loads(p.read_text()) for p in (tmp_path / "out" / "_batchrun" / "commits").iterdir()]
     by_task = {t: {c["unit"] for c in commits if c["task"] == t} for t in (0, 1)}
-    assert by_task[0] and by_task[1] and len(commits) == 9
-    assert by_task[0].isdisjoint(by_task[1]) and by_task[0] | by_task[1] == set(range(9))
-    assert 0 in by_task[0] and 8 in by_task[1]  # each starts at its share of the --num-tasks hint
-    assert_every_id_once(tmp_path / "out")
+    assert by_task[0] and by_task[1] and len(commits) == 30
+    assert by_task[0].isdisjoint(by_task[1]) and by_task[0] | by_task[1] == set(range(30))
+    assert 0 in by_task[0] and 15 in by_task[1]  # each starts at its share of the --num-tasks hint
+    assert_every_id_once(tmp_path / "out", n_rows=120)
     metrics = json.loads((tmp_path / "out" / "_batchrun" / "metrics.json").read_text())
     assert set(metrics["tasks"]) == {"task-0", "task-1"} and metrics["complete"]
     assert os.listdir(tmp_path / "out" / "_batchrun" / "claims") == []  # every claim released
     later = run(job, task_id=1, num_tasks=2)
-    assert (later.units_done, later.units_skipped, later.units_total) == (0, 9, 9)
+    assert (later.units_done, later.units_skipped, later.units_total) == (0, 30, 30)
 
 
 def test_task_id_out_of_range(make_job):

@@ -71,7 +71,8 @@ def rerun(job):
 
 @pytest.mark.parametrize("kill_after", [5, 14, 23])
 def test_kill_while_feeder_ahead_and_writer_behind_then_rerun(make_job, tmp_path, kill_after):
-    job = make_job(demo_rows(N_ROWS))
+    # max_num_seqs 32: the feeder may read 64 rows ahead, i.e. the whole job (the fake engine runs 3)
+    job = make_job(demo_rows(N_ROWS), engine={"max_num_seqs": 32})
     out, state = tmp_path / "out", tmp_path / "state.json"
     proc = start(job, kill_after=kill_after, state=state)
     proc.join(60)
