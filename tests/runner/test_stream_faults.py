@@ -74,7 +74,8 @@ def test_kill_while_feeder_ahead_and_writer_behind_then_rerun(make_job, tmp_path
     # max_num_seqs 32: the feeder may read 64 rows ahead, i.e. the whole job (the fake engine runs 3)
     job = make_job(demo_rows(N_ROWS), engine={"max_num_seqs": 32})
     out, state = tmp_path / "out", tmp_path / "state.json"
-    proc = start(job, kill_after=kill_after, state=state)
+    # 20 ms per result: the feeder (real tokenizer) gets ahead even on a loaded machine
+    proc = start(job, kill_after=kill_after, state=state, env={"FAKE_ENGINE_SLEEP": "0.02"})
     proc.join(60)
     assert proc.exitcode == -signal.SIGKILL
     s = json.loads(state.read_text())
