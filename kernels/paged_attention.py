@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from batchrun.kernels.utils import FLOAT_DTYPES, check
+from batchrun.kernels.utils import check, check_attention_inputs
 
 LOG2E = 1.4426950408889634
 
@@ -170,17 +170,7 @@ def paged_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_ta
     # num_splits:   context splits (None = heuristic from static shapes); must stay fixed
     #               between graph capture and replay, which it does when left None.
     # tuning:       {block_n, num_warps, num_stages} overrides, for benchmarks only.
-    check(q.dim() == 3 and k_cache.dim() == 4 and v_cache.shape == k_cache.shape,
-          f"expected q [B, Hq, D] and k/v caches [num_blocks, block_size, Hkv, D]; got "
-          f"{tuple(q.shape)}, {tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
-    B, Hq, D = q.shape
-    _, block_size, Hkv, Dk = k_cache.shape
-    check(Dk == D, f"head dim of q ({D}) and cache ({Dk}) differ")
-    check(Hq % Hkv == 0, f"query heads {Hq} must be a multiple of kv heads {Hkv}")
-    check(q.dtype in FLOAT_DTYPES and k_cache.dtype == v_cache.dtype == q.dtype == out.dtype,
-          f"q, caches and out must share a float dtype, got {q.dtype}, {k_cache.dtype}, "
-          f"{v_cache.dtype}, {out.dtype}")
-    check(out.shape == q.shape, f"out must be {tuple(q.shape)}, got {tuple(out.shape)}")
+    B, Hq, D, block_size, Hkv = check_attention_inputs(q, k_cache, v_cache, out, "B")
     check(block_tables.dim() == 2 and block_tables.shape[0] == B and block_tables.dtype == torch.int32,
           f"block_tables must be int32 [B={B}, max_blocks], got {block_tables.dtype} {tuple(block_tables.shape)}")
     check(context_lens.shape == (B,) and context_lens.dtype == torch.int32,

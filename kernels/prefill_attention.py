@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from batchrun.kernels.utils import FLOAT_DTYPES, check
+from batchrun.kernels.utils import check, check_attention_inputs
 
 LOG2E = 1.4426950408889634
 
@@ -135,17 +135,7 @@ def prefill_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables:
     # max_query_len: host int >= every n_q              sizes the grid
     # out:          [T, Hq, D]                          every row of a sequence written
     # tuning:       {block_m, block_n, num_warps, num_stages} overrides, for benchmarks only
-    check(q.dim() == 3 and k_cache.dim() == 4 and v_cache.shape == k_cache.shape,
-          f"expected q [T, Hq, D] and k/v caches [num_blocks, block_size, Hkv, D]; got "
-          f"{tuple(q.shape)}, {tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
-    T, Hq, D = q.shape
-    _, block_size, Hkv, Dk = k_cache.shape
-    check(Dk == D, f"head dim of q ({D}) and cache ({Dk}) differ")
-    check(Hq % Hkv == 0, f"query heads {Hq} must be a multiple of kv heads {Hkv}")
-    check(q.dtype in FLOAT_DTYPES and k_cache.dtype == v_cache.dtype == q.dtype == out.dtype,
-          f"q, caches and out must share a float dtype, got {q.dtype}, {k_cache.dtype}, "
-          f"{v_cache.dtype}, {out.dtype}")
-    check(out.shape == q.shape, f"out must be {tuple(q.shape)}, got {tuple(out.shape)}")
+    T, Hq, D, block_size, Hkv = check_attention_inputs(q, k_cache, v_cache, out, "T")
     B = context_lens.shape[0] if context_lens.dim() == 1 else -1
     check(context_lens.dim() == 1 and context_lens.dtype == torch.int32,
           f"context_lens must be int32 [B], got {context_lens.dtype} {tuple(context_lens.shape)}")

@@ -18,3 +18,20 @@ def check(cond: bool, msg: str) -> None:
     # Launcher argument checks raise ValueError: callers pass shapes from config/user input.
     if not cond:
         raise ValueError(msg)
+
+
+def check_attention_inputs(q, k_cache, v_cache, out, rows: str) -> tuple[int, int, int, int, int]:
+    """The checks both paged attention launchers share; returns (rows, Hq, D, block_size, Hkv).
+    ``rows``: what q's first dim is called in messages ("B" for decode, "T" for prefill)."""
+    check(q.dim() == 3 and k_cache.dim() == 4 and v_cache.shape == k_cache.shape,
+          f"expected q [{rows}, Hq, D] and k/v caches [num_blocks, block_size, Hkv, D]; got "
+          f"{tuple(q.shape)}, {tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
+    n, Hq, D = q.shape
+    _, block_size, Hkv, Dk = k_cache.shape
+    check(Dk == D, f"head dim of q ({D}) and cache ({Dk}) differ")
+    check(Hq % Hkv == 0, f"query heads {Hq} must be a multiple of kv heads {Hkv}")
+    check(q.dtype in FLOAT_DTYPES and k_cache.dtype == v_cache.dtype == q.dtype == out.dtype,
+          f"q, caches and out must share a float dtype, got {q.dtype}, {k_cache.dtype}, "
+          f"{v_cache.dtype}, {out.dtype}")
+    check(out.shape == q.shape, f"out must be {tuple(q.shape)}, got {tuple(out.shape)}")
+    return n, Hq, D, block_size, Hkv

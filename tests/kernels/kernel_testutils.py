@@ -26,3 +26,16 @@ def rounding_tol(ref_abs: torch.Tensor, dtype: torch.dtype, terms: int) -> torch
     acc = 4 * terms ** 0.5 * torch.finfo(torch.float32).eps * ref_abs
     out = torch.finfo(dtype).eps * ref_abs if dtype != torch.float32 else 0
     return acc + out + 1e-6
+
+
+def assert_attention_close(out, ref, v_cache, dtype) -> None:
+    """Attention output vs its reference: no NaN left (every row written) and within rounding.
+    P (rounded to the cache dtype for the PV dot) and out each round once, and |out| <= max|v|;
+    fp32 gets headroom for exp2/sum-order differences."""
+    import torch
+    assert not out.isnan().any()
+    eps = torch.finfo(dtype).eps
+    vmax = v_cache.nan_to_num().abs().max().item()
+    tol = (4 * eps if dtype != torch.float32 else 64 * eps) * vmax
+    err = (out.float() - ref.float()).abs()
+    assert err.max().item() <= tol, err.max().item()
