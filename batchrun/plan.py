@@ -259,24 +259,12 @@ def engine_groups(units: list[Unit], cap: int, max_loras: int) -> list[list[Unit
     group fits the GPU slots at once) and the batch does not drain at each adapter boundary.
     Units naming unknown adapters (all error rows) group alone.
     """
-    return list(iter_engine_groups(units, cap, max_loras))
-
-
-def iter_engine_groups(units, cap: int, max_loras: int):
-    """``engine_groups`` over any iterable, lazily: a group is yielded as soon as the next unit does
-    not fit it. A ``None`` in ``units`` (``UnitClaims``: "must wait for other workers") yields the
-    group built so far at once, so a worker never sits on claimed units while it waits."""
-    g: list[Unit] = []
+    groups: list[list[Unit]] = []
     names: set = set()
-    rows = 0
     for u in units:
-        if u is None:
-            if g:
-                yield g
-            g, names, rows = [], set(), 0
-            continue
-        fits = (bool(g) and g[0].known == u.known and (g[0].adapter is None) == (u.adapter is None)
-                and rows + u.rows <= cap)
+        g = groups[-1] if groups else None
+        fits = (g is not None and g[0].known == u.known and (g[0].adapter is None) == (u.adapter is None)
+                and sum(x.rows for x in g) + u.rows <= cap)
         if fits and u.known and u.adapter is not None:
             fits = u.adapter in names or len(names) < max(max_loras, 1)
         elif fits and not u.known:
@@ -284,10 +272,7 @@ def iter_engine_groups(units, cap: int, max_loras: int):
         if fits:
             g.append(u)
         else:
-            if g:
-                yield g
-            g, names, rows = [u], set(), 0
-        rows += u.rows
+            groups.append([u])
+            names = set()
         names.add(u.adapter)
-    if g:
-        yield g
+    return groups
