@@ -126,14 +126,13 @@ def row_lengths(tok, inp, column) -> np.ndarray:
     if inp.prompt_token_ids_column:
         return np.array([len(v) if v and v is not INVALID and None not in v else -1 for v in column_values(column)],
                         dtype=np.int64)
-    kwargs = dict(inp.chat_template_kwargs or {})
     if inp.messages_column:
         return chat_lengths(tok, column, inp)
     if inp.system_prompt is not None:  # [system, user=prompt] through the chat template
         keep = prompt_lengths(tok, column, lengths=False)
         values = column_values(column)
         convs = [chat_messages(inp, prompt=v) if k else None for v, k in zip(values, keep)]
-        return tok.chat_lengths(convs, kwargs, inp.add_special_tokens is True)
+        return tok.chat_lengths(convs, dict(inp.chat_template_kwargs or {}), inp.add_special_tokens is True)
     return prompt_lengths(tok, column, add_special_tokens=inp.add_special_tokens is not False)
 
 
