@@ -1,6 +1,10 @@
 """batchrun: offline batch inference for LLMs with LoRA adapters."""
 __version__ = "0.1.0"
 
+from batchrun import _kernels_path
+
+_kernels_path.install()
+
 from batchrun.api import LLM, CompletionOutput, RequestOutput, run  # noqa: E402  (no torch until used)
 
 __all__ = ["LLM", "CompletionOutput", "RequestOutput", "run", "__version__"]
