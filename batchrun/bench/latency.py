@@ -148,16 +148,9 @@ def round_robin(names: list[str], rows: int) -> list[str | None]:
 @contextlib.contextmanager
 def eager(engine: Engine, on: bool = True):
     """Run `engine`'s decode steps without CUDA graphs inside the block (on=False: unchanged).
-    The one place the bench switches graphs off; the engine has no eager mode of its own yet
-    (issue #10), so this sets `runner.graphs` and puts it back."""
-    runner = engine.runner
-    saved = runner.graphs
-    if on:
-        runner.graphs = None
-    try:
+    The one place the bench switches graphs off (ModelRunner.eager)."""
+    with engine.runner.eager() if on else contextlib.nullcontext():
         yield
-    finally:
-        runner.graphs = saved
 
 
 def sync(engine: Engine) -> None:

@@ -114,9 +114,7 @@ class Engine:
         return engine
 
     def capture_graphs(self) -> None:
-        from batchrun.engine.graphs import GraphRunner
-        self.runner.graphs = GraphRunner(self.runner, self.config, self.lora)
-        self.runner.graphs.capture()
+        self.runner.capture_graphs()
 
     # ---- requests -----------------------------------------------------------------------
     def check_request(self, req: Request) -> str | None:

@@ -1,17 +1,24 @@
 """Two captured CUDA-graph sets for decode: with LoRA ops and without.
 
-A decode step with no adapter row replays a graph captured with LoRA off, which holds exactly
-the kernels of a LoRA-disabled engine; a step with any adapter row replays the LoRA set. Both
-sets share one memory pool, captured largest size first so smaller graphs reuse its blocks.
+A decode step with no adapter row replays a graph captured from a step with `lora=None`, which
+holds exactly the kernels of a LoRA-disabled engine; a step with any adapter row replays the
+LoRA set, captured from a LoRAStep whose tensors are the static buffers each step rewrites.
+Both sets share one memory pool, captured largest size first so smaller graphs reuse its blocks.
+
+A GraphRunner belongs to one ModelRunner (model_runner.py), which creates it, captures it and
+replays it; it holds only its graphs and their outputs, and captures through the forward
+function it is given.
 """
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
 from batchrun.config import EngineConfig
+from batchrun.layers.step import LoRAStep
 
 
 @dataclass(frozen=True)
@@ -52,8 +59,8 @@ def dispatch(batch_size: int, has_lora: bool, table: tuple[int, ...]) -> GraphKe
 
 
 class GraphRunner:
-    def __init__(self, runner, config: EngineConfig, lora=None):
-        self.runner, self.lora = runner, lora
+    def __init__(self, config: EngineConfig, with_lora: bool):
+        self.with_lora = with_lora  # a LoRA set is captured too
         self.sizes = capture_sizes(config.max_num_seqs, config.cuda_graph_sizes)
         self.table = padded_size_table(self.sizes)
         self.graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
@@ -62,7 +69,7 @@ class GraphRunner:
         self.stats: dict = {}
 
     def dispatch(self, batch_size: int, has_lora: bool) -> GraphKey | None:
-        if has_lora and self.lora is None:
+        if has_lora and not self.with_lora:
             raise AssertionError("a LoRA row reached an engine without LoRA")
         return dispatch(batch_size, has_lora, self.table)
 
@@ -71,23 +78,24 @@ class GraphRunner:
         return self.outputs[key]
 
     @torch.inference_mode()
-    def capture(self) -> None:
-        r = self.runner
+    def capture(self, forward: Callable[[int, LoRAStep | None], torch.Tensor],
+                lora: LoRAStep | None) -> None:
+        """Capture `forward(size, lora_step)` for every size, once with lora_step=None and, when
+        with_lora, once with `lora` (its tensors must stay allocated: the graphs read them).
+        The caller has set its static inputs to a step of padding rows."""
+        if self.with_lora != (lora is not None):
+            raise ValueError(f"GraphRunner(with_lora={self.with_lora}) needs "
+                             f"{'a' if self.with_lora else 'no'} LoRAStep to capture")
         t0 = time.perf_counter()
-        sets = [False] + ([True] if self.lora is not None else [])
-        largest = self.sizes[-1]
-        # inputs of a step made only of padding rows: scratch block, no context, no LoRA
-        r.input_ids.zero_(); r.positions.zero_(); r.slot_mapping.zero_()
-        r.context_lens.zero_(); r.block_tables.zero_(); r.token_slots.fill_(-1)
+        sets = [None] + ([lora] if lora is not None else [])
         self.pool = torch.cuda.graph_pool_handle()
         pool_bytes = {}
-        for has_lora in sets:
-            self._set_lora(has_lora, largest)
+        for step_lora in sets:
+            has_lora = step_lora is not None
             # warm-up: every size once eagerly, so Triton compiles all specialisations and
             # cuBLAS picks its kernels before capture, not during
             for size in reversed(self.sizes):
-                self._set_lora(has_lora, size)
-                r.decode_forward(size)
+                forward(size, step_lora)
             # torch.cuda.graph() empties the allocator cache on entry; do it first so the
             # difference below is only what this set's captures add to the shared pool
             torch.cuda.synchronize()
@@ -95,22 +103,11 @@ class GraphRunner:
             before = torch.cuda.memory_reserved()
             for size in reversed(self.sizes):  # largest first: smaller graphs reuse its memory
                 key = GraphKey(size, has_lora)
-                self._set_lora(has_lora, size)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=self.pool):
-                    self.outputs[key] = r.decode_forward(size)
+                    self.outputs[key] = forward(size, step_lora)
                 self.graphs[key] = graph
             torch.cuda.synchronize()
             pool_bytes["lora" if has_lora else "no_lora"] = torch.cuda.memory_reserved() - before
-        if self.lora is not None:
-            self.lora.has_lora = False
         self.stats = {"capture_s": time.perf_counter() - t0, "sizes": list(self.sizes),
                       "num_graphs": len(self.graphs), "pool_bytes": pool_bytes}
-
-    def _set_lora(self, has_lora: bool, size: int) -> None:
-        if self.lora is None:
-            return
-        if has_lora:  # meta describing `size` padding tokens (slot -1): kernels launch, skip work
-            self.lora.prepare_step(self.runner.token_slots[:size], has_lora=True, fuse=True,
-                                   slots_bound=True)
-        self.lora.has_lora = has_lora

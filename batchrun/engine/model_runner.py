@@ -1,5 +1,11 @@
 """Prepare batched inputs, run prefill and decode steps on the model.
 
+Every step is one frozen `Step` (layers/step.py: attention metadata, and `lora`, None when no
+token has an adapter) built here and passed through `model(...)`; nothing per step is kept on
+a shared object. The runner owns its CUDA graphs (graphs.GraphRunner): `capture_graphs()` makes
+them, `eager()` runs decode steps without them for a while (benchmarks, profilers); `graphs` is
+read-only from outside.
+
 Decode reads its inputs from static buffers kept as attributes (token ids, positions, slot
 mapping, block tables, context lengths, LoRA token slots), sized for max_num_seqs and written in
 place every step, so a captured CUDA graph (graphs.py) can replay the same step. Rows past the
@@ -8,13 +14,18 @@ scratch block 0, so they do no harmful work.
 """
 from __future__ import annotations
 
+import contextlib
+from typing import Iterator
+
 import torch
 
 from batchrun.config import EngineConfig
 from batchrun.engine.block_manager import SCRATCH_BLOCK, BlockManager
+from batchrun.engine.graphs import GraphRunner
 from batchrun.engine.sequence import Sequence
 from batchrun.layers.attention import AttnMetadata, query_start_tensor
 from batchrun.layers.backend import use_triton
+from batchrun.layers.step import LoRAStep, Step
 
 
 class ModelRunner:
@@ -42,9 +53,40 @@ class ModelRunner:
         self.context_lens, self.token_slots = self._i32[:n], self._i32[n:2 * n]  # [n] each
         self.block_tables = self._i32[2 * n:].view(n, mb)  # [n, max_blocks_per_seq]
         self.logits = torch.empty(n, cfg.vocab_size, dtype=torch.float32, device=device)  # [n, V]
-        self.graphs = None  # graphs.GraphRunner, set by the engine when CUDA graphs are on
-        if lora is not None:  # fused decode kernels read the slots straight from token_slots
-            lora.bind_fused_slots(self.token_slots)
+        self._graphs: GraphRunner | None = None  # capture_graphs()
+        self._eager = False  # eager(): decode without graphs even when they are captured
+        # The LoRA part of every fused LoRA decode step (the Triton path), captured graphs
+        # included: the kernels read each row's slot straight from token_slots, which the step
+        # writes with its other inputs, so such a step writes no LoRA metadata at all.
+        self._fused_decode_lora = (None if lora is None else
+                                   lora.lora_step(self.token_slots, has_lora=True, fuse=True,
+                                                  bound_slots=self.token_slots))
+
+    # ---- CUDA graphs --------------------------------------------------------------------
+    @property
+    def graphs(self) -> GraphRunner | None:
+        """The captured decode graphs (None until capture_graphs())."""
+        return self._graphs
+
+    def capture_graphs(self) -> None:
+        if self._graphs is not None:
+            raise RuntimeError("CUDA graphs are already captured for this model runner")
+        graphs = GraphRunner(self.config, with_lora=self.lora is not None)
+        # inputs of a step made only of padding rows: scratch block, no context, no LoRA
+        self.input_ids.zero_(); self.positions.zero_(); self.slot_mapping.zero_()
+        self.context_lens.zero_(); self.block_tables.zero_(); self.token_slots.fill_(-1)
+        # LoRA set: `size` padding tokens (slot -1), so its kernels launch and skip the work
+        graphs.capture(self.decode_forward, self._fused_decode_lora)
+        self._graphs = graphs
+
+    @contextlib.contextmanager
+    def eager(self) -> Iterator[None]:
+        """Decode steps inside the block run eagerly (the graphs stay captured)."""
+        saved, self._eager = self._eager, True
+        try:
+            yield
+        finally:
+            self._eager = saved
 
     # ---- decode -------------------------------------------------------------------------
     @torch.inference_mode()
@@ -52,23 +94,28 @@ class ModelRunner:
         """One token per sequence -> fp32 logits [len(seqs), V]."""
         b = len(seqs)
         has_lora = any(s.lora_slot >= 0 for s in seqs)
-        key = self.graphs.dispatch(b, has_lora) if self.graphs else None
+        if has_lora and self.lora is None:
+            raise AssertionError("a LoRA row reached an engine without LoRA")
+        graphs = None if self._eager else self._graphs
+        key = graphs.dispatch(b, has_lora) if graphs else None
         rows = key.padded_batch_size if key else b
-        self._write_decode_inputs(seqs, rows, has_lora)
+        lora = self._write_decode_inputs(seqs, rows, has_lora)
         if key is not None:
-            return self.graphs.replay(key)[:b]
-        return self.decode_forward(rows)[:b]
+            return graphs.replay(key)[:b]
+        return self.decode_forward(rows, lora)[:b]
 
-    def decode_forward(self, rows: int) -> torch.Tensor:
-        """The step a graph captures: reads only the static buffers' first `rows` rows."""
-        meta = AttnMetadata(False, self.slot_mapping[:rows], self.block_tables[:rows],
+    def decode_forward(self, rows: int, lora: LoRAStep | None) -> torch.Tensor:
+        """The step a graph captures: reads only the static buffers' first `rows` rows (and
+        the static LoRA buffers `lora` names; None = the LoRA-disabled kernels only)."""
+        attn = AttnMetadata(False, self.slot_mapping[:rows], self.block_tables[:rows],
                             self.context_lens[:rows])
-        hidden = self.model(self.input_ids[:rows], self.positions[:rows], meta)
+        hidden = self.model(self.input_ids[:rows], self.positions[:rows], Step(attn, lora))
         # into a static buffer shared by every graph of both sets: captured graphs then keep no
         # per-graph output alive in the pool (35 MiB per set for Llama-2's vocab at 1..64 rows)
         return self.model.compute_logits(hidden, out=self.logits[:rows])
 
-    def _write_decode_inputs(self, seqs: list[Sequence], rows: int, has_lora: bool) -> None:
+    def _write_decode_inputs(self, seqs: list[Sequence], rows: int,
+                             has_lora: bool) -> LoRAStep | None:
         n, mb = self.config.max_num_seqs, self.max_blocks_per_seq
         h64, h32 = self._host_i64.numpy(), self._host_i32.numpy()
         tables = h32[2 * n:].reshape(n, mb)
@@ -88,10 +135,13 @@ class ModelRunner:
         tables[b:rows] = SCRATCH_BLOCK
         self._i64.copy_(self._host_i64, non_blocking=True)
         self._i32.copy_(self._host_i32, non_blocking=True)
+        if not has_lora:
+            return None
         # decode on the Triton path: LoRA deltas ride into the kernels after each projection,
         # which read each row's slot from token_slots (written above)
-        fuse = use_triton(self._i64)
-        self._prepare_lora(lora + [-1] * (rows - b), has_lora, fuse=fuse, slots_bound=fuse)
+        if use_triton(self._i64):
+            return self._fused_decode_lora
+        return self.lora.lora_step(lora + [-1] * (rows - b), has_lora=True)
 
     # ---- prefill ------------------------------------------------------------------------
     @torch.inference_mode()
@@ -111,22 +161,17 @@ class ModelRunner:
             if end == s.num_tokens:
                 done.append(i); last.append(len(ids) - 1)
         dev = self.device
-        meta = AttnMetadata(True, torch.tensor(slots, dtype=torch.long, device=dev),
+        attn = AttnMetadata(True, torch.tensor(slots, dtype=torch.long, device=dev),
                             table.to(dev), torch.tensor(ctx_lens, dtype=torch.int32, device=dev),
                             query_lens=q_lens, context_lens_host=ctx_lens,
                             query_start=query_start_tensor(q_lens, dev))
-        # small prefills fuse too (no launches); big ones amortise shrink + expand launches
-        fuse = use_triton(self._i64) and len(ids) <= self.config.lora_fused_max_tokens
-        self._prepare_lora(lora, any(v >= 0 for v in lora), fuse=fuse)
+        step_lora = None
+        if self.lora is not None:  # None when no token has an adapter: nothing written
+            # small prefills fuse too (no launches); big ones amortise shrink + expand launches
+            fuse = use_triton(self._i64) and len(ids) <= self.config.lora_fused_max_tokens
+            step_lora = self.lora.lora_step(lora, fuse=fuse)
         hidden = self.model(torch.tensor(ids, dtype=torch.long, device=dev),
-                            torch.tensor(pos, dtype=torch.long, device=dev), meta)
+                            torch.tensor(pos, dtype=torch.long, device=dev), Step(attn, step_lora))
         if not done:
             return done, hidden.new_empty(0)
         return done, self.model.compute_logits(hidden[torch.tensor(last, device=dev)])
-
-    # ---- LoRA ---------------------------------------------------------------------------
-    def _prepare_lora(self, token_slots: list[int], has_lora: bool, fuse: bool,
-                      slots_bound: bool = False) -> None:
-        if self.lora is not None:  # without LoRA rows only the flag is written
-            self.lora.prepare_step(token_slots if has_lora else [], has_lora=has_lora, fuse=fuse,
-                                   slots_bound=slots_bound)

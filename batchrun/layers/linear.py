@@ -2,10 +2,10 @@
 
 A fused layer (q/k/v, gate/up) holds one weight of shape [sum(output_sizes), in_features];
 `output_sizes` tells LoRA where each slice starts. LoRA is attached by setting `lora` to a hook
-(batchrun.lora.layer.LoRALinear) with `forward(linear, x, defer) -> (y, delta)`. Whether it
-launches any LoRA work is decided by the hook from the step's has_lora flag, so a step without
-adapters runs exactly the base matmul (and a graph captured for it holds exactly the base
-kernels).
+(batchrun.lora.layer.LoRALinear) with `forward(linear, x, lora_step, defer) -> (y, delta)`.
+The hook runs only when the step has LoRA tokens (`lora_step`, the step's `Step.lora`, is not
+None): a step without adapters runs exactly the base matmul, whatever hooks are attached (and a
+graph captured for it holds exactly the base kernels).
 
 `defer=True` is for callers whose next op can fuse a LoRA delta (rotary, RMSNorm, SiLU-and-mul
 take a `lora=` argument): they get `(y, delta)` where delta is a LoRADelta to pass on, or None
@@ -16,6 +16,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from batchrun.layers.step import LoRAStep
 
 
 class Linear(nn.Module):
@@ -31,10 +33,10 @@ class Linear(nn.Module):
                      if bias else None)
         self.lora = None  # set by batchrun.lora (LoRALinear)
 
-    def forward(self, x: torch.Tensor, defer: bool = False):
+    def forward(self, x: torch.Tensor, lora_step: LoRAStep | None = None, defer: bool = False):
         # x: [T, in_features] -> y: [T, out_features], or (y, LoRADelta | None) with defer
-        if self.lora is None:
+        if self.lora is None or lora_step is None:
             y, delta = F.linear(x, self.weight, self.bias), None
         else:
-            y, delta = self.lora.forward(self, x, defer)
+            y, delta = self.lora.forward(self, x, lora_step, defer)
         return (y, delta) if defer else y

@@ -2,14 +2,16 @@
 
 The hook takes over the Linear's storage: weight and the A matrices of every slot live in one
 tensor `weight_full` [N + S*L*R, K] (rows N + (s*L + l)*R + r hold A[slice s, slot l, rank r]),
-and `linear.weight` becomes the view of its first N rows. Three cases per call:
+and `linear.weight` becomes the view of its first N rows.
 
-- no LoRA token in the step (`manager.has_lora` False): F.linear with `linear.weight`, the
-  same call (and kernel) as without LoRA, nothing else;
-- a fused step (`manager.fuse_deltas`, set on the Triton path for decode steps and for
-  prefill steps of up to `lora_fused_max_tokens` tokens) and a caller that can fuse (`defer`):
-  one GEMM with `weight_full` computes y and the shrink together, and the delta (shrunk . B) is
-  returned as a LoRADelta for the next kernel to add: no LoRA launch of its own;
+A step without LoRA tokens (`Step.lora is None`) never reaches the hook: `Linear.forward`
+runs F.linear with `linear.weight`, the same call (and kernel) as without LoRA. The hook gets
+the step's `LoRAStep` and has two cases:
+
+- a fused step (`LoRAStep.fuse`, set on the Triton path for decode steps and for prefill steps
+  of up to `lora_fused_max_tokens` tokens) and a caller that can fuse (`defer`): one GEMM with
+  `weight_full` computes y and the shrink together, and the delta (shrunk . B) is returned as a
+  LoRADelta for the next kernel to add: no LoRA launch of its own;
 - otherwise (larger prefills, CPU, callers without a fusing consumer): y = x W.T, then the
   Punica shrink + expand add the delta in place (kernels on CUDA, torch references on CPU).
 """
@@ -20,12 +22,13 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from batchrun.kernels.lora_meta import LoRADelta
+from batchrun.layers.step import LoRAStep
 from batchrun.lora import punica
 
 
 class LoRALinear:
     def __init__(self, manager, linear, max_loras: int, max_rank: int):
-        self.manager = manager  # owns has_lora, fuse_deltas, the shrink scratch and the metadata
+        self.manager = manager  # owns the scratch shared by all hooks (shrink_buffer, norm_scratch)
         self.output_sizes = list(linear.output_sizes)
         S, N, K = len(self.output_sizes), linear.out_features, linear.in_features
         offs = [0]
@@ -66,19 +69,18 @@ class LoRALinear:
         self.lora_a[:, slot].zero_()
         self.lora_b[slot].zero_()
 
-    def forward(self, linear, x: Tensor, defer: bool) -> tuple[Tensor, LoRADelta | None]:
-        # x: [T, in] -> (y [T, out], pending delta or None)
+    def forward(self, linear, x: Tensor, step: LoRAStep,
+                defer: bool) -> tuple[Tensor, LoRADelta | None]:
+        # x: [T, in] -> (y [T, out], pending delta or None); step: this step's LoRA part
         m = self.manager
-        if not m.has_lora:
-            return F.linear(x, linear.weight, linear.bias), None
-        if defer and m.fuse_deltas:
+        if defer and step.fuse:
             full = F.linear(x, self.weight_full, self.bias_full)  # [T, N + S*L*R]
             N = linear.out_features
-            return full[:, :N], LoRADelta(full[:, N:], self.lora_b, m.fused_token_slots(),
+            return full[:, :N], LoRADelta(full[:, N:], self.lora_b, step.token_slots,
                                           self.slice_offsets, *m.norm_scratch)
         y = F.linear(x, linear.weight, linear.bias)
         # m.shrink_buffer: flat fp32 scratch shared by all layers; add_lora views its split-K
         # partials [splits, S, T, R] out of it.
         punica.add_lora(x, y, self.lora_a, self.lora_b, m.shrink_buffer, self.slice_offsets,
-                        m.meta)
+                        step.meta)
         return y, None

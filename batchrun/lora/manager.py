@@ -12,6 +12,10 @@ they are never reallocated, because captured CUDA graphs hold their addresses.
 Scheduler contract: acquire(name) pins an adapter in a slot (refcounted) for as long as a
 sequence using it is running; release(name) unpins. Unpinned residents stay loaded and are
 evicted least-recently-acquired first when a new adapter needs a slot.
+
+Model runner contract: lora_step(slots) writes the step's kernel metadata into the static
+buffers and returns the frozen LoRAStep the model runner puts into its Step (None: no adapter
+token, nothing written). The manager keeps adapters, slots and the CPU cache; no per-step state.
 """
 from __future__ import annotations
 
@@ -24,6 +28,7 @@ from torch import Tensor
 
 from batchrun.kernels.lora_meta import LoRADelta, LoRAKernelMeta
 from batchrun.layers.linear import Linear
+from batchrun.layers.step import LoRAStep
 from batchrun.lora.adapters import AdapterInfo, LoRAWeights, inspect_adapter, load_adapter
 from batchrun.lora.layer import LoRALinear
 
@@ -50,17 +55,8 @@ class LoRAManager:
         self.rank = max((i.max_rank for i in self.infos.values()), default=1)
         targeted = {m for info in self.infos.values() for m in info.modules}
 
-        self.has_lora = False  # read by hooks; the model runner sets it directly for capture
-        # Set per step by the model runner (Triton path: decode steps and small prefills):
-        # hooks whose caller can fuse return their delta (LoRADelta) to the next kernel instead
-        # of running shrink + expand (see batchrun/lora/layer.py).
-        self.fuse_deltas = False
-        # Slot per token that fused kernels read (LoRADelta.token_slots): the model runner binds
-        # its static decode buffer, which it writes every step anyway, so a fused decode step
-        # needs no metadata of its own (bind_fused_slots, prepare_step(slots_bound=True));
-        # other fused steps (small prefills) read meta.token_lora_slot.
-        self.fused_slots: Tensor | None = None
-        self._read_bound = False  # this step's slots are in fused_slots (prepare_step)
+        # Static buffers, allocated once (captured graphs hold their addresses). What a step
+        # runs is not kept here: lora_step() returns it as a frozen LoRAStep (layers/step.py).
         self.meta = LoRAKernelMeta.allocate(max_num_tokens, max_loras, device)
         # scratch of the RMSNorms that add a fused delta (shared: layers run one at a time)
         self.norm_scratch = LoRADelta.allocate_norm_scratch(max_num_tokens, device)
@@ -130,53 +126,42 @@ class LoRAManager:
     def pinned(self, name: str) -> int:
         return self._pins.get(name, 0)
 
-    def prepare_step(self, token_slots: Tensor | list[int], has_lora: bool | None = None,
-                     fuse: bool = False, slots_bound: bool = False) -> None:
-        """Set has_lora and write the kernels' metadata for this step's tokens (-1 = no LoRA).
+    # ---- per-step value ----------------------------------------------------------------
+    def lora_step(self, token_slots: Tensor | list[int], has_lora: bool | None = None,
+                  fuse: bool = False, bound_slots: Tensor | None = None) -> LoRAStep | None:
+        """This step's LoRA part for tokens with slots `token_slots` (-1 = no LoRA), or None
+        when no token has an adapter (then nothing is written and no LoRA op runs).
 
+        Writes the kernels' metadata (the static `meta` buffers) unless `bound_slots` is given.
         fuse=True (steps on the Triton path) lets hooks hand their delta to the next kernel
-        (see layer.py) instead of running shrink + expand. slots_bound=True (fused decode
-        steps): the caller already wrote the slots into the buffer given to bind_fused_slots,
-        so nothing is written here (has_lora must be given).
+        (see layer.py) instead of running shrink + expand. bound_slots (fused decode steps):
+        an int32 [>= T] buffer the caller already wrote the slots into, read by the fused
+        kernels as is, so nothing is written here (token_slots is not read; has_lora must be
+        given: the caller knows it from the host-side slots).
 
         has_lora=None computes it from a list or a CPU tensor. For a CUDA tensor it would need a
         host sync, so it is assumed True instead (correct either way: slot -1 rows are left
         alone by the kernels); callers that know better pass has_lora explicitly."""
-        self.fuse_deltas = fuse
-        self._read_bound = slots_bound
-        if slots_bound:
-            # the kernels read the bound buffer, which the caller has written: only the flags
-            if not fuse or self.fused_slots is None or has_lora is None:
-                raise ValueError("slots_bound needs fuse=True, a bind_fused_slots() buffer and "
-                                 "an explicit has_lora")
-            self.has_lora = has_lora
-            return
+        if bound_slots is not None:
+            if bound_slots.dtype != torch.int32 or bound_slots.dim() != 1:
+                raise ValueError(f"bound_slots must be a 1-D int32 tensor, got "
+                                 f"{bound_slots.dtype} {tuple(bound_slots.shape)}")
+            if not fuse or has_lora is None:
+                raise ValueError("bound_slots needs fuse=True and an explicit has_lora")
+            return LoRAStep(self.meta, bound_slots, fuse=True) if has_lora else None
         if isinstance(token_slots, Tensor):
             if has_lora is None:
                 has_lora = bool((token_slots >= 0).any()) if not token_slots.is_cuda else True
-            slots = token_slots if token_slots.dtype == torch.int32 else token_slots.to(torch.int32)
+            if has_lora:  # a no-LoRA step launches no LoRA kernels, so its meta is never read
+                slots = token_slots if token_slots.dtype == torch.int32 else token_slots.to(torch.int32)
+                self.meta.prepare(slots)
         else:
             if has_lora is None:
                 has_lora = any(s >= 0 for s in token_slots)
-            if has_lora:
-                assert max(token_slots) < self.max_loras and min(token_slots) >= -1, "bad slot id"
-            self.has_lora = has_lora
             if has_lora:  # computed on the host, one copy to the device
+                assert max(token_slots) < self.max_loras and min(token_slots) >= -1, "bad slot id"
                 self.meta.prepare_host(token_slots)
-            return
-        self.has_lora = has_lora
-        if has_lora:  # a no-LoRA step launches no LoRA kernels, so its meta is never read
-            self.meta.prepare(slots)
-
-    def bind_fused_slots(self, slots: Tensor) -> None:
-        """Fused steps read `slots` (int32, written by the caller before each step, -1 = no
-        LoRA) instead of the metadata; it must stay allocated (captured graphs read it)."""
-        if slots.dtype != torch.int32 or slots.dim() != 1:
-            raise ValueError(f"fused slots must be a 1-D int32 tensor, got {slots.dtype} {tuple(slots.shape)}")
-        self.fused_slots = slots
-
-    def fused_token_slots(self) -> Tensor:
-        return self.fused_slots if self._read_bound else self.meta.token_lora_slot
+        return LoRAStep(self.meta, self.meta.token_lora_slot, fuse) if has_lora else None
 
     # ---- internals ----------------------------------------------------------------------
     def _check_name(self, name: str) -> None:

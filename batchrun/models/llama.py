@@ -9,10 +9,11 @@ import torch
 from torch import nn
 
 from batchrun.layers.activation import silu_and_mul
-from batchrun.layers.attention import AttnMetadata, PagedAttention
+from batchrun.layers.attention import PagedAttention
 from batchrun.layers.linear import Linear
 from batchrun.layers.norm import RMSNorm
 from batchrun.layers.rotary import RotaryEmbedding
+from batchrun.layers.step import LoRAStep, Step
 from batchrun.models.config import ModelConfig
 
 
@@ -29,16 +30,16 @@ class Attention(nn.Module):
         self.rotary = rotary  # shared by all layers
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim)
 
-    def forward(self, positions, x, meta: AttnMetadata):
+    def forward(self, positions, x, step: Step):
         # x: [T, H] -> (o_proj output [T, H], its pending LoRA delta or None)
-        qkv, delta = self.qkv_proj(x, defer=True)  # [T, q + 2*kv]
+        qkv, delta = self.qkv_proj(x, step.lora, defer=True)  # [T, q + 2*kv]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)  # [T, Hq, D]
         k = k.view(-1, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         q, k, v = self.rotary(positions, q, k, v, lora=delta)
-        o = self.attn(q, k, v, meta)  # [T, Hq, D]
-        return self.o_proj(o.reshape(-1, self.q_size), defer=True)
+        o = self.attn(q, k, v, step.attn)  # [T, Hq, D]
+        return self.o_proj(o.reshape(-1, self.q_size), step.lora, defer=True)
 
 
 class MLP(nn.Module):
@@ -48,10 +49,10 @@ class MLP(nn.Module):
         self.gate_up_proj = Linear(cfg.hidden_size, [i, i], name="gate_up_proj")
         self.down_proj = Linear(i, [cfg.hidden_size], name="down_proj")
 
-    def forward(self, x):
+    def forward(self, x, lora: LoRAStep | None):
         # x: [T, H] -> (down_proj output [T, H], its pending LoRA delta or None)
-        gate_up, delta = self.gate_up_proj(x, defer=True)
-        return self.down_proj(silu_and_mul(gate_up, lora=delta), defer=True)
+        gate_up, delta = self.gate_up_proj(x, lora, defer=True)
+        return self.down_proj(silu_and_mul(gate_up, lora=delta), lora, defer=True)
 
 
 class DecoderLayer(nn.Module):
@@ -62,7 +63,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, positions, x, residual, delta, meta):
+    def forward(self, positions, x, residual, delta, step: Step):
         # vLLM pattern: each residual add is fused into the norm after it, so a layer returns
         # its MLP output and the residual stream separately: (x, residual), both [T, H].
         # The first layer gets residual=None (plain norm); LlamaModel fuses the last add into
@@ -74,9 +75,9 @@ class DecoderLayer(nn.Module):
             x = self.input_layernorm(x, lora=delta)
         else:
             x, residual = self.input_layernorm(x, residual, lora=delta)
-        x, delta = self.self_attn(positions, x, meta)
+        x, delta = self.self_attn(positions, x, step)
         x, residual = self.post_attention_layernorm(x, residual, lora=delta)
-        x, delta = self.mlp(x)
+        x, delta = self.mlp(x, step.lora)
         return x, residual, delta
 
 
@@ -90,11 +91,11 @@ class LlamaModel(nn.Module):
                                     for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, input_ids, positions, meta):
+    def forward(self, input_ids, positions, step: Step):
         x = self.embed_tokens(input_ids)  # [T, H]
         residual, delta = None, None
         for layer in self.layers:
-            x, residual, delta = layer(positions, x, residual, delta, meta)
+            x, residual, delta = layer(positions, x, residual, delta, step)
         if residual is None:
             return self.norm(x, lora=delta)
         return self.norm(x, residual, lora=delta)[0]
@@ -111,9 +112,10 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                meta: AttnMetadata) -> torch.Tensor:
-        # input_ids, positions: [T] -> hidden states [T, H]
-        return self.model(input_ids, positions, meta)
+                step: Step) -> torch.Tensor:
+        # input_ids, positions: [T] -> hidden states [T, H]. step: the step's attention
+        # metadata and LoRA part (None: no adapter token, so no LoRA op runs anywhere)
+        return self.model(input_ids, positions, step)
 
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         # hidden: [N, H] -> fp32 logits [N, V] (written into `out` when given)

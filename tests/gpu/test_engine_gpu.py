@@ -113,14 +113,11 @@ def _kernels_of_one_decode_step(engine, prompts):
     batch = sched.schedule()
     assert not batch.is_prefill
     runner = engine.runner
-    graphs, runner.graphs = runner.graphs, None  # eager: the profiler sees every launch
-    try:
+    with runner.eager():  # eager: the profiler sees every launch
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             runner.decode(batch.seqs)
             torch.cuda.synchronize()
-    finally:
-        runner.graphs = graphs
     names = [e.name for e in prof.events() if e.device_type.name == "CUDA"]
     return collections.Counter(n for n in names if "Memcpy" not in n and "Memset" not in n)
 

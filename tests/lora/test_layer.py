@@ -55,13 +55,13 @@ def _run(mcfg, setup, monkeypatch, force_triton):
         for module, lin in _linears(layer):
             x = torch.randn(len(names), lin.in_features, generator=g)
             assert punica.use_triton(x) == force_triton
-            m.prepare_step(token_slots)
-            y = lin(x)
+            step = m.lora_step(token_slots)
+            y = lin(x, step)
             expected = _expected(lin, x, names, deltas, layer_idx, module)
             torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5)
             # A no-LoRA step: exactly the base output, with adapters still loaded.
-            m.prepare_step([-1] * len(names))
-            assert torch.equal(lin(x), torch.nn.functional.linear(x, lin.weight))
+            step = m.lora_step([-1] * len(names))
+            assert torch.equal(lin(x, step), torch.nn.functional.linear(x, lin.weight))
 
 
 def test_mixed_batch_reference(mcfg, setup, monkeypatch):
@@ -83,10 +83,10 @@ def test_no_lora_launches_nothing(mcfg, setup, monkeypatch):
                     device="cpu", dtype=torch.float32)
     m.acquire("y")
     monkeypatch.setattr(punica, "add_lora", lambda *a: pytest.fail("LoRA op launched"))
-    m.prepare_step([-1, -1, -1])
+    step = m.lora_step([-1, -1, -1])
     lin = model.model.layers[0].self_attn.qkv_proj
     x = torch.randn(3, lin.in_features)
-    assert torch.equal(lin(x), torch.nn.functional.linear(x, lin.weight))
+    assert torch.equal(lin(x, step), torch.nn.functional.linear(x, lin.weight))
 
 
 def test_deferred_delta(mcfg, setup):
@@ -103,20 +103,20 @@ def test_deferred_delta(mcfg, setup):
     for layer_idx, layer in enumerate(model.model.layers):
         for module, lin in _linears(layer):
             x = torch.randn(len(names), lin.in_features, generator=g)
-            m.prepare_step(token_slots, fuse=True)
-            y, delta = lin(x, defer=True)
+            step = m.lora_step(token_slots, fuse=True)
+            y, delta = lin(x, step, defer=True)
             torch.testing.assert_close(y, x @ lin.weight.T, rtol=1e-5, atol=1e-5)
             assert delta.shrunk.data_ptr() == y.data_ptr() + lin.out_features * 4  # one GEMM
             want = _expected(lin, x, names, deltas, layer_idx, module)
             torch.testing.assert_close(delta.apply_reference(y), want, rtol=1e-5, atol=1e-5)
-            assert lin(x) is not None and m.fuse_deltas  # a plain call still adds it itself
-            torch.testing.assert_close(lin(x), want, rtol=1e-5, atol=1e-5)
-            m.prepare_step(token_slots, fuse=False)
-            y, delta = lin(x, defer=True)
+            assert lin(x, step) is not None and step.fuse  # a plain call still adds it itself
+            torch.testing.assert_close(lin(x, step), want, rtol=1e-5, atol=1e-5)
+            step = m.lora_step(token_slots, fuse=False)
+            y, delta = lin(x, step, defer=True)
             assert delta is None
             torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-5)
-            m.prepare_step([-1] * len(names), fuse=True)
-            y, delta = lin(x, defer=True)
+            step = m.lora_step([-1] * len(names), fuse=True)
+            y, delta = lin(x, step, defer=True)
             assert delta is None and torch.equal(y, torch.nn.functional.linear(x, lin.weight))
 
 
@@ -139,14 +139,14 @@ def test_mixed_batch_cuda(mcfg, setup, dtype):
                     device="cuda", dtype=dtype)
     slots = {n: m.acquire(n) for n in ("y", "z", "x")}
     names = ([None, "x", "y", None, "z", "x", "y", "y", None, "z", "x"] * 5)[:53]
-    m.prepare_step([-1 if n is None else slots[n] for n in names])
+    step = m.lora_step([-1 if n is None else slots[n] for n in names])
     tol = {torch.float16: 2e-2, torch.bfloat16: 6e-2, torch.float32: 1e-4}[dtype]
     for layer_idx, layer in enumerate(model.model.layers):
         lin = layer.mlp.gate_up_proj if layer_idx else layer.self_attn.qkv_proj
         module = "gate_up_proj" if layer_idx else "qkv_proj"
         x = torch.randn(len(names), lin.in_features, device="cuda").to(dtype)
         want = _expected(lin, x, names, deltas, layer_idx, module)
-        torch.testing.assert_close(lin(x).float(), want, rtol=tol, atol=tol)
+        torch.testing.assert_close(lin(x, step).float(), want, rtol=tol, atol=tol)
 
 
 @pytest.mark.gpu
@@ -161,20 +161,20 @@ def test_cuda_graph_replay_after_slot_swap(mcfg, setup):
     lin = model.model.layers[1].self_attn.qkv_proj
     sx = m.acquire("x")
     x_static = torch.randn(T, lin.in_features, device="cuda").to(dtype)
-    m.prepare_step([sx] * T)
+    step = m.lora_step([sx] * T)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):  # warm-up: Triton compiles outside the capture
-        lin(x_static)
+        lin(x_static, step)
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        y_static = lin(x_static)
+        y_static = lin(x_static, step)
 
     m.release("x")
     sy, sz = m.acquire("y"), m.acquire("z")  # z takes x's slot
     names = [None, "y", "z", "z", None, "y", "z", None]
-    m.prepare_step([-1 if n is None else {"y": sy, "z": sz}[n] for n in names])
+    m.lora_step([-1 if n is None else {"y": sy, "z": sz}[n] for n in names])  # rewrites meta in place
     x_static.copy_(torch.randn(T, lin.in_features, device="cuda").to(dtype))
     graph.replay()
     want = _expected(lin, x_static, names, deltas, 1, "qkv_proj")

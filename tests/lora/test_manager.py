@@ -112,38 +112,37 @@ def test_eager_validation(tmp_path, mcfg):
 
 def test_prepare_step(mcfg, five):
     _, m = _manager(mcfg, five)
-    m.prepare_step([-1, -1])
-    assert m.has_lora is False
-    m.prepare_step([-1, 1, 0, 1])
-    assert m.has_lora is True
+    step = m.lora_step([-1, -1])
+    assert step is None  # no adapter token: no LoRA part in the step
+    step = m.lora_step([-1, 1, 0, 1])
+    assert step is not None
     assert m.meta.token_lora_slot[:5].tolist() == [-1, 1, 0, 1, -1]
-    m.prepare_step(torch.tensor([-1, -1], dtype=torch.int32))
-    assert m.has_lora is False
-    m.prepare_step(torch.tensor([0, -1]))
-    assert m.has_lora is True and m.meta.token_lora_slot[:2].tolist() == [0, -1]
-    m.prepare_step([-1, 0], has_lora=False)  # caller's word wins (graph dispatch decided it)
-    assert m.has_lora is False
+    step = m.lora_step(torch.tensor([-1, -1], dtype=torch.int32))
+    assert step is None
+    step = m.lora_step(torch.tensor([0, -1]))
+    assert step is not None and m.meta.token_lora_slot[:2].tolist() == [0, -1]
+    step = m.lora_step([-1, 0], has_lora=False)  # caller's word wins (graph dispatch decided it)
+    assert step is None
 
 
 def test_fused_steps_read_the_bound_slots(mcfg, five):
     _, m = _manager(mcfg, five)
-    assert m.fused_token_slots() is m.meta.token_lora_slot  # unbound: the metadata
+    assert m.lora_step([0, 1], fuse=True).token_slots is m.meta.token_lora_slot  # unbound: the metadata
     bound = torch.full((4,), -1, dtype=torch.int32)
-    m.bind_fused_slots(bound)
     before = m.meta.flat.clone()
     bound[:2] = torch.tensor([1, -1])
-    m.prepare_step([1, -1], has_lora=True, fuse=True, slots_bound=True)
-    assert m.has_lora and m.fuse_deltas and m.fused_token_slots() is bound
+    step = m.lora_step([1, -1], has_lora=True, fuse=True, bound_slots=bound)
+    assert step is not None and step.fuse and step.token_slots is bound
     assert torch.equal(m.meta.flat, before)  # no metadata written for a fused decode step
     with pytest.raises(ValueError, match="has_lora"):
-        m.prepare_step([1, -1], fuse=True, slots_bound=True)
-    m.prepare_step([0, 1], fuse=True)  # a fused prefill: slots from the metadata
-    assert m.fused_token_slots() is m.meta.token_lora_slot
+        m.lora_step([1, -1], fuse=True, bound_slots=bound)
+    step = m.lora_step([0, 1], fuse=True)  # a fused prefill: slots from the metadata
+    assert step.token_slots is m.meta.token_lora_slot
     assert m.meta.token_lora_slot[:2].tolist() == [0, 1]
-    m.prepare_step([1, 0], fuse=False)  # unfused steps get the metadata
-    assert m.meta.token_lora_slot[:2].tolist() == [1, 0] and not m.fuse_deltas
+    step = m.lora_step([1, 0], fuse=False)  # unfused steps get the metadata
+    assert m.meta.token_lora_slot[:2].tolist() == [1, 0] and not step.fuse
     with pytest.raises(ValueError, match="int32"):
-        m.bind_fused_slots(torch.zeros(4, dtype=torch.int64))
+        m.lora_step([], has_lora=True, fuse=True, bound_slots=torch.zeros(4, dtype=torch.int64))
 
 
 def test_shrink_buffer_fits_the_kernel_split_cap():

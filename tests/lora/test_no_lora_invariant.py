@@ -3,7 +3,9 @@ forward pass reads no LoRA weight and calls no LoRA op.
 
 Every LoRA tensor of every hook (A rows of the stacked weights, B, the bias tail) is poisoned
 with NaN, and the LoRA ops raise if called; base-only requests must still give exactly the
-tokens of the LoRA-disabled engine (a NaN read anywhere would change them).
+tokens of the LoRA-disabled engine (a NaN read anywhere would change them), and one prefill
+step and one decode step of base rows exactly its logits. A row with an adapter in the same
+poisoned engine does get NaN logits, so the poison would show if a base step read it.
 """
 import pytest
 import torch
@@ -12,6 +14,8 @@ import batchrun.engine.model_runner as model_runner
 from batchrun.config import EngineConfig, SamplingParams
 from batchrun.engine.engine import Engine
 from batchrun.engine.request import Request
+from batchrun.engine.scheduler import Scheduler
+from batchrun.engine.sequence import Sequence
 from batchrun.kernels.lora_meta import LoRADelta
 from batchrun.lora import punica
 from tests.lora.test_engine_parity import _make_adapter
@@ -50,3 +54,83 @@ def test_base_rows_never_touch_lora(tmp_path, path, monkeypatch):
     got = [r.output_token_ids for r in engine.generate([Request(i, p, sp) for i, p in enumerate(prompts)])]
     assert got == want
     assert all(torch.isnan(h.lora_a).all() for h in hooks)  # the poison was really in place
+
+
+# ---- one prefill step and one decode step, logits compared --------------------------------
+def _poison(engine) -> None:
+    with torch.no_grad():
+        for h in engine.lora.hooks.values():
+            h.lora_a.fill_(float("nan"))
+            h.lora_b.fill_(float("nan"))
+            if h.bias_full is not None:
+                h.bias_full[h.slice_offsets[-1]:].fill_(float("nan"))  # past the N base outputs
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory):
+    """(LoRA-disabled engine, LoRA engine with NaN-poisoned stacks), CPU, eager."""
+    root = tmp_path_factory.mktemp("invariant")
+    save_hf_model("qwen2_bias", root / "base")  # q/k/v biases: the bias tail is poisoned too
+    _make_adapter("qwen2_bias", root / "all", 3, dict(r=8, lora_alpha=16, target_modules="all-linear"))
+    kw = dict(model=str(root / "base"), device="cpu", max_model_len=128, max_num_batched_tokens=128)
+    plain = Engine.from_config(EngineConfig(**kw))
+    lora = Engine.from_config(EngineConfig(**kw, enable_lora=True, max_loras=2, max_lora_rank=8),
+                              adapters={"all": str(root / "all")})
+    assert lora.lora.hooks and lora.runner.graphs is None
+    # load the adapter into its slot first (it stays resident: loading it again later would
+    # overwrite the poison), then poison every slot
+    lora.lora.acquire("all")
+    lora.lora.release("all")
+    _poison(lora)
+    return plain, lora
+
+
+PROMPTS = random_prompts(4, [9, 23, 4, 15], 128, seed=11)
+
+
+def _one_prefill_one_decode(engine, adapters: list[str | None]) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 logits of one prefill step over PROMPTS (row i runs adapters[i]) and of the decode
+    step after it (every row fed token 7)."""
+    sched = Scheduler(engine.config, engine.blocks, engine.lora)
+    sp = SamplingParams(max_tokens=4, ignore_eos=True)
+    for i, (p, a) in enumerate(zip(PROMPTS, adapters)):
+        sched.add(Sequence(i, f"r{i}", p, sp, a, None))
+    try:
+        batch = sched.schedule()
+        assert batch.is_prefill and len(batch.seqs) == len(PROMPTS)
+        done, prefill = engine.runner.prefill(batch.seqs, batch.num_tokens)
+        assert done == list(range(len(PROMPTS)))
+        for seq in batch.seqs:
+            seq.token_ids.append(7)
+        batch = sched.schedule()
+        assert not batch.is_prefill and [s.index for s in batch.seqs] == list(range(len(PROMPTS)))
+        decode = engine.runner.decode(batch.seqs)
+        return prefill.clone(), decode.clone()
+    finally:
+        for seq in list(sched.running):
+            sched.finish(seq, "length")
+
+
+@pytest.mark.parametrize("path", ["unfused", "fused_ref"])
+def test_base_step_logits_equal_the_lora_disabled_model(engines, path, monkeypatch):
+    plain, lora = engines
+    if path == "fused_ref":  # the GPU plumbing: fused decode and fused (small) prefill steps
+        monkeypatch.setattr(model_runner, "use_triton", lambda t: True)
+    want_prefill, want_decode = _one_prefill_one_decode(plain, [None] * len(PROMPTS))
+    with monkeypatch.context() as m:
+        m.setattr(punica, "add_lora", _forbidden)
+        m.setattr(LoRADelta, "__init__", _forbidden)
+        got_prefill, got_decode = _one_prefill_one_decode(lora, [None] * len(PROMPTS))
+    assert torch.isfinite(want_prefill).all() and torch.isfinite(want_decode).all()
+    assert torch.equal(got_prefill, want_prefill)
+    assert torch.equal(got_decode, want_decode)
+
+
+@pytest.mark.parametrize("path", ["unfused", "fused_ref"])
+def test_adapter_row_reads_the_poison(engines, path, monkeypatch):
+    """The check above can fail: a step with an adapter row reads the NaN stacks."""
+    _, lora = engines
+    if path == "fused_ref":
+        monkeypatch.setattr(model_runner, "use_triton", lambda t: True)
+    prefill, decode = _one_prefill_one_decode(lora, [None, "all", None, None])
+    assert torch.isnan(prefill[1]).all() and torch.isnan(decode[1]).all()

@@ -27,14 +27,17 @@ def _run(tmp_path, name, max_loras):
 
     def factory(s):
         engine = load_engine(s)
-        orig_step = engine.runner.decode
+        orig_step, orig_forward = engine.runner.decode, engine.runner.decode_forward
 
         def decode(seqs):
             steps.append({q.adapter for q in seqs})
-            logits = orig_step(seqs)
-            flags.append(engine.lora.has_lora)  # the LoRA path ran (False: the no-LoRA path)
-            return logits
+            return orig_step(seqs)
+
+        def decode_forward(rows, lora):  # the CPU engine runs every decode step eagerly
+            flags.append(lora is not None)  # the LoRA path ran (False: the no-LoRA path)
+            return orig_forward(rows, lora)
         engine.runner.decode = decode
+        engine.runner.decode_forward = decode_forward
         return engine
     run_job(spec, engine_factory=factory, progress=False, log=lambda m: None)
     out = {r["id"]: (r["adapter"], r["output_token_ids"]) for r in read_output(tmp_path / name).to_pylist()}

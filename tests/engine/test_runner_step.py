@@ -1,0 +1,99 @@
+"""The model runner's explicit step and its graph ownership (CPU): every forward gets one frozen
+Step whose `lora` is None exactly when no row has an adapter; graphs are read-only from
+outside, and eager() runs decode steps without them for its block only."""
+import dataclasses
+
+import pytest
+import torch
+
+from batchrun.config import EngineConfig, SamplingParams
+from batchrun.engine.engine import Engine
+from batchrun.engine.graphs import GraphKey, GraphRunner
+from batchrun.engine.scheduler import Scheduler
+from batchrun.engine.sequence import Sequence
+from batchrun.layers.step import LoRAStep, Step
+from tests.lora.test_engine_parity import _make_adapter
+from tests.tiny_models import random_prompts, save_hf_model
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    root = tmp_path_factory.mktemp("step")
+    save_hf_model("llama3_gqa", root / "base")
+    _make_adapter("llama3_gqa", root / "a", 1, dict(r=4, lora_alpha=8, target_modules=["q_proj", "down_proj"]))
+    cfg = EngineConfig(model=str(root / "base"), device="cpu", max_model_len=64, max_num_seqs=4,
+                       enable_lora=True, max_loras=1, max_lora_rank=4)
+    return Engine.from_config(cfg, adapters={"a": str(root / "a")})
+
+
+def _steps_of(engine, adapters, monkeypatch):
+    """The Steps the model got for one prefill and one decode step of rows running `adapters`."""
+    seen = []
+    forward = engine.model.forward
+    monkeypatch.setattr(engine.model, "forward", lambda ids, pos, step: seen.append(step) or forward(ids, pos, step))
+    sched = Scheduler(engine.config, engine.blocks, engine.lora)
+    for i, (p, a) in enumerate(zip(random_prompts(len(adapters), [5, 3, 8], 100, seed=2), adapters)):
+        sched.add(Sequence(i, i, p, SamplingParams(max_tokens=4, ignore_eos=True), a, None))
+    try:
+        engine.step(sched)
+        engine.step(sched)
+    finally:
+        for seq in list(sched.running):
+            sched.finish(seq, "length")
+    assert [s.attn.is_prefill for s in seen] == [True, False]
+    return seen
+
+
+def test_a_step_without_adapter_rows_has_no_lora_part(engine, monkeypatch):
+    for step in _steps_of(engine, [None, None, None], monkeypatch):
+        assert isinstance(step, Step) and step.lora is None
+    for step in _steps_of(engine, [None, "a", None], monkeypatch):
+        assert isinstance(step.lora, LoRAStep) and not step.lora.fuse  # CPU: shrink + expand
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            step.lora = None
+
+
+def test_graphs_are_read_only_and_eager_is_scoped(engine, monkeypatch):
+    runner = engine.runner
+    assert runner.graphs is None  # CPU: never captured
+    with pytest.raises(AttributeError):
+        runner.graphs = None
+    replays, eager_steps = [], []
+    forward = runner.decode_forward
+
+    class FakeGraphs:  # stands in for captured graphs: the runner's dispatch/replay calls
+        def dispatch(self, b, has_lora):
+            return GraphKey(b, has_lora)
+
+        def replay(self, key):  # what a no-LoRA graph computes from the static inputs
+            replays.append(key)
+            return forward(key.padded_batch_size, None)
+    monkeypatch.setattr(runner, "_graphs", FakeGraphs())
+    monkeypatch.setattr(runner, "decode_forward", lambda rows, lora: eager_steps.append(rows) or forward(rows, lora))
+    sched = Scheduler(engine.config, engine.blocks, engine.lora)
+    for i, p in enumerate(random_prompts(2, [4, 6], 100, seed=4)):
+        sched.add(Sequence(i, i, p, SamplingParams(max_tokens=8, ignore_eos=True), None, None))
+    try:
+        engine.step(sched)  # prefill: always eager
+        engine.step(sched)
+        assert replays == [GraphKey(2, False)] and eager_steps == []
+        with runner.eager():
+            with runner.eager():
+                engine.step(sched)
+            engine.step(sched)  # the inner block's exit leaves the outer one eager
+        assert len(replays) == 1 and eager_steps == [2, 2]
+        engine.step(sched)
+        assert len(replays) == 2
+    finally:
+        for seq in list(sched.running):
+            sched.finish(seq, "length")
+
+
+def test_graph_capture_needs_a_lora_step_exactly_for_the_lora_set():
+    cfg = EngineConfig(model="unused", device="cpu", max_num_seqs=4)
+    with pytest.raises(ValueError, match="needs a LoRAStep"):
+        GraphRunner(cfg, with_lora=True).capture(lambda rows, lora: None, None)
+    meta = torch.zeros(1)
+    with pytest.raises(ValueError, match="needs no LoRAStep"):
+        GraphRunner(cfg, with_lora=False).capture(lambda rows, lora: None,
+                                                   LoRAStep(meta, meta, fuse=True))
