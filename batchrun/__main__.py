@@ -5,7 +5,7 @@ moment of start-up exits 130 with one line instead of 143 (no message) or click'
 """
 import sys
 
-from batchrun.interrupt import Interrupted, install_early
+from batchrun.job.interrupt import Interrupted, install_early
 
 INTERRUPTED = 130  # ExitCode.INTERRUPTED (not imported from cli: that would import click first)
 

@@ -18,14 +18,14 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Sequence
 
 from batchrun.errors import ConfigError
-from batchrun.job import JobSpec, load_job, parse_job, parse_sampling
+from batchrun.job.spec import JobSpec, load_job, parse_job, parse_sampling
 
 
 def run(job: str | os.PathLike | dict, task_id: int = 0, num_tasks: int = 1, restart: bool = False,
         progress: bool | str = False, log=None):
     """Run a job file (path) or a job mapping (relative paths resolve against the current
     directory) like ``batchrun run``; returns the task's TaskStats. Raises ConfigError etc."""
-    from batchrun.runner import run_job
+    from batchrun.job.runner import run_job
     spec = parse_job(job, base_dir=os.getcwd()) if isinstance(job, dict) else load_job(job)
     return run_job(spec, task_id=task_id, num_tasks=num_tasks, restart=restart, progress=progress,
                    log=log or (lambda m: None))
@@ -78,8 +78,8 @@ class LLM:
                          **({"adapter_column": "adapter"} if adapters else {})},
                "output": {"path": "-"}, "engine": engine}
         self.spec: JobSpec = parse_job(raw, base_dir=os.getcwd())
-        from batchrun.prepare import check_model_and_adapters
-        from batchrun.runner import load_engine
+        from batchrun.job.prepare import check_model_and_adapters
+        from batchrun.job.runner import load_engine
         check_model_and_adapters(self.spec)  # the pre-weights checks `batchrun run` makes
         self.engine = load_engine(self.spec)
 
@@ -95,8 +95,8 @@ class LLM:
         generation_config.json, as in a job). ``adapters``: one name for all prompts, or one per
         prompt (None = base model).
         """
-        from batchrun.plan import Unit
-        from batchrun.rows import build_unit
+        from batchrun.job.plan import Unit
+        from batchrun.job.rows import build_unit
         if isinstance(prompts, str) or (prompts and _kind_or_none(prompts) in ("ids", "messages")):
             prompts = [prompts]
         prompts = list(prompts)

@@ -13,7 +13,7 @@ from contextlib import contextmanager
 import click
 
 from batchrun.errors import ConfigError, OutputIOError, io_message
-from batchrun.exit_codes import HELP as EXIT_CODES_HELP, ExitCode, exit_code_of
+from batchrun.job.exit_codes import HELP as EXIT_CODES_HELP, ExitCode, exit_code_of
 
 
 def _fail(code: ExitCode, message: str):
@@ -86,8 +86,8 @@ def main():
 def run(job, task_id, num_tasks, restart, restart_token, progress, log_interval, verbose, no_progress,
         claim_lease, workers, gpus):
     """Run JOB (a job.yaml), or this task's share of it; resumes a previous run."""
-    from batchrun.job import load_job
-    from batchrun.runner import run_job
+    from batchrun.job.spec import load_job
+    from batchrun.job.runner import run_job
 
     if (workers is not None or gpus is not None) and (task_id is not None or num_tasks is not None):
         _fail(ExitCode.USAGE, "--workers/--gpus start their own tasks 0..N-1: drop --task-id/--num-tasks")
@@ -99,14 +99,14 @@ def run(job, task_id, num_tasks, restart, restart_token, progress, log_interval,
               "(with a Slurm array of non-contiguous ids, pass --task-id/--num-tasks explicitly)")
     held = []
     try:
-        from batchrun.claims import lease_from_env
+        from batchrun.job.claims import lease_from_env
         claim_lease = lease_from_env(claim_lease)
     except ValueError as e:
         _fail(ExitCode.USAGE, str(e))
     if workers is not None or gpus is not None:
         _run_workers(job, workers, gpus, restart, restart_token, log_interval, claim_lease)
     try:
-        from batchrun.workers import GPU_ENV, check_worker_device
+        from batchrun.job.workers import GPU_ENV, check_worker_device
         if os.environ.get(GPU_ENV):
             check_worker_device()
     except ConfigError as e:
@@ -140,8 +140,8 @@ def run(job, task_id, num_tasks, restart, restart_token, progress, log_interval,
 def _run_workers(job, workers, gpus, restart, restart_token, log_interval, claim_lease):
     """--workers/--gpus: the parent of N `batchrun run` workers; exits with the worst of their codes."""
     import uuid
-    from batchrun import workers as wk
-    from batchrun.job import load_job
+    from batchrun.job import workers as wk
+    from batchrun.job.spec import load_job
     if any(os.environ.get(v) for v in ("BATCHRUN_WORKER_GPU",)):
         _fail(ExitCode.USAGE, "--workers/--gpus inside a worker: nested worker pools are not supported")
     try:
@@ -158,14 +158,14 @@ def _run_workers(job, workers, gpus, restart, restart_token, log_interval, claim
 
 
 def _summary_block(st, code, what: str) -> None:
-    from batchrun.progress import summary_lines
+    from batchrun.job.progress import summary_lines
     for line in summary_lines(st, int(code), what):
         click.echo(line, err=True)
 
 
 def _summary(spec, st) -> None:
-    from batchrun.metrics import job_metrics
-    from batchrun.output import OutputDir
+    from batchrun.job.metrics import job_metrics
+    from batchrun.job.output import OutputDir
     import json
     out = OutputDir(spec.output.path)
     with open(out.manifest) as f:
@@ -187,8 +187,8 @@ def _summary(spec, st) -> None:
 @click.option("--no-tokens", is_flag=True, help="Skip tokenizing prompts (faster on huge inputs).")
 def plan(job, num_tasks, no_tokens):
     """Validate JOB without loading weights and print its shards, work units and task shares."""
-    from batchrun.job import load_job
-    from batchrun.report import plan_report
+    from batchrun.job.spec import load_job
+    from batchrun.job.report import plan_report
     num_tasks = num_tasks or slurm_task_defaults()[1] or 1
     with _read_errors():
         click.echo(plan_report(load_job(job), num_tasks, count_tokens=not no_tokens))
@@ -198,7 +198,7 @@ def plan(job, num_tasks, no_tokens):
 @click.argument("out", type=click.Path(file_okay=False))
 def status(out):
     """Progress of the job whose output directory is OUT: units, rows, errors, running tasks."""
-    from batchrun.report import status_report
+    from batchrun.job.report import status_report
     with _read_errors():
         text, _ = status_report(out)
     click.echo(text)
@@ -211,7 +211,7 @@ def verify(out):
 
     Exit 0 when every committed unit is whole, 8 when some are missing or damaged (a rerun of the
     job rewrites them)."""
-    from batchrun.verify import verify as run_verify
+    from batchrun.job.verify import verify as run_verify
     with _read_errors():
         text, ok = run_verify(out)
     click.echo(text)
@@ -225,7 +225,7 @@ def verify(out):
 @click.option("--prompts/--no-prompts", default=True, show_default=True, help="Also print each row's prompt.")
 def show(out, limit, prompts):
     """Print a few output rows of OUT."""
-    from batchrun.report import show_rows
+    from batchrun.job.report import show_rows
     with _read_errors():
         click.echo(show_rows(out, limit, prompts))
 
@@ -250,8 +250,8 @@ def show(out, limit, prompts):
 @click.option("--submit", is_flag=True, help="Run sbatch on the script.")
 def slurm(job, array, script, time_, cpus, mem, partition, account, gpus_per_task, sbatch_args, restart, submit):
     """Write an sbatch script running JOB as a Slurm array of ARRAY tasks; --submit submits it."""
-    from batchrun.job import load_job
-    from batchrun import slurm as sl
+    from batchrun.job.spec import load_job
+    from batchrun.job import slurm as sl
     try:
         spec = load_job(job)
         text = sl.sbatch_script(spec, array, cpus=cpus, mem=mem, time=time_, partition=partition,

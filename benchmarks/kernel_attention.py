@@ -24,7 +24,7 @@ import triton
 
 from batchrun.kernels.paged_attention import _num_sms, decode_num_splits, paged_decode_attention
 from batchrun.kernels.prefill_attention import prefill_attention
-from batchrun.layers.attention import AttnMetadata, PagedAttention, query_start_tensor
+from batchrun.engine.layers.attention import AttnMetadata, PagedAttention, query_start_tensor
 
 DT, D, BS = torch.bfloat16, 128, 16
 PEAK_TBPS = 4.2

@@ -45,7 +45,7 @@ def lora_rows(tokens, ranks, active):
         x = torch.randn(T, K, dtype=DT, device="cuda")
         a = torch.randn(S, L, R, K, dtype=DT, device="cuda") * K ** -0.5
         b = torch.randn(L, N, R, dtype=DT, device="cuda") * R ** -0.5
-        splits = shrink_num_splits(T, K, S)  # as batchrun.lora.punica.add_lora chooses
+        splits = shrink_num_splits(T, K, S)  # as batchrun.engine.lora.punica.add_lora chooses
         buf = torch.empty(splits, S, T, R, dtype=torch.float32, device="cuda")
         y = torch.randn(T, N, dtype=DT, device="cuda")
         meta = LoRAKernelMeta.allocate(T, L, "cuda")

@@ -2,7 +2,7 @@
 elementwise kernels after each projection (rotary, RMSNorm, SiLU-and-mul) call when they run a
 LoRA decode step, so the delta costs no launch of its own.
 
-Where the inputs come from (batchrun/lora/layer.py): a LoRA-able Linear keeps its weight and
+Where the inputs come from (batchrun/engine/lora/layer.py): a LoRA-able Linear keeps its weight and
 the A matrices of every slot in one tensor [N + S*L*R, K], so on a LoRA step one base GEMM also
 computes the shrink: columns N.. of its output hold `shrunk[t, (s*L + l)*R + r] = x[t] .
 A[s, l, r]` for every slice s, slot l and rank r. The consumer then adds, for token t with slot

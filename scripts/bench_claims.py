@@ -8,9 +8,9 @@ import os
 import shutil
 import time
 
-from batchrun.claims import UnitClaims
-from batchrun.output import OutputDir
-from batchrun.plan import Unit
+from batchrun.job.claims import UnitClaims
+from batchrun.job.output import OutputDir
+from batchrun.job.plan import Unit
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--units", type=int, default=10000)

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from batchrun.models.config import ModelConfig
+from batchrun.engine.models.config import ModelConfig
 
 # peft module -> parent in the decoder layer (all 7 Linear projections of a Llama layer)
 TARGETS = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn",

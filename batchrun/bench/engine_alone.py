@@ -22,11 +22,11 @@ def measure(job_path: str, warmup_rows: int = 0) -> dict:
     import pyarrow.dataset as ds
     import torch
 
-    from batchrun.config import SamplingParams
+    from batchrun.engine.config import SamplingParams
     from batchrun.engine.request import Request
-    from batchrun.job import load_job
-    from batchrun.rows import row_seed
-    from batchrun.runner import load_engine
+    from batchrun.job.spec import load_job
+    from batchrun.job.rows import row_seed
+    from batchrun.job.runner import load_engine
     t_imported = time.time()
     spec = load_job(job_path)
     inp = spec.input

@@ -20,12 +20,12 @@ from pathlib import Path
 
 import torch
 
-from batchrun.config import EngineConfig, SamplingParams
+from batchrun.engine.config import EngineConfig, SamplingParams
 from batchrun.engine.engine import Engine, max_position, resolve_device
 from batchrun.engine.request import Request
 from batchrun.errors import ConfigError
-from batchrun.models.config import ModelConfig
-from batchrun.models.loader import random_model, resolve_dtype
+from batchrun.engine.models.config import ModelConfig
+from batchrun.engine.models.loader import random_model, resolve_dtype
 from batchrun.bench.adapters import write_random_adapters
 from batchrun.bench.lora_memory import format_lora_memory, lora_memory
 from batchrun.bench.presets import PRESETS, is_preset, preset_config

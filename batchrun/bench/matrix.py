@@ -327,7 +327,7 @@ def probe_scheduler(engine, prompts: list[list[int]], adapters: list[str | None]
     """A scheduler of its own holding one request per prompt (row i runs adapters[i], None =
     base), for stepping the engine by hand; rows still running on exit are finished, which
     gives back their KV blocks and LoRA pins."""
-    from batchrun.config import SamplingParams
+    from batchrun.engine.config import SamplingParams
     from batchrun.engine.scheduler import Scheduler
     from batchrun.engine.sequence import Sequence
     sched = Scheduler(engine.config, engine.blocks, engine.lora)

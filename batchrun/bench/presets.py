@@ -5,7 +5,7 @@ real checkpoint, so a preset model is built exactly like a loaded one (only the 
 """
 from __future__ import annotations
 
-from batchrun.models.config import ModelConfig
+from batchrun.engine.models.config import ModelConfig
 
 _LLAMA = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_act="silu",
               torch_dtype="bfloat16", tie_word_embeddings=False)

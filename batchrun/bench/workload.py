@@ -22,8 +22,8 @@ import torch
 
 from batchrun.bench.adapters import write_random_adapters
 from batchrun.bench.presets import PRESETS
-from batchrun.models.checkpoint import expected_shapes
-from batchrun.models.config import ModelConfig
+from batchrun.engine.models.checkpoint import expected_shapes
+from batchrun.engine.models.config import ModelConfig
 
 SHARD_BYTES = 2 << 30  # safetensors shard size (about); smaller shards keep host memory low
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}

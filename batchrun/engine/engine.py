@@ -12,7 +12,7 @@ from typing import Callable
 
 import torch
 
-from batchrun.config import EngineConfig
+from batchrun.engine.config import EngineConfig
 from batchrun.engine.block_manager import BlockManager
 from batchrun.engine.kv_sizing import check_one_sequence_fits, num_kv_blocks
 from batchrun.engine.model_runner import ModelRunner
@@ -23,9 +23,9 @@ from batchrun.engine.scheduler import Scheduler
 from batchrun.engine.sequence import Sequence
 from batchrun.engine.source import ListSource, RequestSource, as_source
 from batchrun.errors import ConfigError
-from batchrun.models.loader import load_model, resolve_dtype
-from batchrun.models.config import ModelConfig, check_context_length
-from batchrun.token_count import load_tokenizer  # one loader, shared with the pre-run checks
+from batchrun.engine.models.loader import load_model, resolve_dtype
+from batchrun.engine.models.config import ModelConfig, check_context_length
+from batchrun.job.token_count import load_tokenizer  # one loader, shared with the pre-run checks
 
 
 def resolve_device(name: str) -> torch.device:
@@ -103,7 +103,7 @@ class Engine:
         if adapters and not config.enable_lora:
             raise ConfigError("adapters were given but engine LoRA is disabled (enable_lora=False)")
         if config.enable_lora:
-            from batchrun.lora.manager import LoRAManager
+            from batchrun.engine.lora.manager import LoRAManager
             lora = LoRAManager(model, dict(adapters or {}), max_loras=config.max_loras,
                                max_lora_rank=config.max_lora_rank,
                                max_num_tokens=max(config.max_num_batched_tokens, config.max_num_seqs),

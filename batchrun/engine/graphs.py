@@ -17,8 +17,8 @@ from typing import Callable
 
 import torch
 
-from batchrun.config import EngineConfig
-from batchrun.layers.step import LoRAStep
+from batchrun.engine.config import EngineConfig
+from batchrun.engine.layers.step import LoRAStep
 
 
 @dataclass(frozen=True)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from batchrun.config import EngineConfig
+from batchrun.engine.config import EngineConfig
 from batchrun.errors import ConfigError
-from batchrun.models.config import ModelConfig
+from batchrun.engine.models.config import ModelConfig
 
 
 def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:

@@ -19,13 +19,13 @@ from typing import Iterator
 
 import torch
 
-from batchrun.config import EngineConfig
+from batchrun.engine.config import EngineConfig
 from batchrun.engine.block_manager import SCRATCH_BLOCK, BlockManager
 from batchrun.engine.graphs import GraphRunner
 from batchrun.engine.sequence import Sequence
-from batchrun.layers.attention import AttnMetadata, query_start_tensor
-from batchrun.layers.backend import use_triton
-from batchrun.layers.step import LoRAStep, Step
+from batchrun.engine.layers.attention import AttnMetadata, query_start_tensor
+from batchrun.engine.layers.backend import use_triton
+from batchrun.engine.layers.step import LoRAStep, Step
 
 
 class ModelRunner:

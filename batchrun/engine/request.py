@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Hashable
 
-from batchrun.config import SamplingParams
+from batchrun.engine.config import SamplingParams
 
 
 @dataclass

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from batchrun.config import SamplingParams
+from batchrun.engine.config import SamplingParams
 
 
 @dataclass

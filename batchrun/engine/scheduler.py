@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from batchrun.config import EngineConfig
+from batchrun.engine.config import EngineConfig
 from batchrun.engine.block_manager import BlockManager
 from batchrun.engine.sequence import Sequence, SeqStatus
 

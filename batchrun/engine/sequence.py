@@ -5,7 +5,7 @@ import enum
 
 import torch
 
-from batchrun.config import SamplingParams
+from batchrun.engine.config import SamplingParams
 
 
 class SeqStatus(enum.Enum):

@@ -8,7 +8,7 @@ from safetensors import safe_open
 from batchrun.bench.adapters import TARGETS, write_random_adapters
 from batchrun.bench.latency import EngineSpec, build_engine, make_requests, random_prompts
 from batchrun.bench.presets import PRESETS, num_params, preset_config
-from batchrun.lora.adapters import inspect_adapter
+from batchrun.engine.lora.adapters import inspect_adapter
 
 
 def test_presets_have_the_real_shapes():

@@ -1,7 +1,7 @@
 """Batch invariance, preemption by recompute, chunked prefill (CPU fp32)."""
 import pytest
 
-from batchrun.config import EngineConfig, SamplingParams
+from batchrun.engine.config import EngineConfig, SamplingParams
 from batchrun.engine.engine import Engine
 from batchrun.engine.request import Request
 from tests.tiny_models import random_prompts, save_hf_model

@@ -6,7 +6,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from batchrun.errors import ModelLoadError
-from batchrun.models.loader import inspect_model, load_model
+from batchrun.engine.models.loader import inspect_model, load_model
 from tests.tiny_models import save_hf_model
 
 
@@ -84,7 +84,7 @@ def test_sharded_checkpoint_loads_identically(tmp_path):
 
 
 def test_sliding_window_shorter_than_max_model_len_refused(tmp_path):
-    from batchrun.config import EngineConfig
+    from batchrun.engine.config import EngineConfig
     from batchrun.engine.engine import Engine
     from batchrun.errors import ConfigError
     save_hf_model("mistral", tmp_path / "m")

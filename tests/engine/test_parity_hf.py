@@ -1,7 +1,7 @@
 """Greedy output token ids identical to transformers generate() in fp32 on CPU."""
 import pytest
 
-from batchrun.config import EngineConfig, SamplingParams
+from batchrun.engine.config import EngineConfig, SamplingParams
 from batchrun.engine.engine import Engine
 from batchrun.engine.request import Request
 from tests.tiny_models import VARIANTS, hf_greedy, random_prompts, save_hf_model

@@ -6,12 +6,12 @@ import dataclasses
 import pytest
 import torch
 
-from batchrun.config import EngineConfig, SamplingParams
+from batchrun.engine.config import EngineConfig, SamplingParams
 from batchrun.engine.engine import Engine
 from batchrun.engine.graphs import GraphKey, GraphRunner
 from batchrun.engine.scheduler import Scheduler
 from batchrun.engine.sequence import Sequence
-from batchrun.layers.step import LoRAStep, Step
+from batchrun.engine.layers.step import LoRAStep, Step
 from tests.lora.test_engine_parity import _make_adapter
 from tests.tiny_models import random_prompts, save_hf_model
 

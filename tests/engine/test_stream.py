@@ -4,7 +4,7 @@ holds at most max_loras adapters, and nothing deadlocks."""
 import pytest
 import torch
 
-from batchrun.config import EngineConfig, SamplingParams
+from batchrun.engine.config import EngineConfig, SamplingParams
 from batchrun.engine.engine import Engine
 from batchrun.engine.request import Request
 from tests.tiny_models import make_hf_model, random_prompts, save_hf_model

@@ -5,11 +5,11 @@ import collections
 import pytest
 import torch
 
-from batchrun.config import EngineConfig, SamplingParams
+from batchrun.engine.config import EngineConfig, SamplingParams
 from batchrun.engine.engine import Engine
 from batchrun.engine.request import Request
-from batchrun.models.config import ModelConfig
-from batchrun.models.loader import model_from_hf_state
+from batchrun.engine.models.config import ModelConfig
+from batchrun.engine.models.loader import model_from_hf_state
 
 pytestmark = pytest.mark.gpu
 

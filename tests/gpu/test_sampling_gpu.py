@@ -3,7 +3,7 @@ float64 log (the integer hash is exact; CUDA's and libm's log differ by ulps), a
 import pytest
 import torch
 
-from batchrun.config import EngineConfig, SamplingParams
+from batchrun.engine.config import EngineConfig, SamplingParams
 from batchrun.engine.engine import Engine
 from batchrun.engine.request import Request
 from batchrun.engine.sampler import RowState, exponential_noise, sample

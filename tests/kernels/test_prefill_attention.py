@@ -3,7 +3,7 @@ import torch
 
 from batchrun.kernels.prefill_attention import prefill_attention
 from batchrun.kernels.reference import ref_prefill_attention
-from batchrun.layers.attention import AttnMetadata, PagedAttention, query_start_tensor
+from batchrun.engine.layers.attention import AttnMetadata, PagedAttention, query_start_tensor
 from kernel_testutils import CPU_DTYPES, DEVICE, assert_attention_close, randn
 
 

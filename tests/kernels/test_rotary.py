@@ -3,7 +3,7 @@ import torch
 
 from batchrun.kernels.reference import ref_rotary
 from batchrun.kernels.rotary import apply_rotary
-from batchrun.layers.rotary import RotaryEmbedding
+from batchrun.engine.layers.rotary import RotaryEmbedding
 from kernel_testutils import CPU_DTYPES, DEVICE, randn
 
 

@@ -9,8 +9,8 @@ if not torch.cuda.is_available():  # before anything imports triton (kernels und
 import pytest  # noqa: E402
 from torch import nn  # noqa: E402
 
-from batchrun.layers.linear import Linear  # noqa: E402
-from batchrun.models.config import ModelConfig  # noqa: E402
+from batchrun.engine.layers.linear import Linear  # noqa: E402
+from batchrun.engine.models.config import ModelConfig  # noqa: E402
 
 BASE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=128, max_position_embeddings=64)

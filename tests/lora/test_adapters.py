@@ -6,7 +6,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from batchrun.errors import AdapterError
-from batchrun.lora import inspect_adapter, load_adapter
+from batchrun.engine.lora import inspect_adapter, load_adapter
 from tests.lora.conftest import make_adapter, model_config, peft_deltas
 
 CASES = {

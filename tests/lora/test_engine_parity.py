@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from batchrun.config import EngineConfig, SamplingParams
+from batchrun.engine.config import EngineConfig, SamplingParams
 from batchrun.engine.engine import Engine
 from batchrun.engine.request import Request
 from batchrun.kernels.lora_meta import LoRADelta

@@ -3,9 +3,9 @@ own deltas; a no-LoRA step is exactly the base output and launches no LoRA op.""
 import pytest
 import torch
 
-from batchrun.lora import punica
-from batchrun.lora.manager import LoRAManager
-from batchrun.lora.peft_config import PEFT_MODULES
+from batchrun.engine.lora import punica
+from batchrun.engine.lora.manager import LoRAManager
+from batchrun.engine.lora.peft_config import PEFT_MODULES
 from tests.lora.conftest import FakeLlama, make_adapter, peft_deltas
 
 ADAPTERS = {  # name -> LoraConfig kwargs (different targets and ranks)

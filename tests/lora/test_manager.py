@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from batchrun.errors import AdapterError
-from batchrun.lora.manager import MAX_SHRINK_SPLITS, LoRAManager
+from batchrun.engine.lora.manager import MAX_SHRINK_SPLITS, LoRAManager
 from tests.lora.conftest import FakeLlama, make_adapter
 
 TARGETS = [["q_proj", "v_proj"], ["o_proj"], ["gate_proj", "down_proj"], "all-linear", ["k_proj"]]
@@ -67,7 +67,7 @@ def test_cpu_cache_unbounded(mcfg, five):
 
 def test_slot_contents(mcfg, five):
     model, m = _manager(mcfg, five)
-    from batchrun.lora import load_adapter
+    from batchrun.engine.lora import load_adapter
     hooked = {(i, n) for i, layer in enumerate(model.model.layers)
               for n, lin in [("qkv_proj", layer.self_attn.qkv_proj), ("o_proj", layer.self_attn.o_proj),
                              ("gate_up_proj", layer.mlp.gate_up_proj), ("down_proj", layer.mlp.down_proj)]

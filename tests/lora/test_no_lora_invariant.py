@@ -11,13 +11,13 @@ import pytest
 import torch
 
 import batchrun.engine.model_runner as model_runner
-from batchrun.config import EngineConfig, SamplingParams
+from batchrun.engine.config import EngineConfig, SamplingParams
 from batchrun.engine.engine import Engine
 from batchrun.engine.request import Request
 from batchrun.engine.scheduler import Scheduler
 from batchrun.engine.sequence import Sequence
 from batchrun.kernels.lora_meta import LoRADelta
-from batchrun.lora import punica
+from batchrun.engine.lora import punica
 from tests.lora.test_engine_parity import _make_adapter
 from tests.tiny_models import random_prompts, save_hf_model
 

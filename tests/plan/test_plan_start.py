@@ -8,7 +8,7 @@ from runner_helpers import REPO, demo_rows
 
 WRAPPER = ("import sys\nfrom batchrun.__main__ import entry\n"
            "try:\n    entry(sys.argv[1:])\nexcept SystemExit as e:\n    code = e.code\nelse:\n    code = 0\n"
-           "print('IMPORTED', sorted(m for m in ('torch', 'transformers', 'batchrun.models.loader', "
+           "print('IMPORTED', sorted(m for m in ('torch', 'transformers', 'batchrun.engine.models.loader', "
            "'batchrun.engine.engine') if m in sys.modules), code, file=sys.stderr)\n")
 
 

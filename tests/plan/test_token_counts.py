@@ -9,9 +9,9 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from batchrun import token_count
-from batchrun.report import PY_WHITESPACE, chat_lengths, prompt_lengths
-from batchrun.token_count import load_counter, load_tokenizer
+from batchrun.job import token_count
+from batchrun.job.report import PY_WHITESPACE, chat_lengths, prompt_lengths
+from batchrun.job.token_count import load_counter, load_tokenizer
 from runner_helpers import REPO
 
 TEXTS = ["hello world", "  leading and trailing  ", "Ünïcödé ✓ text", "a" * 300, "x", "tab\there\nnew line",

@@ -6,8 +6,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from batchrun.models import loader
-from batchrun.models.stage import StagedCopier
+from batchrun.engine.models import loader
+from batchrun.engine.models.stage import StagedCopier
 from tests.tiny_models import save_hf_model
 
 

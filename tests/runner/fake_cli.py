@@ -14,9 +14,9 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import batchrun.commit as commit  # noqa: E402
-import batchrun.runner as runner  # noqa: E402
-import batchrun.workers as workers  # noqa: E402
+import batchrun.job.commit as commit  # noqa: E402
+import batchrun.job.runner as runner  # noqa: E402
+import batchrun.job.workers as workers  # noqa: E402
 from fake_engine import FakeEngine  # noqa: E402
 
 

@@ -4,7 +4,7 @@ import os
 import pytest
 from click.testing import CliRunner
 
-import batchrun.runner as runner_mod
+import batchrun.job.runner as runner_mod
 from batchrun.cli import ExitCode, main, slurm_task_defaults
 from fake_engine import FakeEngine
 from runner_helpers import demo_rows, read_output

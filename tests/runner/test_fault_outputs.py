@@ -8,8 +8,8 @@ import pytest
 
 from batchrun.cli import ExitCode
 from batchrun.errors import ConfigError, InputChanged
-from batchrun.job import load_job
-from batchrun.runner import run_job
+from batchrun.job.spec import load_job
+from batchrun.job.runner import run_job
 from fake_engine import FakeEngine
 from fault_helpers import N_ROWS, assert_every_id_once, commits, wait_for
 from runner_helpers import demo_rows, fork_cli, run_cli, write_rows

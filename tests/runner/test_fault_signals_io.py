@@ -11,11 +11,11 @@ import time
 
 import pytest
 
-import batchrun.commit as commit_mod
+import batchrun.job.commit as commit_mod
 from batchrun.cli import ExitCode
 from batchrun.errors import OutputIOError
-from batchrun.job import load_job
-from batchrun.runner import run_job
+from batchrun.job.spec import load_job
+from batchrun.job.runner import run_job
 from fake_engine import FakeEngine
 from fault_helpers import N_ROWS, assert_every_id_once, commits, dataset_ids, handlers_installed, wait_for
 from runner_helpers import REPO, demo_rows, fork_cli, run_cli

@@ -8,15 +8,15 @@ import time
 
 import pytest
 
-import batchrun.commit as commit
-import batchrun.runner as runner
+import batchrun.job.commit as commit
+import batchrun.job.runner as runner
 from batchrun.errors import OutputIOError
-from batchrun.feeder import END, Feeder, UnitSource
-from batchrun.job import load_job
-from batchrun.plan import Unit
-from batchrun.rows import UnitWork
-from batchrun.runner import RowFailure, run_job
-from batchrun.writer import Writer
+from batchrun.job.feeder import END, Feeder, UnitSource
+from batchrun.job.spec import load_job
+from batchrun.job.plan import Unit
+from batchrun.job.rows import UnitWork
+from batchrun.job.runner import RowFailure, run_job
+from batchrun.job.writer import Writer
 from fault_helpers import N_ROWS, commits
 from runner_helpers import demo_rows
 from stream_fake import StreamingFakeEngine

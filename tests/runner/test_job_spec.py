@@ -4,7 +4,7 @@ from pathlib import Path
 import pytest
 
 from batchrun.errors import ConfigError
-from batchrun.job import load_job, parse_job
+from batchrun.job.spec import load_job, parse_job
 
 MIN = {"model": "m", "input": {"path": "in.parquet"}, "output": {"path": "out"}}
 

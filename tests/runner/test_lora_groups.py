@@ -11,8 +11,8 @@ import dataclasses
 
 import pytest
 
-from batchrun.job import OutputSpec, load_job
-from batchrun.runner import load_engine, run_job
+from batchrun.job.spec import OutputSpec, load_job
+from batchrun.job.runner import load_engine, run_job
 from runner_helpers import REPO, read_output
 
 DEMO_JOB = REPO / "jobs" / "demo.yaml"

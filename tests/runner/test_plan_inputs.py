@@ -7,9 +7,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from batchrun.errors import ConfigError
-from batchrun.inputs import RowReader, check_schemas, find_input_files
-from batchrun.job import parse_job
-from batchrun.plan import Plan, assign_tasks, make_plan, task_units
+from batchrun.job.inputs import RowReader, check_schemas, find_input_files
+from batchrun.job.spec import parse_job
+from batchrun.job.plan import Plan, assign_tasks, make_plan, task_units
 from runner_helpers import write_rows
 
 

@@ -9,7 +9,7 @@ import pytest
 
 import pyarrow as pa
 
-from batchrun.token_count import load_counter
+from batchrun.job.token_count import load_counter
 from runner_helpers import REPO, demo_rows
 
 BLOCK = ("import sys; sys.modules['torch'] = None; sys.modules['transformers'] = None; "

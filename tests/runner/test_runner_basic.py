@@ -7,10 +7,10 @@ import pyarrow as pa
 import pytest
 
 from batchrun.errors import ConfigError
-from batchrun.job import load_job
-from batchrun.prepare import JobChanged
-from batchrun.runner import RowFailure, run_job
-from batchrun.rows import row_seed
+from batchrun.job.spec import load_job
+from batchrun.job.prepare import JobChanged
+from batchrun.job.runner import RowFailure, run_job
+from batchrun.job.rows import row_seed
 from fake_engine import FakeEngine
 from runner_helpers import demo_rows, expected, read_output, write_rows
 

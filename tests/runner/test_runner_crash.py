@@ -11,8 +11,8 @@ import signal
 import pytest
 
 from batchrun.cli import ExitCode
-from batchrun.job import load_job
-from batchrun.runner import run_job
+from batchrun.job.spec import load_job
+from batchrun.job.runner import run_job
 from fake_engine import FakeEngine
 from fault_helpers import wait_for
 from runner_helpers import demo_rows, expected, fork_cli, read_output

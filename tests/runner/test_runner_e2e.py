@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from batchrun.job import OutputSpec, load_job
-from batchrun.runner import run_job
+from batchrun.job.spec import OutputSpec, load_job
+from batchrun.job.runner import run_job
 from runner_helpers import REPO, demo_rows, read_output
 
 DEMO_JOB = REPO / "jobs" / "demo.yaml"

@@ -9,9 +9,9 @@ import time
 
 import pytest
 
-from batchrun.exit_codes import ExitCode
-from batchrun.job import load_job
-from batchrun.runner import run_job
+from batchrun.job.exit_codes import ExitCode
+from batchrun.job.spec import load_job
+from batchrun.job.runner import run_job
 from fault_helpers import N_ROWS, assert_every_id_once, commits, dataset_ids, wait_for
 from runner_helpers import demo_rows
 from stream_fake import StreamingFakeEngine
@@ -22,8 +22,8 @@ WRITE_DELAY_S = 0.25
 def _child(args, crash_at, kill_after, state_path, env):
     """Forked child: the CLI with the streaming fake engine and a slow writer."""
     os.environ.update({"TOKENIZERS_PARALLELISM": "false", **env})
-    import batchrun.commit as commit
-    import batchrun.runner as runner
+    import batchrun.job.commit as commit
+    import batchrun.job.runner as runner
     import fake_cli
     fake_cli.install(crash_at)  # also patches publish/record for crash_at points
     runner.load_engine = StreamingFakeEngine.from_spec

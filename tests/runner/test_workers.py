@@ -1,4 +1,4 @@
-"""`batchrun run --workers N / --gpus ...` (batchrun/workers.py): GPU binding with fake device
+"""`batchrun run --workers N / --gpus ...` (batchrun/job/workers.py): GPU binding with fake device
 lists, the worker-side device check, exit codes, and N CPU workers finishing one job."""
 import os
 import signal
@@ -9,7 +9,7 @@ import time
 import pytest
 
 from batchrun.errors import ConfigError
-from batchrun.workers import GPU_ENV, check_worker_device, pick_gpus, run_workers, visible_gpus, worst
+from batchrun.job.workers import GPU_ENV, check_worker_device, pick_gpus, run_workers, visible_gpus, worst
 from fault_helpers import assert_every_id_once, wait_for, commits
 from runner_helpers import HERE, REPO, demo_rows
 

@@ -4,9 +4,9 @@ import os
 
 import pyarrow as pa
 
-from batchrun.job import load_job
-from batchrun.runner import run_job
-from batchrun.verify import verify
+from batchrun.job.spec import load_job
+from batchrun.job.runner import run_job
+from batchrun.job.verify import verify
 from runner_helpers import read_output
 
 ROWS = [{"id": i, "prompt": p} for i, p in enumerate(["hello", "abc", "tiny model", "xyz run", "fox", "lora"])]

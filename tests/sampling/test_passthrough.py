@@ -5,8 +5,8 @@ import pyarrow as pa
 import pytest
 
 from batchrun.errors import ConfigError
-from batchrun.job import load_job
-from batchrun.runner import run_job
+from batchrun.job.spec import load_job
+from batchrun.job.runner import run_job
 from fake_engine import FakeEngine
 from runner_helpers import read_output
 

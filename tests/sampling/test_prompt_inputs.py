@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from batchrun.errors import ConfigError
-from batchrun.job import load_job, parse_job
-from batchrun.runner import run_job
+from batchrun.job.spec import load_job, parse_job
+from batchrun.job.runner import run_job
 from fake_engine import FakeEngine
 from runner_helpers import read_output
 from tests.tiny_models import hf_greedy, save_hf_model
@@ -87,7 +87,7 @@ def test_input_errors(inp, needle):
 
 
 def test_plan_counts_token_id_prompts_and_system_prompts(job_factory, tmp_path):
-    from batchrun.report import plan_report
+    from batchrun.job.report import plan_report
     d = tmp_path / "notok"
     save_hf_model("llama_mha", d, seed=1)
     job = job_factory([{"id": 0, "ids": [5, 6, 7]}, {"id": 1, "ids": [9] * 200}], model=str(d),

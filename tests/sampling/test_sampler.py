@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from batchrun.config import SamplingParams
+from batchrun.engine.config import SamplingParams
 from batchrun.engine.sampler import RowState, _filtered_probs, _top_k_top_p_sorted, exponential_noise, sample
 
 V = 11

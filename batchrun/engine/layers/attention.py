@@ -1,0 +1,115 @@
+"""Paged attention for one layer: write this step's K/V into the paged cache, then attend.
+
+KV cache layout per layer: [num_blocks, block_size, Hkv, D]. Block 0 is a scratch block
+never given to a sequence: padded rows of a captured decode step write their K/V there.
+
+Prefill (possibly a chunk of a long prompt): each sequence's queries attend to its whole cached
+context (earlier chunks + this chunk), causally. On the Triton path (CUDA) one varlen kernel
+covers the step's packed tokens, reading K/V through the block table
+(kernels/prefill_attention.py); on CPU it is done per sequence with torch SDPA on K/V gathered
+through the block table (exact and fast enough there). Decode: one query per sequence, Triton
+paged kernel on CUDA, torch reference on CPU (same math; the engine's CPU path is torch by design).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from batchrun.engine.layers.backend import use_triton
+
+
+@dataclass
+class AttnMetadata:
+    is_prefill: bool
+    slot_mapping: torch.Tensor  # int64 [T]: flat cache slot (block * block_size + offset) per token
+    block_tables: torch.Tensor  # int32 [B, max_blocks_per_seq]
+    context_lens: torch.Tensor  # int32 [B]: cached tokens to attend to, this step's included
+    # prefill only (host ints; prefill runs eagerly, never inside a graph):
+    query_lens: list[int] | None = None
+    context_lens_host: list[int] | None = None
+    query_start: torch.Tensor | None = None  # int32 [B + 1] on device: cumsum of query_lens
+
+
+class PagedAttention(nn.Module):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scale = head_dim ** -0.5
+        self.k_cache: torch.Tensor | None = None  # set by the model runner after KV sizing
+        self.v_cache: torch.Tensor | None = None
+
+    def forward(self, q, k, v, meta: AttnMetadata) -> torch.Tensor:
+        # q: [T, Hq, D]; k, v: [T, Hkv, D] -> [T, Hq, D]
+        kc, vc = self.k_cache, self.v_cache
+        flat_k = kc.view(-1, self.num_kv_heads, self.head_dim)  # [num_blocks*block_size, Hkv, D]
+        flat_v = vc.view(-1, self.num_kv_heads, self.head_dim)
+        flat_k.index_copy_(0, meta.slot_mapping, k)
+        flat_v.index_copy_(0, meta.slot_mapping, v)
+        if meta.is_prefill:
+            return self._prefill(q, meta)
+        out = torch.empty_like(q)
+        decode_attention(q, kc, vc, meta.block_tables, meta.context_lens, self.scale, out)
+        return out
+
+    def _prefill(self, q: torch.Tensor, meta: AttnMetadata) -> torch.Tensor:
+        if use_triton(q):
+            from batchrun.kernels.prefill_attention import prefill_attention
+            if meta.query_start is None:
+                raise ValueError("AttnMetadata.query_start (int32 [B + 1], cumsum of query_lens) "
+                                 "is required for prefill on the Triton path; build it with "
+                                 "query_start_tensor(query_lens, device)")
+            out = torch.empty_like(q)
+            prefill_attention(q, self.k_cache, self.v_cache, meta.block_tables, meta.query_start,
+                              meta.context_lens, max(meta.query_lens), self.scale, out)
+            return out
+        return self._prefill_per_sequence(q, meta)
+
+    def _prefill_per_sequence(self, q: torch.Tensor, meta: AttnMetadata) -> torch.Tensor:
+        block_size = self.k_cache.shape[1]
+        outs, start = [], 0
+        for i, (n_q, n_ctx) in enumerate(zip(meta.query_lens, meta.context_lens_host)):
+            n_blocks = -(-n_ctx // block_size)
+            blocks = meta.block_tables[i, :n_blocks].long()
+            # gather this sequence's context: [n_blocks, bs, Hkv, D] -> [n_ctx, Hkv, D]
+            k = self.k_cache[blocks].flatten(0, 1)[:n_ctx]
+            v = self.v_cache[blocks].flatten(0, 1)[:n_ctx]
+            qi = q[start:start + n_q]
+            outs.append(_causal_sdpa(qi, k, v, self.scale, n_ctx - n_q))
+            start += n_q
+        return torch.cat(outs, dim=0)
+
+
+def query_start_tensor(query_lens: list[int], device) -> torch.Tensor:
+    """int32 [B + 1]: where each sequence's rows start in the packed prefill tokens."""
+    starts = [0]
+    for n in query_lens:
+        starts.append(starts[-1] + n)
+    return torch.tensor(starts, dtype=torch.int32, device=device)
+
+
+def _causal_sdpa(q, k, v, scale, offset: int) -> torch.Tensor:
+    # q: [Nq, Hq, D]; k, v: [Nk, Hkv, D]; query j sits at position offset + j
+    hq, hkv = q.shape[1], k.shape[1]
+    if hq != hkv:  # GQA: each kv head serves hq // hkv query heads
+        k = k.repeat_interleave(hq // hkv, dim=1)
+        v = v.repeat_interleave(hq // hkv, dim=1)
+    q_, k_, v_ = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # [1, H, N, D]
+    if offset == 0:
+        o = F.scaled_dot_product_attention(q_, k_, v_, is_causal=True, scale=scale)
+    else:
+        nq, nk = q.shape[0], k.shape[0]
+        mask = torch.ones(nq, nk, dtype=torch.bool, device=q.device).tril(diagonal=offset)
+        o = F.scaled_dot_product_attention(q_, k_, v_, attn_mask=mask, scale=scale)
+    return o.squeeze(0).transpose(0, 1)  # [Nq, Hq, D]
+
+
+def decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, out) -> None:
+    if use_triton(q):
+        from batchrun.kernels.paged_attention import paged_decode_attention
+        paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, out)
+    else:
+        from batchrun.kernels.reference import ref_paged_decode_attention
+        out.copy_(ref_paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale))

@@ -1,0 +1,37 @@
+"""RMSNorm, computed in fp32 and cast back like HF's LlamaRMSNorm, optionally fused with the
+residual add before it (vLLM pattern): `norm(x, residual) -> (normed, x + residual)`.
+
+On CUDA it runs one Triton kernel (the residual is updated in place); on CPU the torch
+reference (kernels/reference.py: HF LlamaRMSNorm's ops, in its order). A pending LoRA delta of
+the projection before the norm (LoRADelta) is added to x inside the same kernel.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from batchrun.kernels.lora_meta import LoRADelta
+from batchrun.kernels.reference import ref_fused_add_rms_norm, ref_rms_norm
+from batchrun.engine.layers.backend import use_triton
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(hidden_size), requires_grad=False)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None,
+                lora: LoRADelta | None = None):
+        # x: [T, H] -> normed [T, H]; with residual [T, H]: (normed, x + residual).
+        # lora: the pending LoRA delta of the projection that produced x (x + delta is normed).
+        if use_triton(x):
+            from batchrun.kernels.fused_add_rms_norm import fused_add_rms_norm, rms_norm
+            if residual is None:
+                return rms_norm(x, self.weight, self.eps, lora=lora)
+            return fused_add_rms_norm(x, residual, self.weight, self.eps, lora=lora)
+        if lora is not None:
+            x = lora.apply_reference(x)
+        if residual is None:
+            return ref_rms_norm(x, self.weight, self.eps)
+        return ref_fused_add_rms_norm(x, residual, self.weight, self.eps)

@@ -1,0 +1,39 @@
+"""What one forward pass needs to know about its step, passed down through `model(...)`.
+
+The model runner builds one `Step` per prefill or decode step and hands it to the model, which
+hands `step.attn` to attention and `step.lora` to every Linear. `step.lora is None` means no
+token of the step has an adapter: every Linear then runs its base matmul only and no LoRA
+tensor is read, by construction (no flag on a shared object can say otherwise). Both values
+are frozen: nothing a layer does can change what a later layer (or step) sees.
+
+The tensors in a `LoRAStep` are static buffers allocated once (the LoRA manager's kernel
+metadata, the model runner's decode slot buffer), because a captured CUDA graph holds their
+addresses; a step only says which of them this step's kernels read.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import Tensor
+
+from batchrun.kernels.lora_meta import LoRAKernelMeta
+from batchrun.engine.layers.attention import AttnMetadata
+
+
+@dataclass(frozen=True)
+class LoRAStep:
+    """The LoRA part of a step that has at least one adapter token."""
+    meta: LoRAKernelMeta  # Punica metadata of the unfused shrink + expand (kernels/lora_meta.py)
+    # int32 [>= T] slot per token (-1 = no LoRA) that fused consumers read (LoRADelta): the
+    # runner's static decode buffer on a fused decode step (no metadata written at all), the
+    # metadata's token_lora_slot on a fused prefill step
+    token_slots: Tensor
+    # True: a projection whose consumer can fuse (defer=True) computes y and the shrink in one
+    # GEMM and hands the delta on (LoRADelta); False: shrink + expand into y (lora/layer.py)
+    fuse: bool
+
+
+@dataclass(frozen=True)
+class Step:
+    attn: AttnMetadata
+    lora: LoRAStep | None = None

@@ -1,0 +1,86 @@
+"""The LoRA hook attached to a fused Linear (`Linear.lora`).
+
+The hook takes over the Linear's storage: weight and the A matrices of every slot live in one
+tensor `weight_full` [N + S*L*R, K] (rows N + (s*L + l)*R + r hold A[slice s, slot l, rank r]),
+and `linear.weight` becomes the view of its first N rows.
+
+A step without LoRA tokens (`Step.lora is None`) never reaches the hook: `Linear.forward`
+runs F.linear with `linear.weight`, the same call (and kernel) as without LoRA. The hook gets
+the step's `LoRAStep` and has two cases:
+
+- a fused step (`LoRAStep.fuse`, set on the Triton path for decode steps and for prefill steps
+  of up to `lora_fused_max_tokens` tokens) and a caller that can fuse (`defer`): one GEMM with
+  `weight_full` computes y and the shrink together, and the delta (shrunk . B) is returned as a
+  LoRADelta for the next kernel to add: no LoRA launch of its own;
+- otherwise (larger prefills, CPU, callers without a fusing consumer): y = x W.T, then the
+  Punica shrink + expand add the delta in place (kernels on CUDA, torch references on CPU).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from batchrun.kernels.lora_meta import LoRADelta
+from batchrun.engine.layers.step import LoRAStep
+from batchrun.engine.lora import punica
+
+
+class LoRALinear:
+    def __init__(self, manager, linear, max_loras: int, max_rank: int):
+        self.manager = manager  # owns the scratch shared by all hooks (shrink_buffer, norm_scratch)
+        self.output_sizes = list(linear.output_sizes)
+        S, N, K = len(self.output_sizes), linear.out_features, linear.in_features
+        offs = [0]
+        for n in self.output_sizes:
+            offs.append(offs[-1] + n)
+        self.slice_offsets = tuple(offs)
+        w = linear.weight
+        # Allocated once, written in place when a slot is loaded (captured graphs hold the
+        # pointers). A and B are zero beyond an adapter's rank and for slices or layers it does
+        # not target, so those contribute nothing.
+        self.weight_full = torch.zeros(N + S * max_loras * max_rank, K, device=w.device,
+                                       dtype=w.dtype)
+        self.weight_full[:N].copy_(w)
+        linear.weight = nn.Parameter(self.weight_full[:N], requires_grad=False)
+        self.bias_full = None
+        if linear.bias is not None:
+            self.bias_full = torch.zeros(self.weight_full.shape[0], device=w.device, dtype=w.dtype)
+            self.bias_full[:N].copy_(linear.bias)
+            linear.bias = nn.Parameter(self.bias_full[:N], requires_grad=False)
+        self.lora_a = self.weight_full[N:].view(S, max_loras, max_rank, K)  # [S, L, R, K]
+        self.lora_b = torch.zeros(max_loras, N, max_rank, device=w.device, dtype=w.dtype)
+
+    @property
+    def num_slices(self) -> int:
+        return len(self.output_sizes)
+
+    def set_slot(self, slot: int, slices: dict[int, tuple[Tensor, Tensor]]) -> None:
+        """Write one adapter into `slot`: slices maps slice index -> (A [r, in], B [out_s, r])."""
+        self.clear_slot(slot)
+        for s, (a, b) in slices.items():
+            r = a.shape[0]
+            lo, hi = self.slice_offsets[s], self.slice_offsets[s + 1]
+            assert a.shape[1] == self.lora_a.shape[3] and b.shape == (hi - lo, r), "bad LoRA shape"
+            self.lora_a[s, slot, :r].copy_(a)
+            self.lora_b[slot, lo:hi, :r].copy_(b)
+
+    def clear_slot(self, slot: int) -> None:
+        self.lora_a[:, slot].zero_()
+        self.lora_b[slot].zero_()
+
+    def forward(self, linear, x: Tensor, step: LoRAStep,
+                defer: bool) -> tuple[Tensor, LoRADelta | None]:
+        # x: [T, in] -> (y [T, out], pending delta or None); step: this step's LoRA part
+        m = self.manager
+        if defer and step.fuse:
+            full = F.linear(x, self.weight_full, self.bias_full)  # [T, N + S*L*R]
+            N = linear.out_features
+            return full[:, :N], LoRADelta(full[:, N:], self.lora_b, step.token_slots,
+                                          self.slice_offsets, *m.norm_scratch)
+        y = F.linear(x, linear.weight, linear.bias)
+        # m.shrink_buffer: flat fp32 scratch shared by all layers; add_lora views its split-K
+        # partials [splits, S, T, R] out of it.
+        punica.add_lora(x, y, self.lora_a, self.lora_b, m.shrink_buffer, self.slice_offsets,
+                        step.meta)
+        return y, None

@@ -1,0 +1,112 @@
+"""Check a model directory without torch: config.json plus the safetensors headers.
+
+`plan` and the pre-run checks use this (fast, no torch import); models/loader.py loads weights.
+"""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from batchrun.errors import ModelLoadError
+from batchrun.engine.models.config import ModelConfig
+from batchrun.engine.safetensors_header import HeaderError, read_header
+
+PICKLE_NAMES = ("pytorch_model.bin", "pytorch_model.bin.index.json", "model.pt", "model.pth",
+                "model.ckpt", "tf_model.h5", "flax_model.msgpack")
+# checkpoint tensors that are recomputed, not loaded
+IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
+def safetensors_files(model_dir: Path) -> list[Path]:
+    """The checkpoint's safetensors files; refuses pickle-only checkpoints with a clear message."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (OSError, json.JSONDecodeError, KeyError) as e:
+            raise ModelLoadError(f"{index}: unreadable shard index ({e})") from e
+        files = [model_dir / f for f in sorted(set(weight_map.values()))]
+        for f in files:
+            if not f.is_file():
+                raise ModelLoadError(f"{index}: lists shard {f.name}, which is missing from {model_dir}")
+        return files
+    files = sorted(model_dir.glob("*.safetensors"))
+    if files:
+        return files
+    pickles = [n for n in PICKLE_NAMES if (model_dir / n).exists()] + \
+        [p.name for p in model_dir.glob("*.bin")] + [p.name for p in model_dir.glob("*.pt")]
+    if pickles:
+        raise ModelLoadError(
+            f"{model_dir}: only pickle checkpoints found ({', '.join(sorted(set(pickles)))}); "
+            f"batchrun loads safetensors only and never unpickles. Convert once with "
+            f"transformers: AutoModelForCausalLM.from_pretrained(dir).save_pretrained(dir, "
+            f"safe_serialization=True)")
+    raise ModelLoadError(f"{model_dir}: no *.safetensors weights found")
+
+
+def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """HF tensor name -> shape, for every tensor the checkpoint must hold."""
+    h, i, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    q, kv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
+    shapes = {"model.embed_tokens.weight": (cfg.vocab_size, h), "model.norm.weight": (h,)}
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head.weight"] = (cfg.vocab_size, h)
+    per_layer = {
+        "self_attn.q_proj.weight": (q, h), "self_attn.k_proj.weight": (kv, h),
+        "self_attn.v_proj.weight": (kv, h), "self_attn.o_proj.weight": (h, q),
+        "mlp.gate_proj.weight": (i, h), "mlp.up_proj.weight": (i, h),
+        "mlp.down_proj.weight": (h, i),
+        "input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
+    }
+    if cfg.attention_bias:
+        per_layer.update({"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,),
+                          "self_attn.v_proj.bias": (kv,)})
+    for n in range(cfg.num_hidden_layers):
+        for k, s in per_layer.items():
+            shapes[f"model.layers.{n}.{k}"] = s
+    return shapes
+
+
+def _index_headers(files: list[Path]) -> dict[str, tuple[Path, tuple[int, ...]]]:
+    found = {}
+    for f in files:
+        try:
+            for name, (_, shape) in read_header(f).items():
+                found[name] = (f, shape)
+        except (OSError, HeaderError) as e:  # corrupt header, truncated file
+            raise ModelLoadError(f"{f}: cannot read safetensors file ({e})") from e
+    return found
+
+
+def check_checkpoint(model_dir: Path, cfg: ModelConfig) -> dict[str, tuple[Path, tuple]]:
+    """Compare the checkpoint's tensor names and shapes (headers only) with the config."""
+    found = _index_headers(safetensors_files(model_dir))
+    want = expected_shapes(cfg)
+    for name, (f, shape) in found.items():
+        if IGNORED.match(name):
+            continue
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue  # tied: we use embed_tokens, an explicit copy is harmless
+        if name not in want:
+            raise ModelLoadError(f"{f}: unexpected tensor {name!r} (shape {list(shape)}) for a "
+                                 f"{cfg.model_type} model; the checkpoint does not match config.json")
+        if shape != want[name]:
+            raise ModelLoadError(f"{f}: tensor {name!r} has shape {list(shape)}, config.json "
+                                 f"implies {list(want[name])}")
+    missing = [n for n in want if n not in found]
+    if missing:
+        more = f" (and {len(missing) - 3} more)" if len(missing) > 3 else ""
+        raise ModelLoadError(f"{model_dir}: checkpoint is missing tensor(s) "
+                             f"{', '.join(missing[:3])}{more}")
+    return found
+
+
+def inspect_model(path: str | Path) -> ModelConfig:
+    """Validate a model directory without loading weights (config + safetensors headers)."""
+    model_dir = Path(path)
+    if not model_dir.is_dir():
+        raise ModelLoadError(f"{model_dir}: model directory not found")
+    cfg = ModelConfig.from_dir(model_dir)
+    check_checkpoint(model_dir, cfg)
+    return cfg
+
+

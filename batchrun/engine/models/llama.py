@@ -1,0 +1,128 @@
+"""Llama-family decoder (Llama 2/3.x, Mistral, Qwen2) with fused projections and paged KV.
+
+Our own module tree (not HF's) so that graph capture, paged KV and LoRA hooks are under our
+control. Weight names map from HF checkpoints in loader.py.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from batchrun.engine.layers.activation import silu_and_mul
+from batchrun.engine.layers.attention import PagedAttention
+from batchrun.engine.layers.linear import Linear
+from batchrun.engine.layers.norm import RMSNorm
+from batchrun.engine.layers.rotary import RotaryEmbedding
+from batchrun.engine.layers.step import LoRAStep, Step
+from batchrun.engine.models.config import ModelConfig
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = Linear(cfg.hidden_size, [self.q_size, self.kv_size, self.kv_size],
+                               bias=cfg.attention_bias, name="qkv_proj")
+        self.o_proj = Linear(self.q_size, [cfg.hidden_size], name="o_proj")
+        self.rotary = rotary  # shared by all layers
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim)
+
+    def forward(self, positions, x, step: Step):
+        # x: [T, H] -> (o_proj output [T, H], its pending LoRA delta or None)
+        qkv, delta = self.qkv_proj(x, step.lora, defer=True)  # [T, q + 2*kv]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)  # [T, Hq, D]
+        k = k.view(-1, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        q, k, v = self.rotary(positions, q, k, v, lora=delta)
+        o = self.attn(q, k, v, step.attn)  # [T, Hq, D]
+        return self.o_proj(o.reshape(-1, self.q_size), step.lora, defer=True)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        i = cfg.intermediate_size
+        self.gate_up_proj = Linear(cfg.hidden_size, [i, i], name="gate_up_proj")
+        self.down_proj = Linear(i, [cfg.hidden_size], name="down_proj")
+
+    def forward(self, x, lora: LoRAStep | None):
+        # x: [T, H] -> (down_proj output [T, H], its pending LoRA delta or None)
+        gate_up, delta = self.gate_up_proj(x, lora, defer=True)
+        return self.down_proj(silu_and_mul(gate_up, lora=delta), lora, defer=True)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding):
+        super().__init__()
+        self.self_attn = Attention(cfg, rotary)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, positions, x, residual, delta, step: Step):
+        # vLLM pattern: each residual add is fused into the norm after it, so a layer returns
+        # its MLP output and the residual stream separately: (x, residual), both [T, H].
+        # The first layer gets residual=None (plain norm); LlamaModel fuses the last add into
+        # the final norm. Same values as `x = x + attn(norm(x)); x = x + mlp(norm(x))`.
+        # A projection's LoRA delta (fused decode steps) rides along to the norm after it:
+        # `delta` is the previous layer's down_proj delta; the layer returns its own.
+        if residual is None:
+            residual = x
+            x = self.input_layernorm(x, lora=delta)
+        else:
+            x, residual = self.input_layernorm(x, residual, lora=delta)
+        x, delta = self.self_attn(positions, x, step)
+        x, residual = self.post_attention_layernorm(x, residual, lora=delta)
+        x, delta = self.mlp(x, step.lora)
+        return x, residual, delta
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, max_position: int):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.rotary = RotaryEmbedding(cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, self.rotary)
+                                    for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, input_ids, positions, step: Step):
+        x = self.embed_tokens(input_ids)  # [T, H]
+        residual, delta = None, None
+        for layer in self.layers:
+            x, residual, delta = layer(positions, x, residual, delta, step)
+        if residual is None:
+            return self.norm(x, lora=delta)
+        return self.norm(x, residual, lora=delta)[0]
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, max_position: int):
+        super().__init__()
+        self.config = cfg
+        self.model = LlamaModel(cfg, max_position)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head.weight.requires_grad_(False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                step: Step) -> torch.Tensor:
+        # input_ids, positions: [T] -> hidden states [T, H]. step: the step's attention
+        # metadata and LoRA part (None: no adapter token, so no LoRA op runs anywhere)
+        return self.model(input_ids, positions, step)
+
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        # hidden: [N, H] -> fp32 logits [N, V] (written into `out` when given)
+        logits = self.lm_head(hidden)
+        if out is None:
+            return logits.float()
+        return out.copy_(logits)
+
+    def attention_layers(self) -> list[PagedAttention]:
+        return [layer.self_attn.attn for layer in self.model.layers]

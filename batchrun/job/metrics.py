@@ -1,0 +1,61 @@
+"""_batchrun/metrics.json and metrics/task-N.json: totals over committed units, and every run.
+
+Each task owns its file (under its lock) and appends its run to ``runs``; metrics.json merges
+all tasks' runs, so a job resumed five times shows five runs and concurrent tasks never race on
+one history.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+from batchrun.job.commit import committed_units, write_json_atomic
+from batchrun.job.output import OutputDir
+
+
+def write_metrics(out: OutputDir, task_id: int, this_run: dict, total_units: int, total_rows: int) -> None:
+    os.makedirs(out.task_metrics_dir, exist_ok=True)
+    path = os.path.join(out.task_metrics_dir, f"task-{task_id}.json")
+    runs = _previous_runs(path) + [{k: v for k, v in this_run.items() if k != "runs"}]
+    write_json_atomic(path, {**this_run, "runs": runs})  # the last run, and every run so far
+    write_json_atomic(out.metrics, job_metrics(out, total_units, total_rows))
+
+
+def _previous_runs(path: str) -> list[dict]:
+    try:
+        with open(path) as f:
+            old = json.load(f)
+    except (OSError, ValueError):
+        return []
+    if not isinstance(old, dict):
+        return []
+    runs = old.get("runs")
+    if isinstance(runs, list):
+        return [r for r in runs if isinstance(r, dict)]
+    return [{k: v for k, v in old.items()}] if "task_id" in old else []  # a file from before histories
+
+
+def job_metrics(out: OutputDir, total_units: int, total_rows: int) -> dict:
+    """Totals over every committed unit, plus each task's last run."""
+    done = committed_units(out)
+    tasks = {}
+    if os.path.isdir(out.task_metrics_dir):
+        for name in sorted(os.listdir(out.task_metrics_dir)):
+            if name.endswith(".json") and not name.startswith("."):
+                try:
+                    with open(os.path.join(out.task_metrics_dir, name)) as f:
+                        task = json.load(f)
+                except (OSError, ValueError):
+                    continue  # a damaged metrics file loses its history, never the run
+                if isinstance(task, dict):
+                    tasks[name[:-5]] = task
+    return {
+        "units_total": total_units, "units_committed": len(done),
+        "rows_total": total_rows, "rows_committed": sum(m["rows"] for m in done.values()),
+        "error_rows": sum(m["error_rows"] for m in done.values()),
+        "prompt_tokens": sum(m["prompt_tokens"] for m in done.values()),
+        "output_tokens": sum(m["output_tokens"] for m in done.values()),
+        "complete": len(done) == total_units,
+        "tasks": {name: {k: v for k, v in t.items() if k != "runs"} for name, t in tasks.items()},
+        "runs": sorted((r for t in tasks.values() for r in t.get("runs", [])), key=lambda r: r.get("started", 0)),
+    }

@@ -1,0 +1,301 @@
+"""What `plan`, `status` and `show` print. Reads only metadata, inputs and tokenizers: no weights."""
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from batchrun.job.commit import check_part, committed_units, read_commits, uncommitted_parts
+from batchrun.errors import ConfigError
+from batchrun.job.inputs import INVALID, InvalidText, RowReader, column_values
+from batchrun.job.spec import JobSpec, sampling_summary
+from batchrun.job.lock import is_locked
+from batchrun.job.output import OutputDir
+from batchrun.job.output_path import check_unowned_dir
+from batchrun.job.plan import Plan, assign_tasks, engine_groups, group_rows, make_plan
+from batchrun.job.prepare import token_counter, validate
+from batchrun.job.prompts import chat_messages
+from batchrun.job.rows import _sampling
+
+
+def _shard_name(adapter: str | None, known: bool) -> str:
+    return "base" if adapter is None else adapter if known else f"{adapter} (unknown)"
+
+
+def _table(header: list[str], rows: list[list]) -> str:
+    cells = [header] + [[str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    fmt = lambda r: "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+    return "\n".join(fmt(r) for r in cells)
+
+
+def plan_report(spec: JobSpec, num_tasks: int, count_tokens: bool = True) -> str:
+    files, root, schema, _ = validate(spec)
+    out = OutputDir(spec.output.path)
+    if not os.path.lexists(out.manifest):
+        check_unowned_dir(out)  # what run would refuse, plan refuses too
+    plan = make_plan(spec, files, root, schema)
+    lines = [f"job:      {spec.job_file}",
+             f"model:    {spec.model}",
+             f"adapters: {', '.join(f'{k} ({v})' for k, v in spec.adapters.items()) or 'none'}",
+             f"input:    {len(files)} file(s), {plan.total_rows} rows",
+             f"output:   {spec.output.path}"]
+    lines += sampling_summary(spec.sampling, plan.override_columns) + [""]
+    tokens, bad = (_prompt_tokens(spec, plan) if count_tokens else ({}, {}))
+    shards = plan.shards()
+    rows = []
+    for code, sh in enumerate(shards):
+        key = (sh.adapter, sh.known)
+        rows.append([_shard_name(*key), sh.rows, tokens.get(key, "-"), sh.units,
+                     sh.rows if not sh.known else bad.get(key, "-" if not count_tokens else 0)])
+    lines.append(_table(["shard", "rows", "prompt tokens", "units", "error rows"], rows))
+    lines += ["", "engine batches (adapters whose rows share the engine's steps, "
+              f"up to engine.max_loras = {spec.engine.max_loras}):"]
+    for g in _batches(plan, spec):
+        lines.append("  " + " + ".join(dict.fromkeys(_shard_name(u.adapter, u.known) for u in g))
+                     + f": {sum(u.rows for u in g)} rows")
+    lines += ["", f"work units: {len(plan.units)} of up to {spec.input.rows_per_unit} rows"]
+    tasks = assign_tasks(plan, num_tasks)
+    trows = []
+    for t in range(num_tasks):
+        us = [u for u, tt in zip(plan.units, tasks) if tt == t]
+        span = f"{us[0].index}-{us[-1].index}" if us else "-"
+        names = ", ".join(dict.fromkeys(_shard_name(u.adapter, u.known) for u in us)) or "-"
+        trows.append([f"task {t}", len(us), span, sum(u.rows for u in us), names])
+    lines += ["", _table(["task", "units", "unit ids", "rows", "shards"], trows)]
+    return "\n".join(lines)
+
+
+def _batches(plan: Plan, spec: JobSpec) -> list[list]:
+    """The runner's engine groups over the whole plan, consecutive ones of equal adapters merged
+    (a long shard is cut into several calls only to bound memory)."""
+    merged: list[list] = []
+    for g in engine_groups(plan.units, group_rows(spec.engine.max_num_seqs), spec.engine.max_loras):
+        names = {(u.adapter, u.known) for u in g}
+        if merged and names == {(u.adapter, u.known) for u in merged[-1]}:
+            merged[-1] = merged[-1] + g
+        else:
+            merged.append(g)
+    return merged
+
+
+def _prompt_tokens(spec: JobSpec, plan: Plan) -> tuple[dict, dict]:
+    """Prompt tokens and predictable error rows per shard (tokenizer only, file by file, in
+    column batches: token_count.py's counts, numpy for the checks, no Python object kept per row)."""
+    inp = spec.input
+    tok = None if inp.prompt_token_ids_column else token_counter(spec)
+    shard_keys = list(dict.fromkeys((u.adapter, u.known) for u in plan.units))
+    code_of = {k: i for i, k in enumerate(shard_keys)}
+    # shard code of every row, per file (the plan stores rows in unit order)
+    per_file = [np.zeros(n, dtype=np.int32) for n in plan.file_rows]
+    for u in plan.units:
+        rf, ri = plan.unit_rows(u)
+        for fi in np.unique(rf):
+            per_file[fi][ri[rf == fi]] = code_of[(u.adapter, u.known)]
+    tokens = np.zeros(len(shard_keys), dtype=np.int64)
+    bad = np.zeros(len(shard_keys), dtype=np.int64)
+    col = inp.prompt_column or inp.messages_column or inp.prompt_token_ids_column
+    extra = [c for c in plan.override_columns if c != col]
+    for fi, path in enumerate(plan.files):
+        start = 0
+        for batch in pq.ParquetFile(path).iter_batches(batch_size=32768, columns=[col] + extra):
+            n = batch.num_rows
+            codes = per_file[fi][start:start + n]
+            start += n
+            lens = row_lengths(tok, inp, batch.column(col))
+            mt = np.full(n, spec.sampling.max_tokens, dtype=np.float64)
+            if extra:  # a bad override is an error row at run time too (rows._sampling decides both)
+                overrides = {c: column_values(batch.column(c)) for c in extra}
+                for i in range(n):
+                    try:
+                        mt[i] = _sampling(spec, overrides, i, None, extra).max_tokens
+                    except (ValueError, TypeError):
+                        mt[i] = np.inf
+            is_bad = (lens <= 0) | (lens + mt > spec.engine.max_model_len)
+            bad += np.bincount(codes, weights=is_bad, minlength=len(shard_keys)).astype(np.int64)
+            tokens += np.bincount(codes, weights=np.maximum(lens, 0), minlength=len(shard_keys)).astype(np.int64)
+    return ({k: int(tokens[i]) for k, i in code_of.items()}, {k: int(bad[i]) for k, i in code_of.items()})
+
+
+def row_lengths(tok, inp, column) -> np.ndarray:
+    """Prompt tokens of each row as prompts.py builds them; -1 for rows the runner refuses."""
+    if inp.prompt_token_ids_column:
+        return np.array([len(v) if v and v is not INVALID and None not in v else -1 for v in column_values(column)],
+                        dtype=np.int64)
+    if inp.messages_column:
+        return chat_lengths(tok, column, inp)
+    if inp.system_prompt is not None:  # [system, user=prompt] through the chat template
+        keep = prompt_lengths(tok, column, lengths=False)
+        values = column_values(column)
+        convs = [chat_messages(inp, prompt=v) if k else None for v, k in zip(values, keep)]
+        return tok.chat_lengths(convs, dict(inp.chat_template_kwargs or {}), inp.add_special_tokens is True)
+    return prompt_lengths(tok, column, add_special_tokens=inp.add_special_tokens is not False)
+
+
+def prompt_lengths(tok, texts, add_special_tokens: bool = True, lengths: bool = True) -> np.ndarray:
+    """Tokens of each prompt the engine would run; -1 for the rows rows.build_unit refuses before
+    tokenizing (null, invalid UTF-8, empty or whitespace only, as str.strip() sees it).
+    ``lengths=False``: only the mask of the rows it keeps."""
+    if pa.types.is_null(texts.type):
+        return np.full(len(texts), -1, dtype=np.int64) if lengths else np.zeros(len(texts), dtype=bool)
+    if isinstance(texts, pa.ChunkedArray):
+        texts = texts.combine_chunks()
+    if pa.types.is_dictionary(texts.type):
+        texts = texts.cast(texts.type.value_type)
+    if pa.types.is_string_view(texts.type):
+        texts = texts.cast(pa.large_string())
+    try:
+        texts.validate(full=True)  # invalid UTF-8 (writers do not all check): those rows are refused
+    except pa.ArrowInvalid:
+        values = column_values(texts)
+        ok = np.array([v is not None and not isinstance(v, InvalidText) for v in values], dtype=bool)
+        texts = pa.array([v if k else None for v, k in zip(values, ok)], pa.large_string())
+    keep = pc.greater(pc.utf8_length(pc.utf8_trim(texts, characters=PY_WHITESPACE)), 0).fill_null(False)
+    keep = np.asarray(keep, dtype=bool)
+    if not lengths:
+        return keep
+    lens = tok.lengths(pc.if_else(keep, texts, pa.scalar(None, texts.type)), add_special_tokens)
+    return np.where(keep, lens, -1)
+
+
+def chat_lengths(tok, messages, inp=None) -> np.ndarray:
+    """Tokens of each conversation; -1 for the rows rows.build_unit refuses (invalid UTF-8,
+    null or empty, a null role or content, a failing chat template). ``inp``: the job's input
+    section (system_prompt, chat_template_kwargs, add_special_tokens), as prompts.py uses it."""
+    values = column_values(messages)
+    convs = [v if v and v is not INVALID and all(m and m.get("role") is not None and m.get("content") is not None
+                                                   for m in v) else None for v in values]
+    if inp is None:
+        return tok.chat_lengths(convs)
+    convs = [chat_messages(inp, messages=c) if c is not None else None for c in convs]
+    return tok.chat_lengths(convs, dict(inp.chat_template_kwargs or {}), inp.add_special_tokens is True)
+
+
+# What str.strip() removes: rows.build_unit refuses a prompt that is only these.
+PY_WHITESPACE = "".join(c for c in map(chr, range(0x3001)) if c.isspace())
+
+
+def load_state(out_path: str) -> tuple[OutputDir, dict, list]:
+    """(output dir, manifest, plan units) of an existing run; ConfigError naming what is wrong."""
+    out = OutputDir(os.path.abspath(out_path))
+    try:
+        with open(out.manifest) as f:
+            manifest = json.load(f)
+        with open(os.path.join(out.plan_dir, "plan.json")) as f:
+            units = json.load(f)["units"]
+        if not isinstance(manifest, dict) or "fingerprint" not in manifest:
+            raise ValueError("not a batchrun manifest")
+    except FileNotFoundError:
+        raise ConfigError(f"{out.path} is not a batchrun output directory (no _batchrun/manifest.json "
+                          "or plan); has a run started there?") from None
+    except (ValueError, KeyError, TypeError) as e:
+        raise ConfigError(f"{out.path}: its batchrun metadata is damaged ({e}); the part files are "
+                          "untouched. Rerun the job with --restart to start over") from None
+    return out, manifest, units
+
+
+def status_report(out_path: str) -> tuple[str, bool]:
+    out, manifest, units = load_state(out_path)
+    commits = read_commits(out)
+    damaged = dict(commits.damaged)
+    for unit, marker in commits.valid.items():
+        if (why := check_part(out, unit, marker, manifest.get("fingerprint"))) is not None:
+            damaged[unit] = why
+    done = {u: m for u, m in commits.valid.items() if u not in damaged}
+    lines = [f"output:  {out.path}", f"job:     {manifest.get('job_file')} (fingerprint {manifest['fingerprint']})",
+             f"created: {manifest.get('created')}"]
+    total_rows = sum(u[4] for u in units)
+    lines.append(f"units:   {len(done)}/{len(units)} committed")
+    lines.append(f"rows:    {sum(m['rows'] for m in done.values())}/{total_rows} written, "
+                 f"{sum(m['error_rows'] for m in done.values())} error rows")
+    lines.append(f"tokens:  {sum(m['prompt_tokens'] for m in done.values())} prompt, "
+                 f"{sum(m['output_tokens'] for m in done.values())} output")
+    per = {}
+    for index, adapter, known, _, rows in units:
+        p = per.setdefault(_shard_name(adapter, known), [0, 0, 0, 0])
+        p[0] += 1
+        p[1] += rows
+        if index in done:
+            p[2] += 1
+            p[3] += done[index]["error_rows"]
+    lines += ["", _table(["shard", "units", "rows", "committed", "error rows"],
+                         [[k, v[0], v[1], v[2], v[3]] for k, v in per.items()])]
+    running = []
+    if os.path.isdir(out.locks):
+        for name in sorted(os.listdir(out.locks)):
+            if name.startswith("task-") and (owner := is_locked(os.path.join(out.locks, name))):
+                running.append(f"{name[:-5]} ({owner})")
+    lines += ["", f"running: {', '.join(running) if running else 'none'}"]
+    orphans = uncommitted_parts(out, len(units), commits)
+    if damaged:
+        shown = "; ".join(f"unit {u}: {why}" for u, why in sorted(damaged.items())[:3])
+        lines.append(f"damaged: {len(damaged)} committed unit(s) whose part file is missing or damaged "
+                     f"({shown}{' ...' if len(damaged) > 3 else ''}); the next run rewrites them")
+    if orphans:
+        lines.append(f"note: {len(orphans)} part file(s) finished but not yet committed (a run stopped "
+                     "between writing and committing); the next run rewrites them")
+    complete = len(done) == len(units)
+    lines.append("complete" if complete else "incomplete: rerun the same command to finish")
+    return "\n".join(lines), complete
+
+
+def show_rows(out_path: str, limit: int, prompts: bool) -> str:
+    out, manifest, _ = load_state(out_path)
+    done = {u: m for u, m in committed_units(out).items()
+            if check_part(out, u, m, manifest.get("fingerprint")) is None}
+    if not done:
+        return "(no units committed yet)"
+    # A few committed part files per shard (not the whole dataset), then round-robin over shards
+    # so every adapter shows up.
+    per_shard: dict = {}
+    for unit in sorted(done):
+        files = per_shard.setdefault(done[unit].get("adapter"), [])
+        if sum(n for _, n in files) < limit:
+            files.append((out.part(unit), done[unit]["rows"]))
+    queues = [[r for path, _ in files for r in pq.read_table(path).to_pylist()] for files in per_shard.values()]
+    rows = []
+    while len(rows) < limit and any(queues):
+        for q in queues:
+            if q and len(rows) < limit:
+                rows.append(q.pop(0))
+    prompt_of = _prompts_for(out, manifest, [r["id"] for r in rows]) if prompts else {}
+    lines = []
+    for r in rows:
+        configured = (manifest.get("job") or {}).get("adapters") or {}
+        name = r["adapter"] or "base"
+        if r["adapter"] and r["adapter"] not in configured:
+            name += " (unknown adapter: not under adapters:, so the row was not run)"
+        head = f"[{name}] id={r['id']}"
+        if r["id"] in prompt_of:
+            head += f"  prompt={prompt_of[r['id']]!r}"
+        body = (f"-> {r['output_text']!r} ({r['finish_reason']}, {r['output_tokens']} tokens)"
+                if r["finish_reason"] != "error" else f"-> ERROR: {r['error']}")
+        lines.append(f"{head}\n    {body}")
+    return "\n".join(lines)
+
+
+def _prompts_for(out: OutputDir, manifest: dict, ids: list) -> dict:
+    """Prompts of the given ids, found through the stored plan (works for default ids too)."""
+    job = manifest.get("job") or {}
+    inp = job.get("input") or {}
+    col = inp.get("prompt_column") or inp.get("messages_column")
+    plan = Plan.load(out.plan_dir)
+    wanted, found = set(ids), {}
+    reader = RowReader(plan.files, [c for c in (col, inp.get("id_column")) if c])
+    for u in plan.units:
+        rf, ri = plan.unit_rows(u)
+        try:
+            rows = reader.read(rf, ri)
+        except OSError:
+            return {}
+        for k in range(u.rows):
+            rid = rows[inp["id_column"]][k] if inp.get("id_column") else f"{plan.file_names[rf[k]]}:{ri[k]}"
+            if rid in wanted:
+                found[rid] = rows[col][k]
+        if len(found) == len(wanted):
+            break
+    return found

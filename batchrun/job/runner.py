@@ -1,0 +1,450 @@
+"""Run one worker of a job: claim uncommitted units (batchrun/job/claims.py) and run them, base shard
+first, then adapters; any number of workers may share one output directory.
+
+Three threads: the feeder (``feeder.py``) reads and tokenizes the next units ahead of the GPU;
+the engine thread (this one, which also takes the signals) streams their requests through
+``Engine.generate_stream``, so consecutive units and shards share steps and the batch never
+drains at a unit or shard boundary; the writer (``writer.py``) writes and commits each unit the
+moment its last row finishes. A crash loses at most the units still in flight or queued for the
+writer; nothing visible is ever partial (``commit.py``).
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import threading
+import time
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Iterable
+
+import numpy as np
+
+from batchrun.job import commit
+from batchrun.job.claims import UnitClaims
+from batchrun.job.commit import check_part, read_commits
+from batchrun.engine.request import Result
+from batchrun.errors import ConfigError, OutputIOError, io_message
+from batchrun.job.feeder import END as FEED_END, FLUSH, Feeder, UnitSource
+from batchrun.job.interrupt import Interrupted, Signals
+from batchrun.job.inputs import RowReader
+from batchrun.job.spec import JobSpec
+from batchrun.job.lock import TaskLock
+from batchrun.job.metrics import write_metrics
+from batchrun.job.output import OutputDir
+from batchrun.job.plan import Unit, assign_tasks, engine_groups, group_rows
+from batchrun.job.progress import Progress
+from batchrun.job.prepare import Prepared, prepare
+from batchrun.job.rows import UnitWork, arrow_columns, build_unit, input_columns, unit_table
+from batchrun.job.writer import Writer
+
+FEEDER_AHEAD_BATCHES = 2  # the feeder reads and claims at most this many engine batches of rows ahead
+WRITER_QUEUE_UNITS = 4  # finished units that may wait for the writer before the engine thread blocks
+
+
+class RowFailure(Exception):
+    """on_error: fail and a row could not run."""
+
+
+@dataclass
+class TaskStats:
+    task_id: int
+    num_tasks: int
+    status: str = "running"  # running | done | interrupted | failed
+    units_total: int = 0  # the job's units (any worker may run any of them)
+    units_skipped: int = 0  # committed before this run started (by an earlier run or another worker)
+    units_done: int = 0  # committed by this run
+    units_repaired: int = 0  # committed earlier, but the part file was missing/damaged: rewritten
+    units_lost: int = 0  # finished after another worker took over its expired claim: discarded
+    units_taken_over: int = 0  # claims of other workers that had expired (dead, killed) and this one took
+    worker: str = ""  # lock / temp-dir / metrics name (the task id, plus the Slurm array job id)
+    rows: int = 0
+    error_rows: int = 0
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    started: float = field(default_factory=time.time)
+    elapsed_s: float = 0.0
+    model_load_s: float = 0.0
+    startup_s: float = 0.0  # from the start of run_job until the engine was ready (checks, plan, load)
+    writing_s: float = 0.0  # writing, publishing and committing part files (on the writer thread)
+    writer_wait_s: float = 0.0  # the engine thread blocked on the writer (full queue, final drain)
+    error_reasons: dict = field(default_factory=dict)  # reason (digits as N) -> error rows
+
+    @property
+    def generation_s(self) -> float:
+        """Wall time after start-up (checks, plan, model load), less the time the engine thread
+        waited for the writer (writing overlaps generation, so only waiting on it is not
+        generation)."""
+        return max(self.elapsed_s - max(self.startup_s, self.model_load_s) - self.writer_wait_s, 0.0)
+
+    @property
+    def output_tok_per_s(self) -> float:
+        gen = self.generation_s
+        return self.output_tokens / gen if gen > 0 else 0.0
+
+
+def load_engine(spec: JobSpec):
+    """The real engine (imported late: planning and validation never need torch)."""
+    from batchrun.engine.config import EngineConfig
+    from batchrun.engine.engine import Engine
+    e = spec.engine
+    cfg = EngineConfig(model=spec.model, device=e.device, dtype=e.dtype, max_num_seqs=e.max_num_seqs,
+                       max_num_batched_tokens=e.max_num_batched_tokens, max_model_len=e.max_model_len,
+                       gpu_memory_utilization=e.gpu_memory_utilization, enable_lora=bool(spec.adapters),
+                       max_loras=e.max_loras, max_lora_rank=e.max_lora_rank, enforce_eager=e.enforce_eager,
+                       seed=spec.sampling.seed)
+    return Engine.from_config(cfg, adapters=dict(spec.adapters))
+
+
+class TaskRunner:
+    def __init__(self, prep: Prepared, task_id: int, num_tasks: int, engine_factory: Callable,
+                 progress: bool | str = True, log=print, log_interval: float = 30.0, verbose: bool = False,
+                 started: float | None = None, worker: str | None = None, claim_lease: float | None = None):
+        self.prep, self.spec, self.out, self.plan = prep, prep.spec, prep.out, prep.plan
+        self.task_id, self.num_tasks = task_id, num_tasks
+        self.engine_factory = engine_factory
+        self.mode = {True: "auto", False: "none"}.get(progress, progress)
+        self.log, self.log_interval, self.verbose = log, log_interval, verbose
+        self.worker = worker or str(task_id)
+        self.claim_lease = claim_lease
+        self.claims: UnitClaims | None = None
+        self.stats = TaskStats(task_id, num_tasks, worker=self.worker)
+        if started is not None:
+            self.stats.started = started
+        self.signals = Signals()
+        self.progress: Progress | None = None
+        self._lock = threading.Lock()  # stats and progress: the engine and writer threads both count
+
+    # ---- commit -----------------------------------------------------------------------------
+
+    def _finish(self, work: UnitWork) -> None:
+        table = unit_table(work, self.plan.input_schema.id_type)
+        errors = sum(r.finish_reason == "error" for r in work.results)
+        info = {"task": self.task_id, "worker": self.worker, "adapter": work.unit.adapter, "rows": work.unit.rows,
+                "error_rows": errors,
+                "prompt_tokens": sum(r.prompt_tokens for r in work.results),
+                "output_tokens": sum(len(r.output_token_ids) for r in work.results),
+                "time": time.time()}
+        unit = work.unit.index
+        t0 = time.time()
+        with self._commit_guard():
+            try:
+                written = commit.write_part(self.out, self.worker, unit, table)
+                if self.claims is not None and not self.claims.still_mine(unit):
+                    os.remove(written.tmp)  # our lease expired and another worker took the unit over
+                    self.claims.release(unit, committed=False)
+                    self.stats.units_lost += 1
+                    self.log(f"task {self.task_id}/{self.num_tasks}: unit {unit} was taken over by another "
+                             "worker (this worker's claim expired); its result is discarded")
+                    return
+                commit.publish_part(self.out, unit, written.tmp)
+                info.update(commit.part_record(self.out, unit, written, self.prep.fingerprint))
+                commit.record_commit(self.out, unit, info)
+            except OSError as e:  # disk full, read-only, quota: the unit stays uncommitted
+                raise OutputIOError(io_message(e, f"cannot commit unit {unit}")) from None
+            if self.claims is not None:
+                self.claims.release(unit)
+        st = self.stats
+        with self._lock:
+            st.writing_s += time.time() - t0
+            st.units_done += 1
+            st.error_rows += errors
+            st.prompt_tokens += info["prompt_tokens"]
+            if self.progress is not None:
+                self.progress.unit(unit, work.unit.rows, errors)
+
+    def _commit_guard(self):
+        """On the main thread, SIGTERM/SIGINT wait until the commit ends. The writer thread needs
+        nothing: Python runs signal handlers on the main thread only, so no signal cuts it."""
+        if threading.current_thread() is threading.main_thread():
+            return self.signals.deferred()
+        return nullcontext()
+
+    def _on_result(self, pending: dict[int, UnitWork], done: Callable[[UnitWork], None]) -> Callable[[Result], None]:
+        def on_result(res: Result) -> None:
+            unit_index, pos = res.request_id
+            work = pending.get(unit_index)
+            if work is None or work.results[pos] is not None:
+                return
+            work.results[pos] = res
+            self._row_done(res)
+            if res.finish_reason == "error" and self.spec.on_error == "fail":
+                raise RowFailure(self._fail_message(work.ids[pos], res.error))
+            if work.remaining == 0:
+                del pending[unit_index]
+                done(work)
+        return on_result
+
+    def _row_done(self, res: Result) -> None:
+        with self._lock:
+            self._count_row(res)
+
+    def _count_row(self, res: Result) -> None:
+        st = self.stats
+        st.rows += 1
+        st.output_tokens += len(res.output_token_ids)
+        failed = res.finish_reason == "error"
+        if failed:
+            reason = _DIGITS.sub("N", res.error or "?")[:200]
+            st.error_reasons[reason] = st.error_reasons.get(reason, 0) + 1
+        if self.progress is not None:
+            self.progress.row(len(res.output_token_ids), failed)
+
+    def _fail_message(self, row_id, error: str) -> str:
+        return (f"row id={row_id!r}: {error}. The job stopped (on_error: fail); units committed so far are "
+                "kept. Fix the row, or set on_error: skip to write it as an error row.")
+
+    # ---- main loop --------------------------------------------------------------------------
+
+    def _verified_commits(self, mine: list[Unit]) -> set[int]:
+        """The units whose marker is readable and whose part file is the one it recorded.
+
+        A unit with a missing, truncated or changed part (or an unreadable marker) loses its
+        marker here (markers go before parts, as in a restart) and is run again.
+        """
+        commits = read_commits(self.out)
+        return {u.index for u in mine if self._verified_commit(u, commits)}
+
+    def _verified_commit(self, u: Unit, commits) -> bool:
+        """One unit of ``_verified_commits``: True if its commit checks out (``commits``: read_commits)."""
+        reason = commits.damaged.get(u.index)
+        if reason is None and u.index in commits.valid:
+            reason = check_part(self.out, u.index, commits.valid[u.index], self.prep.fingerprint)
+            if reason is None:
+                return True
+        if reason is not None:
+            self.log(f"task {self.task_id}: unit {u.index} was committed but {reason}; rewriting it")
+            try:
+                os.remove(self.out.commit_marker(u.index))
+            except FileNotFoundError:
+                pass
+            self.stats.units_repaired += 1
+        return False
+
+    def _home(self) -> int:
+        """Where this worker starts claiming: its contiguous share for the --num-tasks hint."""
+        if not self.plan.units:
+            return 0
+        tasks = assign_tasks(self.plan, self.num_tasks)
+        return int(min(np.searchsorted(tasks, self.task_id), len(tasks) - 1))
+
+    def run(self) -> TaskStats:
+        st = self.stats
+        units = self.plan.units
+        done = self._verified_commits(units)
+        todo = [u for u in units if u.index not in done]
+        st.units_total, st.units_skipped = len(units), len(done)
+        tmp_dir = self.out.tmp(self.worker)
+        shutil.rmtree(tmp_dir, ignore_errors=True)  # leftovers of a killed run of this worker
+        os.makedirs(tmp_dir, exist_ok=True)
+        os.makedirs(self.out.commits, exist_ok=True)
+        name = f"task {self.task_id}/{self.num_tasks}"
+        try:
+            self.signals.install()
+            if not todo:
+                self.log(f"{name}: nothing to do: all {len(units)} of its units were committed by an earlier run")
+                st.status = "done"
+                return st
+            self.log(f"{name}: {len(todo)} of {len(units)} units to run ({st.units_skipped} already committed), "
+                     f"{sum(u.rows for u in todo)} rows; claimed one at a time, shared with any other worker")
+            unknown = [u for u in todo if not u.known]
+            if unknown and self.spec.on_error == "fail":  # known from the plan: fail before loading weights
+                names = sorted({u.adapter for u in unknown})
+                raise RowFailure(f"{sum(u.rows for u in unknown)} row(s) name adapters that are not configured "
+                                 f"({', '.join(map(repr, names))}; configured: {', '.join(self.spec.adapters) or 'none'}). "
+                                 "The job stopped (on_error: fail). Add them under adapters:, or set on_error: skip.")
+            self.claims = UnitClaims(self.out, units, self.worker, start=self._home(), done=done,
+                                     lease_s=self.claim_lease, log=self.log)
+            claimed = iter(self.claims)
+            first = next((u for u in claimed if u is not None), None)  # waits while others hold every unit
+            if first is None:
+                self.log(f"{name}: nothing to do: other workers committed the remaining units")
+                st.status = "done"
+                return st
+            t0 = time.time()
+            engine = self.engine_factory(self.spec)
+            st.model_load_s = time.time() - t0
+            st.startup_s = time.time() - st.started
+            if self.mode != "none":
+                self.progress = Progress(self.mode, f"task {self.task_id}/{self.num_tasks}", sum(u.rows for u in todo),
+                                         len(todo), self.log, self.log_interval, self.verbose)
+            self._run_units(engine, _chain(first, claimed))
+            st.status = "done"
+        except Interrupted:
+            st.status = "interrupted"
+            raise
+        except BaseException:
+            st.status = "failed"
+            raise
+        finally:
+            if self.claims is not None:
+                self.claims.close()  # gives back the units not committed
+                st.units_taken_over = self.claims.stolen
+            if self.progress is not None:
+                self.progress.close()
+            self.signals.restore()
+            shutil.rmtree(tmp_dir, ignore_errors=True)
+            st.elapsed_s = time.time() - st.started
+            self._write_metrics()
+        return st
+
+    def _run_units(self, engine, todo: Iterable[Unit]) -> None:
+        """Stream ``todo`` (any iterable, consumed lazily and in order; ``None`` items = the claims
+        wait on other workers, see feeder.FLUSH) through the engine."""
+        spec = self.spec
+        _settle_tokenizer(engine.tokenizer)
+        reader = RowReader(self.plan.files, input_columns(spec, self.plan), arrow_columns=arrow_columns(self.plan))
+        max_len = getattr(engine, "max_model_len", spec.engine.max_model_len)
+
+        def build(unit: Unit) -> UnitWork:  # on the feeder thread
+            rf, ri = self.plan.unit_rows(unit)
+            pins = self.prep.pins
+            pins.check(rf)  # before and after: a file replaced mid-read mixes rows
+            try:
+                rows = reader.read(rf, ri)
+            except Exception:
+                pins.check(rf)  # a file that changed under the reader says so ...
+                raise  # ... anything else is a real failure
+            pins.check(rf)
+            work = build_unit(unit, rows, rf, ri, self.plan, spec, engine.tokenizer, max_len,
+                              engine.check_request)
+            bad = work.first_error()
+            if bad and spec.on_error == "fail":
+                raise RowFailure(self._fail_message(*bad))
+            return work
+
+        pending: dict[int, UnitWork] = {}
+        streams = hasattr(engine, "generate_stream")
+        writer = Writer(self._finish, WRITER_QUEUE_UNITS, inline=not streams).start()
+        # claims go ahead of the engine only this far: enough to refill its batch, little enough that
+        # other workers of the output dir still find units (and bounded memory)
+        feeder = Feeder(todo, build, ahead_rows=FEEDER_AHEAD_BATCHES * spec.engine.max_num_seqs).start()
+        shard = [object()]
+
+        def on_unit(work: UnitWork) -> None:  # on the engine thread, as the unit's requests go out
+            self.prep.pins.check(self.plan.unit_rows(work.unit)[0])  # still the pinned file
+            if self.progress is not None and work.unit.adapter != shard[0]:
+                shard[0] = work.unit.adapter
+                self.progress.set_shard(work.unit.adapter)
+            for r in work.results:
+                if r is not None:
+                    self._row_done(r)
+            if work.remaining == 0:
+                writer.put(work)
+            else:
+                pending[work.unit.index] = work
+
+        source = UnitSource(feeder, on_unit, poll=writer.check)
+        on_result = self._on_result(pending, writer.put)
+        try:
+            if streams:
+                engine.generate_stream(source, on_result)
+            else:
+                self._generate_by_groups(engine, source, on_result)
+            if source.error is not None:  # the units before it ran and are committed below
+                raise source.error
+            if pending:
+                missing = sorted(pending)
+                raise RuntimeError(f"engine returned no result for some rows of units {missing[:5]}")
+            feeder.close()
+            writer.close()
+        except BaseException as e:
+            self._drain(feeder, writer, e)
+            raise
+        finally:
+            self.stats.writer_wait_s += writer.wait_s
+
+    def _drain(self, feeder: Feeder, writer: Writer, error: BaseException) -> None:
+        """The run is failing: stop the feeder, and still commit the units that finished before
+        ``error`` (as a run that commits on its own thread would have), with signals deferred so
+        a second Ctrl-C does not cut the wait; a writer error of its own is logged, ``error`` wins."""
+        with self.signals.deferred():
+            feeder.close()
+            try:
+                writer.close()
+            except Exception as e:
+                if e is not error:
+                    self.log(f"task {self.task_id}: while stopping: {e}")
+
+    def _generate_by_groups(self, engine, source: UnitSource, on_result) -> None:
+        """Engines without ``generate_stream`` (test doubles): one ``generate`` call per engine
+        group (``plan.engine_groups``), fed by the same feeder and writer."""
+        cap, max_loras = group_rows(self.spec.engine.max_num_seqs), self.spec.engine.max_loras
+        carry = None
+        while carry is not None or not source.ended:
+            group: list[UnitWork] = [carry] if carry is not None else []
+            carry = None
+            while True:
+                work = source.get(wait=True, flush=True)
+                if work is FLUSH:  # the claims wait on other workers: run what this worker holds
+                    if group:
+                        break
+                    continue
+                if work is FEED_END:
+                    break
+                if group and len(engine_groups([w.unit for w in group] + [work.unit], cap, max_loras)) > 1:
+                    carry = work  # starts the next group
+                    break
+                group.append(work)
+            requests = []
+            for work in group:  # registered as they go to the engine, as the stream does
+                if not source.register(work):
+                    carry = None
+                    break
+                requests += work.requests
+            if requests:
+                for res in engine.generate(requests, on_result=on_result):
+                    on_result(res)  # rows the engine returned without a callback
+
+    # ---- metrics ----------------------------------------------------------------------------
+
+    def _write_metrics(self) -> None:
+        try:
+            this_run = {**asdict(self.stats), "output_tok_per_s": self.stats.output_tok_per_s}
+            write_metrics(self.out, self.worker, this_run, len(self.plan.units), self.plan.total_rows)
+        except OSError as e:  # metrics must never turn a finished run into a failed one
+            self.log(f"warning: could not write metrics: {e}")
+
+
+_DIGITS = re.compile(r"\d+")  # error reasons are counted with their numbers as N
+
+
+def _settle_tokenizer(tokenizer) -> None:
+    """Encode once on this thread before the feeder thread shares the tokenizer: a fast
+    tokenizer resets its truncation/padding state on its first call (a mutation that must not
+    race the engine thread's decode); later calls only read it."""
+    if tokenizer is not None and callable(tokenizer):
+        tokenizer(["a"])
+
+
+def _chain(first, rest):
+    yield first
+    yield from rest
+
+
+def run_job(spec: JobSpec, task_id: int = 0, num_tasks: int = 1, restart: bool = False,
+            engine_factory: Callable | None = None, progress: bool | str = True, log=print,
+            log_interval: float = 30.0, verbose: bool = False, on_stats: Callable | None = None,
+            restart_token: str | None = None, worker: str | None = None,
+            claim_lease: float | None = None) -> TaskStats:
+    """Validate + plan (no weights), take this task's lock, run its units. Raises on failure.
+
+    ``progress``: auto | bar | log | none (True = auto, False = none). ``on_stats`` receives the
+    task's TaskStats as soon as it exists, so a caller can report on a run that then fails.
+    ``task_id``/``num_tasks`` only pick where the worker starts claiming; ``worker`` (default: the
+    task id) names its lock, temp dir and metrics file, so two arrays' task 0s do not collide.
+    """
+    if not 0 <= task_id < num_tasks:
+        raise ConfigError(f"--task-id must be in [0, {num_tasks}), got {task_id}")
+    started = time.time()
+    prep = prepare(spec, restart=restart, log=log, restart_token=restart_token)
+    worker = worker or str(task_id)
+    lock = TaskLock(prep.out.lock(worker), f"task {worker} of {prep.out.path}")
+    with lock:
+        runner = TaskRunner(prep, task_id, num_tasks, engine_factory or load_engine, progress=progress, log=log,
+                            log_interval=log_interval, verbose=verbose, started=started, worker=worker,
+                            claim_lease=claim_lease)
+        if on_stats is not None:
+            on_stats(runner.stats)
+        return runner.run()

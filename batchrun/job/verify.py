@@ -1,0 +1,65 @@
+"""`batchrun verify OUT`: read every committed part file and check it against its commit marker.
+
+Deeper than the check every resume makes (size, footer, sha256 only when the mtime moved): here
+every part's sha256 is recomputed, the file is parsed, its row count compared with the marker and
+the plan, and ids checked unique across the dataset. Part files that no marker claims are listed.
+"""
+from __future__ import annotations
+
+import os
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from batchrun.job.commit import check_part, read_commits, uncommitted_parts
+from batchrun.job.report import load_state
+
+
+def verify(out_path: str) -> tuple[str, bool]:
+    """(report text, ok)."""
+    out, manifest, units = load_state(out_path)
+    commits = read_commits(out)
+    plan_rows = {u[0]: u[4] for u in units}
+    problems = [f"unit {u}: {why}" for u, why in sorted(commits.damaged.items())]
+    ids = []
+    checked = rows = 0
+    for unit, marker in sorted(commits.valid.items()):
+        why = check_part(out, unit, marker, manifest.get("fingerprint"), full=True)
+        if why is None:
+            try:
+                table = pq.read_table(out.part(unit), columns=["id"])
+                if "sample_index" in pq.read_schema(out.part(unit)).names:  # sampling.n > 1: count sample 0
+                    si = pq.read_table(out.part(unit), columns=["sample_index"]).column("sample_index")
+                    table = table.filter(pc.equal(si, 0))
+            except (OSError, pa.ArrowException) as e:
+                why = f"{os.path.basename(out.part(unit))} cannot be parsed ({e})"
+            else:
+                expected = plan_rows.get(unit)
+                if table.num_rows != marker["rows"] or table.num_rows != expected:
+                    why = (f"{os.path.basename(out.part(unit))} has {table.num_rows} rows; its marker says "
+                           f"{marker['rows']}, the plan {expected}")
+                else:
+                    ids.append(table.column("id"))
+                    checked += 1
+                    rows += table.num_rows
+        if why is not None:
+            problems.append(f"unit {unit}: {why}")
+    if ids:
+        all_ids = pa.chunked_array([c for col in ids for c in col.chunks], ids[0].type)
+        if pc.count_distinct(all_ids).as_py() != len(all_ids):
+            problems.append("the dataset holds some id more than once")
+    orphans = [os.path.basename(out.part(u)) for u in uncommitted_parts(out, len(units), commits)]
+    lines = [f"output:   {out.path}",
+             f"verified: {checked}/{len(units)} units ({rows} rows): sha256, Parquet, row counts, unique ids"]
+    if orphans:
+        lines.append(f"note:     {len(orphans)} part file(s) not committed yet ({', '.join(orphans[:3])}"
+                     f"{' ...' if len(orphans) > 3 else ''}); the next run rewrites them")
+    if problems:
+        lines.append(f"damaged:  {len(problems)} unit(s); rerun the job (same command) to rewrite them:")
+        lines += [f"  {p}" for p in problems[:20]] + ([f"  ... and {len(problems) - 20} more"] if len(problems) > 20 else [])
+    missing = len(units) - checked - len(problems)
+    if missing > 0:
+        lines.append(f"pending:  {missing} unit(s) not committed yet")
+    lines.append("ok" if not problems else "DAMAGED")
+    return "\n".join(lines), not problems
