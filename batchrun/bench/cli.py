@@ -179,7 +179,8 @@ def lora_matrix(**kw):
 def throughput(**kw):
     """Engine alone vs `batchrun run` on the same rows (like `vllm bench throughput`), with the
     job's start-up breakdown and the job/engine ratio."""
-    from batchrun.bench.throughput import ThroughputParams, print_throughput, run_throughput
+    from batchrun.bench.throughput import ThroughputParams, run_throughput
+    from batchrun.bench.throughput_report import print_throughput
     _run(ThroughputParams(**kw), run_throughput, print_throughput)
 
 

@@ -67,7 +67,7 @@ def measure(job_path: str, warmup_rows: int = 0) -> dict:
         torch.cuda.synchronize()
     gen_s = time.perf_counter() - g0
     errors = [r.error for r in results if r.finish_reason == "error"]
-    from batchrun.bench.throughput import outputs_digest
+    from batchrun.bench.throughput_report import outputs_digest
     return {
         "process_to_imports_s": t_imported - t_start,
         "load_s": t_loaded - t0,  # weights, KV cache, CUDA-graph capture
