@@ -38,7 +38,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
-        self.num_recomputed_tokens = 0  # KV tokens dropped by preemption, computed again later
+        self.num_recomputed_tokens = 0  # KV tokens dropped by preemption and computed again later
         self.prefix_queried_tokens = 0  # prompt tokens looked up in the prefix cache at admission
         self.prefix_hit_tokens = 0  # ... and the ones found there (not computed)
 
@@ -73,6 +73,8 @@ class Scheduler:
             if self.blocks.enable_caching:
                 self.prefix_queried_tokens += seq.num_tokens
                 self.prefix_hit_tokens += seq.num_computed
+                if seq.num_preemptions:  # what preemption dropped but the cache kept is not recomputed
+                    self.num_recomputed_tokens -= seq.num_computed
             n = min(seq.num_tokens - seq.num_computed, budget)
             self.waiting.popleft()
             self.blocks.cache_blocks(seq, seq.num_computed + n)

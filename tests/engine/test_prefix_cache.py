@@ -161,7 +161,14 @@ def test_preemption_with_a_shared_prefix(dirs, engines):
     reqs = shared_prefix_requests()
     want = tokens(engines[False], reqs)
     tight = make_engine(dirs, True, num_kv_blocks=12, max_num_batched_tokens=40, max_model_len=80)
+    prefilled = []
+    real = tight.runner.prefill
+    tight.runner.prefill = lambda seqs, counts: (prefilled.append(sum(counts)), real(seqs, counts))[1]
     got = tokens(tight, reqs)
-    assert tight.stats["preemptions"] > 0
+    st = tight.stats
+    assert st["preemptions"] > 0
     assert got == want
+    # every admission (re-admissions too) prefills what it did not find cached
+    assert sum(prefilled) == st["prefix_cache_queried_tokens"] - st["prefix_cache_hit_tokens"]
+    assert st["recomputed_tokens"] >= 0
     assert tight.blocks.num_free == 11 and all(r == 0 for r in tight.blocks.pool.ref_count)
