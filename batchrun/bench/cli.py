@@ -141,6 +141,9 @@ def lora_matrix(**kw):
                    "(7b = Llama-2-7b, bf16; tiny = a CPU test model).")
 @click.option("--input-len", type=int, default=256, show_default=True,
               help="Prompt length: words of the word-level tokenizer, one token each.")
+@click.option("--prefix-len", type=int, default=0, show_default=True,
+              help="Tokens every prompt starts with (a shared system prompt), before its own "
+                   "--input-len.")
 @click.option("--output-len", type=int, default=128, show_default=True,
               help="Generated tokens per row (the random model has no EOS token).")
 @click.option("--num-prompts", type=int, default=1024, show_default=True)
@@ -164,6 +167,8 @@ def lora_matrix(**kw):
               default="auto", show_default=True)
 @click.option("--gpu-memory-utilization", type=float, default=0.90, show_default=True)
 @click.option("--enforce-eager", is_flag=True, help="No CUDA graphs.")
+@click.option("--enable-prefix-caching/--no-enable-prefix-caching", default=True, show_default=True,
+              help="Job engine.enable_prefix_caching (both runs).")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--workdir", type=click.Path(file_okay=False), default=None,
               help="Keep the model, adapters, inputs and job output here (a model written "
@@ -174,7 +179,8 @@ def lora_matrix(**kw):
 def throughput(**kw):
     """Engine alone vs `batchrun run` on the same rows (like `vllm bench throughput`), with the
     job's start-up breakdown and the job/engine ratio."""
-    from batchrun.bench.throughput import ThroughputParams, print_throughput, run_throughput
+    from batchrun.bench.throughput import ThroughputParams, run_throughput
+    from batchrun.bench.throughput_report import print_throughput
     _run(ThroughputParams(**kw), run_throughput, print_throughput)
 
 

@@ -57,6 +57,7 @@ def measure(job_path: str, warmup_rows: int = 0) -> dict:
         if cuda:
             torch.cuda.synchronize()
         warm_s = time.perf_counter() - w0
+    engine.blocks.reset_cache()  # the timed call starts with an empty prefix cache, like the job
     stats0 = dict(engine.stats)
     if cuda:
         torch.cuda.synchronize()
@@ -66,6 +67,7 @@ def measure(job_path: str, warmup_rows: int = 0) -> dict:
         torch.cuda.synchronize()
     gen_s = time.perf_counter() - g0
     errors = [r.error for r in results if r.finish_reason == "error"]
+    from batchrun.bench.throughput_report import outputs_digest
     return {
         "process_to_imports_s": t_imported - t_start,
         "load_s": t_loaded - t0,  # weights, KV cache, CUDA-graph capture
@@ -76,6 +78,7 @@ def measure(job_path: str, warmup_rows: int = 0) -> dict:
         "prompt_tokens": sum(r.prompt_tokens for r in results),
         "output_tokens": sum(len(r.output_token_ids) for r in results),
         "output_tokens_per_row": sorted({len(r.output_token_ids) for r in results}),
+        "outputs_sha256": outputs_digest([(rid, r.output_token_ids) for rid, r in zip(ids, results)]),
         "device": str(engine.device), "dtype": str(engine.dtype),
         "graphs": engine.runner.graphs is not None,
         "kv_blocks": engine.blocks.num_blocks,

@@ -11,11 +11,19 @@
    (_batchrun/metrics/task-0.json: started, startup_s, model_load_s, writing_s, elapsed_s);
    every stdout/stderr line is also stamped with its arrival time (kept in the JSON);
    (c) job / engine ratios.
-3. Checks the output dataset: every input id exactly once, no error rows, output lengths.
+3. Checks the output dataset: every input id exactly once, no error rows, output lengths, and
+   a digest of every row's output tokens (both runs), so that two invocations (e.g. with and
+   without --enable-prefix-caching) can be compared for identical outputs. Exact on CPU; on a
+   GPU, rounding can depend on how rows were batched, and random weights leave near-ties, so
+   the engine-alone and job digests (different batches) may differ without a bug.
+
+--prefix-len P: every prompt starts with the same P tokens (then its own --input-len); the
+engine alone's prefix-cache hit rate is printed (its warm-up's cache entries are dropped first,
+so the timed call starts cold like the job).
 
 tok/s = (prompt + output tokens) / seconds, with the token counts the runs report (they equal
-(input_len + output_len) * num_prompts when every row ran to --output-len; "tokens_as_asked"
-says whether they did).
+(prefix_len + input_len + output_len) * num_prompts when every row ran to --output-len;
+"tokens_as_asked" says whether they did).
 """
 from __future__ import annotations
 
@@ -31,6 +39,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from batchrun.bench import workload
+from batchrun.bench.throughput_report import outputs_digest, summarize
 
 RANDOM_NOTE = ("RANDOM WEIGHTS: {preset}-shaped model with weights ~ N(0, 0.02) and random "
                "adapters (nothing can be downloaded here); the timings are real, the generated "
@@ -43,6 +52,7 @@ STAMP = "bench-model.json"  # in a kept --workdir: which model the directory hol
 class ThroughputParams:
     preset: str = "7b"
     input_len: int = 256
+    prefix_len: int = 0  # tokens every prompt starts with (before its own input_len)
     output_len: int = 128
     num_prompts: int = 1024
     max_num_seqs: int = 256
@@ -57,6 +67,7 @@ class ThroughputParams:
     dtype: str = "auto"
     gpu_memory_utilization: float = 0.90
     enforce_eager: bool = False
+    enable_prefix_caching: bool = True
     seed: int = 0
     workdir: str | None = None  # None: a temporary directory, removed afterwards
     output_json: str | None = None
@@ -68,6 +79,8 @@ class ThroughputParams:
                      "max_num_batched_tokens", "lora_rank", "rows_per_unit"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.prefix_len < 0:
+            raise ValueError(f"--prefix-len must be >= 0, got {self.prefix_len}")
         if not 0.0 <= self.lora_fraction <= 1.0:
             raise ValueError(f"--lora-fraction must be in [0, 1], got {self.lora_fraction}")
         if self.num_adapters < 0:
@@ -85,15 +98,20 @@ class ThroughputParams:
         return PRESET_MODELS[self.preset]
 
     @property
+    def prompt_len(self) -> int:
+        return self.prefix_len + self.input_len
+
+    @property
     def uses_lora(self) -> bool:
         return self.num_adapters > 0 and round(self.lora_fraction * self.num_prompts) > 0
 
     def engine_section(self) -> dict:
         e = {"device": self.device, "dtype": self.dtype, "max_num_seqs": self.max_num_seqs,
              "max_num_batched_tokens": self.max_num_batched_tokens,
-             "max_model_len": self.input_len + self.output_len,
+             "max_model_len": self.prompt_len + self.output_len,
              "gpu_memory_utilization": self.gpu_memory_utilization,
-             "enforce_eager": self.enforce_eager}
+             "enforce_eager": self.enforce_eager,
+             "enable_prefix_caching": self.enable_prefix_caching}
         if self.uses_lora:
             e["max_loras"] = self.max_loras or self.num_adapters
             e["max_lora_rank"] = self.lora_rank
@@ -133,7 +151,8 @@ def prepare_files(p: ThroughputParams, root: Path, log=print) -> dict:
                                                     p.num_adapters, p.lora_rank, p.seed)
     cfg = workload.workload_config(p.model_preset)
     inputs = workload.make_inputs(p.num_prompts, p.input_len, cfg["vocab_size"],
-                                  sorted(adapters), p.lora_fraction if p.uses_lora else 0.0, p.seed)
+                                  sorted(adapters), p.lora_fraction if p.uses_lora else 0.0, p.seed,
+                                  prefix_len=p.prefix_len)
     shutil.rmtree(root / "inputs", ignore_errors=True)
     workload.write_inputs(root / "inputs", inputs)
     out_dir = root / "job-out"
@@ -233,18 +252,24 @@ def job_breakdown(run: dict, output_dir: str) -> dict:
 
 
 def check_output(output_dir: str, ids: list[int], output_len: int) -> dict:
-    """Every input id exactly once; error rows; rows that stopped before output_len."""
+    """Every input id exactly once; error rows; rows that stopped before output_len; the
+    outputs' digest (None when the part files have no output_token_ids)."""
     import pyarrow.parquet as pq
     parts = sorted(Path(output_dir).glob("part-*.parquet"))
     got: list[int] = []
     errors = short = tokens = 0
+    outputs: list | None = []
     for f in parts:
-        t = pq.read_table(f, columns=["id", "finish_reason", "output_tokens"])
+        t = pq.read_table(f)
         got += t.column("id").to_pylist()
         errors += sum(r == "error" for r in t.column("finish_reason").to_pylist())
         outs = t.column("output_tokens").to_pylist()
         short += sum(n != output_len for n in outs)
         tokens += sum(outs)
+        if outputs is not None and "output_token_ids" in t.column_names:
+            outputs += zip(t.column("id").to_pylist(), t.column("output_token_ids").to_pylist())
+        else:
+            outputs = None
     counts: dict[int, int] = {}
     for i in got:
         counts[i] = counts.get(i, 0) + 1
@@ -253,7 +278,8 @@ def check_output(output_dir: str, ids: list[int], output_len: int) -> dict:
             "duplicate_ids": sum(c > 1 for c in counts.values()),
             "unexpected_ids": len(counts.keys() - want),
             "every_id_once": counts.keys() == want and all(c == 1 for c in counts.values()),
-            "error_rows": errors, "rows_not_at_output_len": short, "output_tokens": tokens}
+            "error_rows": errors, "rows_not_at_output_len": short, "output_tokens": tokens,
+            "outputs_sha256": outputs_digest(outputs) if outputs is not None else None}
 
 
 # ---- the benchmark ----------------------------------------------------------------------
@@ -270,7 +296,8 @@ def run_throughput(p: ThroughputParams, log=print, command: str | None = None) -
     try:
         log("*** " + RANDOM_NOTE.format(preset=p.model_preset) + " ***")
         files = prepare_files(p, root, log)
-        log(f"inputs: {files['rows']} prompts of {p.input_len} words (= tokens), "
+        shared = f"{p.prefix_len} shared + " if p.prefix_len else ""
+        log(f"inputs: {files['rows']} prompts of {shared}{p.input_len} words (= tokens), "
             f"{files['lora_rows']} over {len(files['adapters'])} adapter(s); job {files['job']}")
         log("(a) engine alone (one generate call, own process) ...")
         eng = measure_engine(files["job"], root, p.engine_warmup_rows)
@@ -293,56 +320,3 @@ def run_throughput(p: ThroughputParams, log=print, command: str | None = None) -
             shutil.rmtree(tmp, ignore_errors=True)
     write_json(p.output_json, result)
     return result
-
-
-def tok_per_s(tokens: int, seconds: float | None) -> float | None:
-    return tokens / seconds if seconds else None
-
-
-def summarize(p: ThroughputParams, eng: dict, phases: dict, check: dict) -> dict:
-    asked = (p.input_len + p.output_len) * p.num_prompts
-    eng_tokens = eng["prompt_tokens"] + eng["output_tokens"]
-    job_tokens = p.input_len * check["rows"] + check["output_tokens"]
-    gen, wall = phases.get("generation_s"), phases["process_wall_s"]
-    return {"tokens": {"as_asked": asked, "engine_alone": eng_tokens, "job": job_tokens,
-                       "tokens_as_asked": eng_tokens == asked == job_tokens},
-            "throughput_tok_s": {"engine_alone": tok_per_s(eng_tokens, eng["generate_s"]),
-                                 "job_generation": tok_per_s(job_tokens, gen),
-                                 "job_process": tok_per_s(job_tokens, wall)},
-            "ratios": {"job_generation_over_engine": gen / eng["generate_s"] if gen else None,
-                       "job_process_over_engine": wall / eng["generate_s"]}}
-
-
-def _f(v, spec=".2f", unit="") -> str:
-    return "n/a" if v is None else format(v, spec) + unit
-
-
-def print_throughput(r: dict, echo=print) -> None:
-    a, ph, t = r["args"], r["job"]["phases"], r["throughput_tok_s"]
-    echo("*** " + r["note"] + " ***")
-    echo(f"{r['model']} on {r['device']}, commit {r['commit'][:12]}"
-         f"{' (dirty)' if r.get('git_dirty') else ''}; {a['num_prompts']} prompts x "
-         f"({a['input_len']} in + {a['output_len']} out), max_num_seqs {a['max_num_seqs']}, "
-         f"max_num_batched_tokens {a['max_num_batched_tokens']}; "
-         f"{r['workload']['lora_rows']} rows over {a['num_adapters']} rank-{a['lora_rank']} adapters")
-    rows = [("engine alone: generate (one call)", r["engine_alone"]["generate_s"], t["engine_alone"]),
-            ("  (its load: weights, KV, graphs)", r["engine_alone"]["load_s"], None),
-            ("batchrun run: whole process", ph["process_wall_s"], t["job_process"]),
-            ("  before the task starts", ph.get("before_task_s"), None),
-            ("    imports + CLI + job file", ph.get("imports_cli_s"), None),
-            ("    checks, plan, manifest", ph.get("checks_plan_s"), None),
-            ("  engine load (imports, weights, KV, graphs)", ph.get("weight_load_s"), None),
-            ("  generation", ph.get("generation_s"), t["job_generation"]),
-            ("  writing part files", ph.get("writing_s"), None)]
-    echo(f"{'what':<44}{'seconds':>10}{'tok/s':>12}")
-    for name, s, rate in rows:
-        echo(f"{name:<44}{_f(s):>10}{_f(rate, '.0f'):>12}")
-    ra = r["ratios"]
-    echo(f"job generation / engine alone: {_f(ra['job_generation_over_engine'], '.3f', ' x')}; "
-         f"job process / engine alone: {_f(ra['job_process_over_engine'], '.3f', ' x')}")
-    echo(f"phases from: {r['job']['source']}")
-    c = r["output_check"]
-    echo(f"output: {c['rows']} rows in {c['part_files']} part file(s); every id once: "
-         f"{'yes' if c['every_id_once'] else 'NO'} (missing {c['missing_ids']}, duplicated "
-         f"{c['duplicate_ids']}); error rows {c['error_rows']}; rows short of --output-len "
-         f"{c['rows_not_at_output_len']}; tokens as asked: {'yes' if r['tokens']['tokens_as_asked'] else 'NO'}")

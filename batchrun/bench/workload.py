@@ -10,6 +10,8 @@ tokenizer, random PEFT adapters, Parquet inputs and a job.yaml.
   whitespace, no post-processor (no BOS), so a prompt of N words is exactly N tokens.
 - Inputs: --num-prompts rows (id, prompt of --input-len words with ids in [100, V), adapter);
   round(lora_fraction * N) rows, picked by the seed, get an adapter, round-robin over the adapters.
+  --prefix-len P > 0: every prompt starts with the same P words (a shared system prompt, the
+  prefix cache's case), then its own --input-len words.
 """
 from __future__ import annotations
 
@@ -111,11 +113,14 @@ class Inputs:
 
 
 def make_inputs(num_prompts: int, input_len: int, vocab_size: int, adapter_names: list[str],
-                lora_fraction: float, seed: int) -> Inputs:
+                lora_fraction: float, seed: int, prefix_len: int = 0) -> Inputs:
     if vocab_size <= 100:
         raise ValueError(f"vocabulary of {vocab_size} is too small for prompt ids in [100, vocab)")
     rng = random.Random(seed)
-    prompts = [" ".join(word(rng.randrange(100, vocab_size)) for _ in range(input_len))
+    # its own generator: the rows' own words are the same with and without a prefix
+    prefix_rng = random.Random(f"prefix:{seed}")
+    prefix = "".join(word(prefix_rng.randrange(100, vocab_size)) + " " for _ in range(prefix_len))
+    prompts = [prefix + " ".join(word(rng.randrange(100, vocab_size)) for _ in range(input_len))
                for _ in range(num_prompts)]
     k = round(lora_fraction * num_prompts) if adapter_names else 0
     lora_rows = sorted(rng.sample(range(num_prompts), k))

@@ -69,6 +69,9 @@ class EngineConfig:
     # steps are always fused. Same math either way; it only moves the cost.
     lora_fused_max_tokens: int = 1024
     enforce_eager: bool = False
+    # full KV blocks are shared by rows whose prompts start with the same tokens (same adapter);
+    # outputs are the same either way, only the prefill work differs
+    enable_prefix_caching: bool = True
     cuda_graph_sizes: list[int] | None = None  # None = 1, 2, 4, 8, 16, 24, ... up to max_num_seqs
     seed: int = 0
 
@@ -87,5 +90,8 @@ class EngineConfig:
         if not isinstance(self.lora_fused_max_tokens, int) or self.lora_fused_max_tokens < 0:
             raise ValueError(f"engine.lora_fused_max_tokens must be an integer >= 0, got "
                              f"{self.lora_fused_max_tokens!r}")
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ValueError(f"engine.enable_prefix_caching must be true or false, got "
+                             f"{self.enable_prefix_caching!r}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"engine.num_kv_blocks must be >= 1, got {self.num_kv_blocks!r}")

@@ -74,10 +74,13 @@ class Engine:
         self.eos_ids = set(mcfg.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             self.eos_ids.add(tokenizer.eos_token_id)
-        self.blocks = BlockManager(num_kv_blocks(mcfg, config, device, dtype), config.block_size)
+        self.blocks = BlockManager(num_kv_blocks(mcfg, config, device, dtype), config.block_size,
+                                   enable_caching=config.enable_prefix_caching)
         self.runner = ModelRunner(model, config, device, dtype, self.blocks, lora)
+        # prefix_cache_*: prompt tokens looked up at admission and found cached (not computed)
         self.stats = {"steps": 0, "prefill_steps": 0, "decode_steps": 0, "preemptions": 0,
-                      "recomputed_tokens": 0}
+                      "recomputed_tokens": 0, "prefix_cache_queried_tokens": 0,
+                      "prefix_cache_hit_tokens": 0}
 
     @classmethod
     def from_config(cls, config: EngineConfig, adapters: dict[str, str] | None = None) -> "Engine":
@@ -203,6 +206,8 @@ class Engine:
         finally:
             self.stats["preemptions"] += sched.num_preemptions
             self.stats["recomputed_tokens"] += sched.num_recomputed_tokens
+            self.stats["prefix_cache_queried_tokens"] += sched.prefix_queried_tokens
+            self.stats["prefix_cache_hit_tokens"] += sched.prefix_hit_tokens
             if not ok:
                 sched.abort()
 

@@ -4,6 +4,10 @@
   admitted while `max_num_seqs`, the `max_num_batched_tokens` budget, free KV blocks for the
   whole prompt and LoRA slots allow. A prompt longer than the budget is prefilled in chunks over several steps, so a
   long prompt never needs more activation memory than one budget's worth of tokens.
+- With prefix caching an admitted sequence starts after the cached blocks of its prompt
+  (block_manager.admit), and every scheduled sequence registers the full blocks this step
+  fills, so rows admitted next (in this step too: the n samples of one row, rows sharing a
+  system prompt) take them instead of computing them again.
 - Otherwise every running sequence decodes one token. A sequence that needs a new KV block when
   none is free preempts the most recently admitted sequence (recompute: its blocks are freed and
   it goes back to the front of the queue with its outputs so far as part of its prompt).
@@ -34,7 +38,9 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
-        self.num_recomputed_tokens = 0  # KV tokens dropped by preemption, computed again later
+        self.num_recomputed_tokens = 0  # KV tokens dropped by preemption and computed again later
+        self.prefix_queried_tokens = 0  # prompt tokens looked up in the prefix cache at admission
+        self.prefix_hit_tokens = 0  # ... and the ones found there (not computed)
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -55,17 +61,23 @@ class Scheduler:
                 break
             if seq.needs_prefill and seq.status is SeqStatus.RUNNING:
                 n = min(seq.num_tokens - seq.num_computed, budget)
+                self.blocks.cache_blocks(seq, seq.num_computed + n)
                 seqs.append(seq); counts.append(n); budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             if seq.adapter and self.lora is not None and not self.lora.can_acquire(seq.adapter):
                 break  # every LoRA slot is pinned by running rows: wait until one finishes
             # blocks for the whole prompt up front: a chunked prompt never stalls mid-way
-            if not self.blocks.can_allocate(seq, seq.num_tokens):
+            if not self.blocks.admit(seq):
                 break
-            n = min(seq.num_tokens, budget)
+            if self.blocks.enable_caching:
+                self.prefix_queried_tokens += seq.num_tokens
+                self.prefix_hit_tokens += seq.num_computed
+                if seq.num_preemptions:  # what preemption dropped but the cache kept is not recomputed
+                    self.num_recomputed_tokens -= seq.num_computed
+            n = min(seq.num_tokens - seq.num_computed, budget)
             self.waiting.popleft()
-            self.blocks.allocate(seq, seq.num_tokens)
+            self.blocks.cache_blocks(seq, seq.num_computed + n)
             if seq.adapter and self.lora is not None:
                 seq.lora_slot = self.lora.acquire(seq.adapter)
             seq.status = SeqStatus.RUNNING
@@ -90,6 +102,7 @@ class Scheduler:
             if victim is seq:
                 return False
         self.blocks.allocate(seq, num_tokens)
+        self.blocks.cache_blocks(seq, num_tokens)
         return True
 
     def _preempt(self, seq: Sequence) -> None:
@@ -108,10 +121,12 @@ class Scheduler:
 
     def abort(self) -> None:
         """Drop every sequence (the caller stopped on an error): hand back their KV blocks and
-        LoRA slot pins, which outlive this scheduler (the engine's block manager and slots)."""
+        LoRA slot pins, which outlive this scheduler (the engine's block manager and slots),
+        and empty the prefix cache."""
         for seq in self.running:
             self._release(seq)
         self.running, self.waiting = [], deque()
+        self.blocks.reset_cache()  # blocks registered for the failed step may hold no K/V
 
     def _release(self, seq: Sequence) -> None:
         self.blocks.release(seq)

@@ -25,6 +25,10 @@ class Sequence:
         self.prompt_len = len(prompt_token_ids)
         self.num_computed = 0  # tokens whose K/V are in the cache
         self.block_ids: list[int] = []
+        # prefix caching (block_manager.py): hashes of the full blocks of token_ids, kept across
+        # preemption (the tokens only grow), and how many of block_ids are registered
+        self.block_hashes: list[bytes] = []
+        self.num_cached_blocks = 0
         self.status = SeqStatus.WAITING
         self.finish_reason: str | None = None
         self.lora_slot = -1
@@ -56,5 +60,6 @@ class Sequence:
         """Preemption by recompute: drop the cache; prompt + outputs so far are prefilled again."""
         self.num_computed = 0
         self.block_ids = []
+        self.num_cached_blocks = 0
         self.status = SeqStatus.WAITING
         self.num_preemptions += 1

@@ -86,3 +86,41 @@ def test_throughput_flag_errors():
         with pytest.raises(ValueError, match=msg):
             ThroughputParams(**bad).check()
     ThroughputParams(num_adapters=0, lora_fraction=0.0).check()
+
+
+def test_throughput_shared_prefix_caching_on_and_off(tmp_path):
+    """--prefix-len: every prompt starts with the same tokens; with caching on the engine finds
+    them cached (hit rate printed), and both settings give the same outputs (digests)."""
+    runs = {}
+    for flag in ("--enable-prefix-caching", "--no-enable-prefix-caching"):
+        out = tmp_path / f"{flag}.json"
+        args = ["bench", "throughput", "--preset", "tiny", "--device", "cpu", "--prefix-len", "37",
+                "--input-len", "3", "--output-len", "4", "--num-prompts", "10", "--max-num-seqs", "4",
+                "--max-num-batched-tokens", "64", "--num-adapters", "1", "--lora-rank", "4",
+                "--engine-warmup-rows", "2", "--rows-per-unit", "10", flag,
+                "--workdir", str(tmp_path / "work"), "--out", str(out)]
+        res = CliRunner().invoke(main, args, catch_exceptions=False)
+        assert res.exit_code == 0, res.output
+        runs[flag] = (res.output, json.loads(out.read_text()))
+    text, on = runs["--enable-prefix-caching"]
+    assert "37 shared + 3 in" in text and "hit rate" in text
+    assert on["args"]["prefix_len"] == 37 and on["tokens"]["tokens_as_asked"]
+    assert on["tokens"]["as_asked"] == (37 + 3 + 4) * 10
+    pc = on["prefix_cache"]
+    assert pc["enabled"] and pc["queried_tokens"] == 40 * 10
+    # base rows and the adapter's rows each compute the two shared full blocks once (the
+    # warm-up's entries were dropped): at most 8 of 10 rows hit, 32 tokens each
+    assert 0 < pc["hit_tokens"] <= 8 * 32 and pc["hit_rate"] == pc["hit_tokens"] / 400
+    assert on["outputs"]["engine_equals_job"] is True
+    text, off = runs["--no-enable-prefix-caching"]
+    assert "prefix cache: off" in text and off["prefix_cache"]["hit_tokens"] == 0
+    assert off["outputs"]["job_sha256"] == on["outputs"]["job_sha256"]
+    assert off["output_check"]["outputs_sha256"] == on["output_check"]["outputs_sha256"]
+
+
+def test_inputs_with_a_shared_prefix():
+    plain = workload.make_inputs(4, 5, 300, [], 0.0, seed=2)
+    pre = workload.make_inputs(4, 5, 300, [], 0.0, seed=2, prefix_len=6)
+    heads = {" ".join(p.split()[:6]) for p in pre.prompts}
+    assert len(heads) == 1 and all(len(p.split()) == 11 for p in pre.prompts)
+    assert [" ".join(p.split()[6:]) for p in pre.prompts] == plain.prompts  # own words unchanged

@@ -93,3 +93,18 @@ def test_load_job_prefixes_file_and_reports_yaml_errors(tmp_path):
 def test_messages_column_disables_default_prompt_column():
     spec = parse_job(job(input={"path": "x", "messages_column": "chat"}), base_dir="/")
     assert spec.input.prompt_column is None and spec.input.messages_column == "chat"
+
+
+def test_engine_enable_prefix_caching(monkeypatch):
+    assert parse_job(job(), base_dir="/jobs").engine.enable_prefix_caching is True
+    off = parse_job(job(engine={"enable_prefix_caching": False}), base_dir="/jobs")
+    assert off.engine.enable_prefix_caching is False
+    assert "engine.enable_prefix_caching: expected true or false" in \
+        err(job(engine={"enable_prefix_caching": "no"}))
+    # the job's value reaches the engine's config
+    from batchrun.engine.engine import Engine
+    from batchrun.job.runner import load_engine
+    seen = []
+    monkeypatch.setattr(Engine, "from_config", classmethod(lambda cls, cfg, adapters=None: seen.append(cfg)))
+    load_engine(off)
+    assert seen[0].enable_prefix_caching is False
