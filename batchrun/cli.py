@@ -170,10 +170,12 @@ def _summary(spec, st) -> None:
     out = OutputDir(spec.output.path)
     with open(out.manifest) as f:
         m = json.load(f)
-    job = job_metrics(out, m["total_units"], m["total_rows"])
+    job = job_metrics(out, m["total_units"], m["total_rows"], spec.sampling.n)
+    rows = (f"{st.input_rows} rows" if st.input_rows == st.output_rows  # sampling.n = 1
+            else f"{st.input_rows} input rows -> {st.output_rows} output rows")
     click.echo(
         f"task {st.task_id}/{st.num_tasks}: {st.units_done} unit(s) written, {st.units_skipped} already done; "
-        f"{st.rows} rows ({st.error_rows} error rows), {st.output_tokens} output tokens in {st.elapsed_s:.1f}s "
+        f"{rows} ({st.error_rows} error rows), {st.output_tokens} output tokens in {st.elapsed_s:.1f}s "
         f"(model load {st.model_load_s:.1f}s, {st.output_tok_per_s:.0f} output tok/s)", err=True)
     click.echo(f"job: {job['units_committed']}/{job['units_total']} units, {job['rows_committed']}/"
                f"{job['rows_total']} rows, {job['error_rows']} error rows -> {out.path}"
