@@ -16,7 +16,7 @@ import shutil
 import threading
 import time
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Callable, Iterable
 
 import numpy as np
@@ -161,13 +161,15 @@ class TaskRunner:
     def _note_progress(self, force: bool = False) -> None:
         """Refresh this worker's progress file (rate-limited unless ``force``); a progress file
         that cannot be written never fails the run."""
-        if self.progress_file is None:
+        pf = self.progress_file
+        if pf is None:
             return
+        with self._lock:  # a consistent snapshot; the write itself must not block the engine thread
+            snapshot = replace(self.stats)
         try:
-            with self._lock:
-                self.progress_file.update(self.stats, force)
+            pf.update(snapshot, force)
         except OSError as e:
-            self.log(f"warning: could not write {self.progress_file.path}: {e}")
+            self.log(f"warning: could not write {pf.path}: {e}")
             self.progress_file = None
 
     def _commit_guard(self):
