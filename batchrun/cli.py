@@ -170,10 +170,12 @@ def _summary(spec, st) -> None:
     out = OutputDir(spec.output.path)
     with open(out.manifest) as f:
         m = json.load(f)
-    job = job_metrics(out, m["total_units"], m["total_rows"])
+    job = job_metrics(out, m["total_units"], m["total_rows"], spec.sampling.n)
+    rows = (f"{st.input_rows} rows" if st.input_rows == st.output_rows  # sampling.n = 1
+            else f"{st.input_rows} input rows -> {st.output_rows} output rows")
     click.echo(
         f"task {st.task_id}/{st.num_tasks}: {st.units_done} unit(s) written, {st.units_skipped} already done; "
-        f"{st.rows} rows ({st.error_rows} error rows), {st.output_tokens} output tokens in {st.elapsed_s:.1f}s "
+        f"{rows} ({st.error_rows} error rows), {st.output_tokens} output tokens in {st.elapsed_s:.1f}s "
         f"(model load {st.model_load_s:.1f}s, {st.output_tok_per_s:.0f} output tok/s)", err=True)
     click.echo(f"job: {job['units_committed']}/{job['units_total']} units, {job['rows_committed']}/"
                f"{job['rows_total']} rows, {job['error_rows']} error rows -> {out.path}"
@@ -247,8 +249,13 @@ def show(out, limit, prompts):
 @click.option("--restart", is_flag=True,
               help="The script restarts the output dir once: a token in the script makes its tasks, "
                    "requeues and resubmissions resume instead of wiping again.")
+@click.option("--signal-before", type=int, default=120, show_default=True, metavar="S",
+              help="Seconds before the time limit at which Slurm sends the task SIGTERM (#SBATCH "
+                   "--signal=B:TERM@S): batchrun then stops cleanly (exit 130) and a resubmission resumes. "
+                   "Allow for the units in flight to finish writing; Slurm may signal up to 60 s early.")
 @click.option("--submit", is_flag=True, help="Run sbatch on the script.")
-def slurm(job, array, script, time_, cpus, mem, partition, account, gpus_per_task, sbatch_args, restart, submit):
+def slurm(job, array, script, time_, cpus, mem, partition, account, gpus_per_task, sbatch_args, restart,
+          signal_before, submit):
     """Write an sbatch script running JOB as a Slurm array of ARRAY tasks; --submit submits it."""
     from batchrun.job.spec import load_job
     from batchrun.job import slurm as sl
@@ -256,7 +263,7 @@ def slurm(job, array, script, time_, cpus, mem, partition, account, gpus_per_tas
         spec = load_job(job)
         text = sl.sbatch_script(spec, array, cpus=cpus, mem=mem, time=time_, partition=partition,
                                 account=account, restart=restart, gpus_per_task=gpus_per_task,
-                                sbatch_args=sbatch_args)
+                                sbatch_args=sbatch_args, signal_before=signal_before)
         path = script or os.path.splitext(spec.job_file)[0] + ".sbatch"
         sl.write_script(spec, path, text)
         click.echo(f"wrote {path}")

@@ -241,7 +241,7 @@ def job_breakdown(run: dict, output_dir: str) -> dict:
                            "weight_load_s": m["model_load_s"],
                            "generation_s": gen, "writing_s": m["writing_s"],
                            "exit_s": wall - before_run_job - m["elapsed_s"]},
-                "metrics": {k: m.get(k) for k in (*need, "rows", "error_rows", "prompt_tokens",
+                "metrics": {k: m.get(k) for k in (*need, "input_rows", "output_rows", "error_rows", "prompt_tokens",
                                                   "output_tokens", "units_done")}}
     task_line = next((s for s, _, line in run["lines"] if line.startswith("task 0/")), None)
     return {"source": "stderr line timestamps (the metrics file lacks "

@@ -13,12 +13,13 @@ from batchrun.job.commit import committed_units, write_json_atomic
 from batchrun.job.output import OutputDir
 
 
-def write_metrics(out: OutputDir, task_id: int, this_run: dict, total_units: int, total_rows: int) -> None:
+def write_metrics(out: OutputDir, task_id: int, this_run: dict, total_units: int, total_rows: int,
+                  samples_per_row: int = 1) -> None:
     os.makedirs(out.task_metrics_dir, exist_ok=True)
     path = os.path.join(out.task_metrics_dir, f"task-{task_id}.json")
     runs = _previous_runs(path) + [{k: v for k, v in this_run.items() if k != "runs"}]
     write_json_atomic(path, {**this_run, "runs": runs})  # the last run, and every run so far
-    write_json_atomic(out.metrics, job_metrics(out, total_units, total_rows))
+    write_json_atomic(out.metrics, job_metrics(out, total_units, total_rows, samples_per_row))
 
 
 def _previous_runs(path: str) -> list[dict]:
@@ -35,8 +36,12 @@ def _previous_runs(path: str) -> list[dict]:
     return [{k: v for k, v in old.items()}] if "task_id" in old else []  # a file from before histories
 
 
-def job_metrics(out: OutputDir, total_units: int, total_rows: int) -> dict:
-    """Totals over every committed unit, plus each task's last run."""
+def job_metrics(out: OutputDir, total_units: int, total_rows: int, samples_per_row: int = 1) -> dict:
+    """Totals over every committed unit, plus each task's last run.
+
+    ``rows_*`` count input rows (a marker's ``rows``); ``output_rows_*`` the part files' rows, one
+    per sample (``samples_per_row`` = sampling.n; every input row of a committed unit has all n,
+    error rows included), and ``error_rows`` counts output rows too."""
     done = committed_units(out)
     tasks = {}
     if os.path.isdir(out.task_metrics_dir):
@@ -49,9 +54,11 @@ def job_metrics(out: OutputDir, total_units: int, total_rows: int) -> dict:
                     continue  # a damaged metrics file loses its history, never the run
                 if isinstance(task, dict):
                     tasks[name[:-5]] = task
+    rows_committed = sum(m["rows"] for m in done.values())
     return {
         "units_total": total_units, "units_committed": len(done),
-        "rows_total": total_rows, "rows_committed": sum(m["rows"] for m in done.values()),
+        "rows_total": total_rows, "rows_committed": rows_committed,
+        "output_rows_total": total_rows * samples_per_row, "output_rows_committed": rows_committed * samples_per_row,
         "error_rows": sum(m["error_rows"] for m in done.values()),
         "prompt_tokens": sum(m["prompt_tokens"] for m in done.values()),
         "output_tokens": sum(m["output_tokens"] for m in done.values()),

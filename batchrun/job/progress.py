@@ -1,7 +1,7 @@
 """Progress of a running task: a tqdm bar on a terminal, newline-terminated log lines elsewhere.
 
 ``log`` mode is for Slurm and cron logs (``_batchrun/slurm/%A_%a.out``): one line every
-``interval`` seconds with rows, error rows, output tok/s (over the interval and overall), ETA,
+``interval`` seconds with rows (output rows: one per sample with sampling.n > 1), error rows, output tok/s (over the interval and overall), ETA,
 the current shard and graph set, and units committed; ``verbose`` adds one line per committed
 unit. ``auto`` picks ``bar`` when stderr is a terminal, ``log`` otherwise.
 """
@@ -85,12 +85,20 @@ class Progress:
             self._line(self.clock())
 
 
+def row_counts(st) -> str:
+    """'12 (1 error rows)', or with sampling.n > 1 '12 input -> 36 output (3 error rows)': error
+    rows are output rows (one per sample), so they are only comparable with the output count."""
+    if st.output_rows == st.input_rows:
+        return f"{st.input_rows} ({st.error_rows} error rows)"
+    return f"{st.input_rows} input -> {st.output_rows} output ({st.error_rows} error rows)"
+
+
 def summary_lines(st, exit_code: int, what: str) -> list[str]:
     """The end-of-task block (every line starts with "batchrun: summary", for grep)."""
     gen, tok_s = st.generation_s, st.output_tok_per_s
     head = "batchrun: summary"
     lines = [f"{head} task {st.task_id}/{st.num_tasks}: exit {exit_code} ({what})",
-             f"{head} rows {st.rows} ({st.error_rows} error rows); units {st.units_done} written, "
+             f"{head} rows {row_counts(st)}; units {st.units_done} written, "
              f"{st.units_skipped} already done, {st.units_repaired} rewritten (damaged), of {st.units_total}",
              f"{head} tokens {st.prompt_tokens} prompt, {st.output_tokens} output; {tok_s:.0f} output tok/s "
              "during generation"]

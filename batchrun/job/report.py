@@ -20,6 +20,7 @@ from batchrun.job.plan import Plan, assign_tasks, engine_groups, group_rows, mak
 from batchrun.job.prepare import token_counter, validate
 from batchrun.job.prompts import chat_messages
 from batchrun.job.rows import _sampling
+from batchrun.job.worker_progress import HEADER, worker_rows
 
 
 def _shard_name(adapter: str | None, known: bool) -> str:
@@ -47,12 +48,18 @@ def plan_report(spec: JobSpec, num_tasks: int, count_tokens: bool = True) -> str
     lines += sampling_summary(spec.sampling, plan.override_columns) + [""]
     tokens, bad = (_prompt_tokens(spec, plan) if count_tokens else ({}, {}))
     shards = plan.shards()
+    n = spec.sampling.n  # the run writes n output rows per input row, an error row per sample too
     rows = []
     for code, sh in enumerate(shards):
         key = (sh.adapter, sh.known)
-        rows.append([_shard_name(*key), sh.rows, tokens.get(key, "-"), sh.units,
-                     sh.rows if not sh.known else bad.get(key, "-" if not count_tokens else 0)])
-    lines.append(_table(["shard", "rows", "prompt tokens", "units", "error rows"], rows))
+        bad_rows = sh.rows if not sh.known else bad.get(key, None if not count_tokens else 0)
+        rows.append([_shard_name(*key), sh.rows, tokens.get(key, "-"), sh.units]
+                    + ([sh.rows * n] if n > 1 else []) + ["-" if bad_rows is None else bad_rows * n])
+    lines.append(_table(["shard", "rows", "prompt tokens", "units"] + (["output rows"] if n > 1 else [])
+                        + ["error rows"], rows))
+    if n > 1:
+        lines.append(f"(sampling.n = {n}: each input row gives {n} output rows, one per sample_index; "
+                     f"a bad input row gives {n} error rows)")
     lines += ["", "engine batches (adapters whose rows share the engine's steps, "
               f"up to engine.max_loras = {spec.engine.max_loras}):"]
     for g in _batches(plan, spec):
@@ -230,6 +237,8 @@ def status_report(out_path: str) -> tuple[str, bool]:
             if name.startswith("task-") and (owner := is_locked(os.path.join(out.locks, name))):
                 running.append(f"{name[:-5]} ({owner})")
     lines += ["", f"running: {', '.join(running) if running else 'none'}"]
+    if workers := worker_rows(out):
+        lines += ["", _table(HEADER, workers)]
     orphans = uncommitted_parts(out, len(units), commits)
     if damaged:
         shown = "; ".join(f"unit {u}: {why}" for u, why in sorted(damaged.items())[:3])

@@ -16,7 +16,7 @@ import shutil
 import threading
 import time
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Callable, Iterable
 
 import numpy as np
@@ -37,6 +37,7 @@ from batchrun.job.plan import Unit, assign_tasks, engine_groups, group_rows
 from batchrun.job.progress import Progress
 from batchrun.job.prepare import Prepared, prepare
 from batchrun.job.rows import UnitWork, arrow_columns, build_unit, input_columns, unit_table
+from batchrun.job.worker_progress import ProgressFile
 from batchrun.job.writer import Writer
 
 FEEDER_AHEAD_BATCHES = 2  # the feeder reads and claims at most this many engine batches of rows ahead
@@ -59,8 +60,9 @@ class TaskStats:
     units_lost: int = 0  # finished after another worker took over its expired claim: discarded
     units_taken_over: int = 0  # claims of other workers that had expired (dead, killed) and this one took
     worker: str = ""  # lock / temp-dir / metrics name (the task id, plus the Slurm array job id)
-    rows: int = 0
-    error_rows: int = 0
+    input_rows: int = 0  # input rows finished: every one of their sampling.n samples has a result
+    output_rows: int = 0  # output rows finished (one per sample: input_rows x sampling.n when done)
+    error_rows: int = 0  # output rows that are error rows (a bad input row gives n of them)
     prompt_tokens: int = 0
     output_tokens: int = 0
     started: float = field(default_factory=time.time)
@@ -114,6 +116,7 @@ class TaskRunner:
             self.stats.started = started
         self.signals = Signals()
         self.progress: Progress | None = None
+        self.progress_file: ProgressFile | None = None  # _batchrun/progress/<worker>.json, for `status`
         self._lock = threading.Lock()  # stats and progress: the engine and writer threads both count
 
     # ---- commit -----------------------------------------------------------------------------
@@ -153,6 +156,21 @@ class TaskRunner:
             st.prompt_tokens += info["prompt_tokens"]
             if self.progress is not None:
                 self.progress.unit(unit, work.unit.rows, errors)
+        self._note_progress()
+
+    def _note_progress(self, force: bool = False) -> None:
+        """Refresh this worker's progress file (rate-limited unless ``force``); a progress file
+        that cannot be written never fails the run."""
+        pf = self.progress_file
+        if pf is None:
+            return
+        with self._lock:  # a consistent snapshot; the write itself must not block the engine thread
+            snapshot = replace(self.stats)
+        try:
+            pf.update(snapshot, force)
+        except OSError as e:
+            self.log(f"warning: could not write {pf.path}: {e}")
+            self.progress_file = None
 
     def _commit_guard(self):
         """On the main thread, SIGTERM/SIGINT wait until the commit ends. The writer thread needs
@@ -168,7 +186,7 @@ class TaskRunner:
             if work is None or work.results[pos] is not None:
                 return
             work.results[pos] = res
-            self._row_done(res)
+            self._row_done(res, _row_complete(work, pos))
             if res.finish_reason == "error" and self.spec.on_error == "fail":
                 raise RowFailure(self._fail_message(work.ids[pos], res.error))
             if work.remaining == 0:
@@ -176,13 +194,14 @@ class TaskRunner:
                 done(work)
         return on_result
 
-    def _row_done(self, res: Result) -> None:
+    def _row_done(self, res: Result, input_row_complete: bool) -> None:
         with self._lock:
-            self._count_row(res)
+            self._count_row(res, input_row_complete)
 
-    def _count_row(self, res: Result) -> None:
+    def _count_row(self, res: Result, input_row_complete: bool) -> None:
         st = self.stats
-        st.rows += 1
+        st.output_rows += 1
+        st.input_rows += input_row_complete
         st.output_tokens += len(res.output_token_ids)
         failed = res.finish_reason == "error"
         if failed:
@@ -241,6 +260,11 @@ class TaskRunner:
         os.makedirs(self.out.commits, exist_ok=True)
         name = f"task {self.task_id}/{self.num_tasks}"
         try:
+            self.progress_file = ProgressFile(self.out, self.worker)
+        except OSError as e:
+            self.log(f"warning: no progress file for `batchrun status`: {e}")
+        self._note_progress(force=True)
+        try:
             self.signals.install()
             if not todo:
                 self.log(f"{name}: nothing to do: all {len(units)} of its units were committed by an earlier run")
@@ -266,8 +290,10 @@ class TaskRunner:
             engine = self.engine_factory(self.spec)
             st.model_load_s = time.time() - t0
             st.startup_s = time.time() - st.started
+            self._note_progress(force=True)  # the engine is ready: rates count from here
             if self.mode != "none":
-                self.progress = Progress(self.mode, f"task {self.task_id}/{self.num_tasks}", sum(u.rows for u in todo),
+                self.progress = Progress(self.mode, f"task {self.task_id}/{self.num_tasks}",
+                                         sum(u.rows for u in todo) * self.spec.sampling.n,
                                          len(todo), self.log, self.log_interval, self.verbose)
             self._run_units(engine, _chain(first, claimed))
             st.status = "done"
@@ -286,6 +312,7 @@ class TaskRunner:
             self.signals.restore()
             shutil.rmtree(tmp_dir, ignore_errors=True)
             st.elapsed_s = time.time() - st.started
+            self._note_progress(force=True)
             self._write_metrics()
         return st
 
@@ -327,9 +354,9 @@ class TaskRunner:
             if self.progress is not None and work.unit.adapter != shard[0]:
                 shard[0] = work.unit.adapter
                 self.progress.set_shard(work.unit.adapter)
-            for r in work.results:
+            for pos, r in enumerate(work.results):  # error rows, decided before the engine
                 if r is not None:
-                    self._row_done(r)
+                    self._row_done(r, pos % work.n == work.n - 1 and _row_complete(work, pos))
             if work.remaining == 0:
                 writer.put(work)
             else:
@@ -402,7 +429,8 @@ class TaskRunner:
     def _write_metrics(self) -> None:
         try:
             this_run = {**asdict(self.stats), "output_tok_per_s": self.stats.output_tok_per_s}
-            write_metrics(self.out, self.worker, this_run, len(self.plan.units), self.plan.total_rows)
+            write_metrics(self.out, self.worker, this_run, len(self.plan.units), self.plan.total_rows,
+                          self.spec.sampling.n)
         except OSError as e:  # metrics must never turn a finished run into a failed one
             self.log(f"warning: could not write metrics: {e}")
 
@@ -416,6 +444,12 @@ def _settle_tokenizer(tokenizer) -> None:
     race the engine thread's decode); later calls only read it."""
     if tokenizer is not None and callable(tokenizer):
         tokenizer(["a"])
+
+
+def _row_complete(work: UnitWork, pos: int) -> bool:
+    """Whether every sample of slot ``pos``'s input row has its result (slots ``row*n .. row*n+n-1``)."""
+    lo = pos - pos % work.n
+    return all(r is not None for r in work.results[lo:lo + work.n])
 
 
 def _chain(first, rest):

@@ -53,5 +53,5 @@ def test_run_takes_a_dict(tmp_path, monkeypatch):
     stats = batchrun.run({"model": str(DEMO / "model"), "input": {"path": "in.parquet", "id_column": "id"},
                           "output": {"path": "out"}, "sampling": {"max_tokens": 8},
                           "engine": {"device": "cpu", "max_model_len": 128}})
-    assert stats.status == "done" and stats.rows == 2
+    assert stats.status == "done" and stats.output_rows == 2
     assert sorted(read_output(tmp_path / "out").column("output_text").to_pylist()) == ["fox", "hello"]

@@ -36,7 +36,7 @@ def test_throughput_tiny_end_to_end(tmp_path):
     for k in ("process_wall_s", "before_task_s", "weight_load_s", "generation_s", "writing_s"):
         assert ph[k] is not None and ph[k] >= 0, k
     assert ph["before_task_s"] + ph["weight_load_s"] + ph["generation_s"] <= ph["process_wall_s"]
-    assert j["metrics"]["rows"] == 20 and any("summary" in line for _, _, line in j["lines"])
+    assert j["metrics"]["output_rows"] == 20 and any("summary" in line for _, _, line in j["lines"])
     # output: every id exactly once, nothing short
     c = r["output_check"]
     assert c["every_id_once"] and c["rows"] == 20 and c["missing_ids"] == 0

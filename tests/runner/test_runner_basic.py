@@ -27,7 +27,7 @@ def by_id(table: pa.Table) -> dict:
 def test_outputs_every_row_once_with_expected_text(make_job, tmp_path):
     rows = demo_rows(30)
     stats = run(make_job(rows))
-    assert (stats.units_done, stats.rows, stats.error_rows, stats.status) == (9, 30, 0, "done")
+    assert (stats.units_done, stats.output_rows, stats.error_rows, stats.status) == (9, 30, 0, "done")
     table = read_output(tmp_path / "out")
     assert table.schema.names == ["id", "adapter", "output_text", "output_token_ids", "prompt_tokens",
                                   "output_tokens", "finish_reason", "error"]
@@ -118,7 +118,7 @@ def test_rerun_skips_committed_units(make_job, tmp_path):
     run(job)
     mtimes = {p: os.stat(tmp_path / "out" / p).st_mtime_ns for p in os.listdir(tmp_path / "out") if p.startswith("part-")}
     stats = run(job)
-    assert (stats.units_skipped, stats.units_done, stats.rows) == (9, 0, 0)
+    assert (stats.units_skipped, stats.units_done, stats.output_rows) == (9, 0, 0)
     assert {p: os.stat(tmp_path / "out" / p).st_mtime_ns for p in mtimes} == mtimes
     assert read_output(tmp_path / "out").num_rows == 30
 

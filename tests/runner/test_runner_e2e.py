@@ -31,7 +31,7 @@ def test_demo_job_outputs_expected_strings(tmp_path):
     spec = dataclasses.replace(spec, output=OutputSpec(str(tmp_path / "out")))
     stats = run_job(spec, progress=False, log=lambda m: None)
     prompts = {r["id"]: r for r in pq.read_table(REPO / "demo" / "data" / "prompts.parquet").to_pylist()}
-    assert stats.rows == len(prompts) and stats.error_rows == 0
+    assert stats.output_rows == len(prompts) and stats.error_rows == 0
     out = read_output(tmp_path / "out").to_pylist()
     assert sorted(r["id"] for r in out) == sorted(prompts)
     kinds = set()

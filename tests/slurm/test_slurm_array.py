@@ -5,6 +5,7 @@ The demo model on the CPU engine, 48 rows (12 units); `--gpus-per-task 0`, small
 """
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -39,9 +40,9 @@ def slurm():
                     "scripts/slurm-ci.sh start` and `eval $(scripts/slurm-ci.sh env)`")
 
 
-def make_job(tmp_path: Path) -> Path:
+def make_job(tmp_path: Path, rows: int = ROWS, **over) -> Path:
     demo = pq.read_table(REPO / "demo" / "data" / "prompts.parquet").to_pylist()
-    rows = [{**demo[i % len(demo)], "id": f"r{i:03d}"} for i in range(ROWS)]
+    rows = [{**demo[i % len(demo)], "id": f"r{i:03d}"} for i in range(rows)]
     (tmp_path / "data").mkdir()
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "data" / "in.parquet")
     job = yaml.safe_load((REPO / "jobs" / "demo.yaml").read_text())
@@ -51,17 +52,20 @@ def make_job(tmp_path: Path) -> Path:
     job["input"]["id_column"] = "id"
     job["output"]["path"] = "out"
     job["engine"]["device"] = "cpu"
+    for section, values in over.items():
+        job[section].update(values)
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump(job))
     return path
 
 
-def submit(job: Path, array: int, script: str, *extra) -> str:
+def submit(job: Path, array: int, script: str, *extra, time_limit: str = "00:10:00") -> str:
     r = subprocess.run([sys.executable, "-m", "batchrun", "slurm", str(job), "--array", str(array),
-                        "--gpus-per-task", "0", "--cpus", "1", "--mem", "1G", "--time", "00:10:00",
+                        "--gpus-per-task", "0", "--cpus", "1", "--mem", "1G", "--time", time_limit,
                         "--script", str(job.parent / script), "--submit", *extra],
                        capture_output=True, text=True, timeout=60,
-                       env={**os.environ, "PYTHONPATH": str(REPO), "BATCHRUN_CLAIM_LEASE": "3"})
+                       env={**os.environ, "PYTHONPATH": str(REPO), "BATCHRUN_CLAIM_LEASE": "3",
+                            "OMP_NUM_THREADS": "1"})  # --cpus 1: torch's spinning threads would fight
     assert r.returncode == 0, r.stderr
     line = [ln for ln in r.stdout.splitlines() if ln.startswith("Submitted batch job")]
     assert line, r.stdout
@@ -78,11 +82,11 @@ def wait_gone(job_ids, timeout=150.0) -> None:
     raise AssertionError(f"Slurm jobs {job_ids} still queued/running after {timeout}s")
 
 
-def every_id_once(out: Path) -> None:
+def every_id_once(out: Path, rows: int = ROWS) -> None:
     import pyarrow.dataset as ds
     parts = sorted(str(p) for p in out.glob("part-*.parquet"))
     ids = ds.dataset(parts, format="parquet").to_table(columns=["id"]).column("id").to_pylist()
-    assert sorted(ids) == [f"r{i:03d}" for i in range(ROWS)], (len(ids), len(set(ids)))
+    assert sorted(ids) == [f"r{i:03d}" for i in range(rows)], (len(ids), len(set(ids)))
     r = subprocess.run([sys.executable, "-m", "batchrun", "verify", str(out)], capture_output=True, text=True,
                        env={**os.environ, "PYTHONPATH": str(REPO)})
     assert r.returncode == 0, r.stdout + r.stderr
@@ -166,3 +170,55 @@ def test_sigterm_from_slurm_exits_130_and_a_resubmission_resumes(tmp_path):
     wait_gone([r.stdout.split()[-1]])
     every_id_once(out)
     assert f"({committed} already committed)" in logs(out) or committed == ROWS // 4
+
+
+def exit_code(job_id: str) -> int:
+    """The finished job's exit status as slurmctld recorded it (kept for MinJobAge; no sacct needed)."""
+    r = subprocess.run(["scontrol", "show", "job", job_id], capture_output=True, text=True, check=True)
+    m = re.search(r"\bExitCode=(\d+):(\d+)", r.stdout)
+    assert m, r.stdout
+    return int(m.group(1))
+
+
+def test_time_limit_signal_exits_130_and_a_resubmission_resumes(tmp_path):
+    # The real thing: `--time 1` (Slurm's smallest limit) with `--signal-before 25`, so Slurm itself
+    # sends SIGTERM (it checks limits every 30 s and may signal that much early: 5-35 s in). So that
+    # the task is certainly still running then, however fast the machine, another "worker" (this
+    # test) planned the output dir and holds live claims on its last units: the task runs the
+    # others, then waits for those. (On a slow machine the signal may come during start-up; every
+    # check below holds either way.)
+    from batchrun.job.spec import load_job
+    from batchrun.job.prepare import prepare
+    rows = ROWS
+    job = make_job(tmp_path, rows, sampling={"ignore_eos": True})
+    out = tmp_path / "out"
+    total = len(prepare(load_job(str(job))).plan.units)
+    held = {f"unit-{u:06d}" for u in range(total - 4, total)}
+    claims = out / "_batchrun" / "claims"
+    claims.mkdir()
+    for name in held:  # live for an hour, whatever the task's own lease
+        (claims / name).write_text(json.dumps(
+            {"host": "test", "pid": 1, "worker": "other", "token": "0" * 16, "lease_s": 3600, "claimed": time.time()}))
+    jid = submit(job, 1, "t.sbatch", "--signal-before", "25", time_limit="1")
+    assert "#SBATCH --signal=B:TERM@25\n" in (tmp_path / "t.sbatch").read_text()
+    wait_gone([jid], timeout=120)
+    assert exit_code(jid) == 130, logs(out)[-3000:]
+    text = logs(out)
+    assert "interrupted (SIGTERM); no partial file was left" in text, text[-3000:]
+    assert set(os.listdir(claims)) == held  # its own claims given back, the other worker's left alone
+    committed = len(list((out / "_batchrun" / "commits").glob("unit-*")))
+    assert committed <= total - len(held)
+    old = time.time() - 7200  # the other worker died: its claims expire, the resubmission takes them
+    for name in held:
+        os.utime(claims / name, (old, old))
+    r = subprocess.run(["sbatch", "--time=5", str(tmp_path / "t.sbatch")], capture_output=True, text=True,
+                       check=True, env={**os.environ, "PYTHONPATH": str(REPO), "BATCHRUN_CLAIM_LEASE": "3",
+                                        "OMP_NUM_THREADS": "1"})
+    again = r.stdout.split()[-1]
+    wait_gone([again])
+    assert exit_code(again) == 0, logs(out)[-3000:]
+    every_id_once(out, rows)
+    assert f"({committed} already committed)" in logs(out)
+    assert os.listdir(claims) == []
+    metrics = json.loads((out / "_batchrun" / "metrics" / f"task-0-j{again}.json").read_text())
+    assert metrics["units_taken_over"] == len(held) and metrics["units_done"] == total - committed
