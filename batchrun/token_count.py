@@ -91,7 +91,8 @@ def _encode_lengths(tok, texts: list[str], add_special_tokens: bool) -> np.ndarr
     if not texts:
         return np.zeros(0, dtype=np.int64)
     encode = getattr(tok, "encode_batch_fast", None) or tok.encode_batch  # _fast: no offsets (0.21+)
-    return np.fromiter((len(e.ids) for e in encode(texts, add_special_tokens=add_special_tokens)),
+    # len(encoding), not len(encoding.ids): no Python list of ids per row
+    return np.fromiter((len(e) for e in encode(texts, add_special_tokens=add_special_tokens)),
                        dtype=np.int64, count=len(texts))
 
 

@@ -3,6 +3,7 @@ rows over 4 adapters, token counts on), on the demo model. Writes the data and j
 DIR, then times `batchrun plan` in a fresh process with /usr/bin/time -v (wall, peak RSS).
 
     PYTHONPATH=. python benchmarks/plan_scale.py /tmp/plan1m [--rows 1000000] [--repeat 3] [--code A --code B]
+        [--estimate-tokens]
 """
 from __future__ import annotations
 
@@ -47,9 +48,9 @@ def write_inputs(root: Path, rows: int) -> Path:
     return job
 
 
-def time_plan(job: Path, code: Path = REPO) -> tuple[float, int, str]:
+def time_plan(job: Path, code: Path = REPO, flags: tuple = ()) -> tuple[float, int, str]:
     env = {**os.environ, "PYTHONPATH": str(code)}
-    r = subprocess.run(["/usr/bin/time", "-v", sys.executable, "-m", "batchrun", "plan", str(job)],
+    r = subprocess.run(["/usr/bin/time", "-v", sys.executable, "-m", "batchrun", "plan", str(job), *flags],
                        capture_output=True, text=True, env=env)
     if r.returncode != 0:
         raise SystemExit(r.stderr)
@@ -69,11 +70,12 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--code", action="append", type=Path,
                     help="a checkout to time (repeatable: A/B runs alternate); default this one")
+    ap.add_argument("--estimate-tokens", action="store_true", help="time `plan --estimate-tokens`")
     a = ap.parse_args()
     job = write_inputs(Path(a.dir), a.rows)
     for i in range(a.repeat):
         for code in a.code or [REPO]:
-            secs, rss, out = time_plan(job, code)
+            secs, rss, out = time_plan(job, code, ("--estimate-tokens",) if a.estimate_tokens else ())
             if i == 0:
                 print(out)
             print(f"run {i} {code}: {secs:.2f} s wall, peak RSS {rss / 1024:.0f} MB")
