@@ -86,6 +86,9 @@ def main():
 def run(job, task_id, num_tasks, restart, restart_token, progress, log_interval, verbose, no_progress,
         claim_lease, workers, gpus):
     """Run JOB (a job.yaml), or this task's share of it; resumes a previous run."""
+    from batchrun import preload
+    if workers is None and gpus is None:  # a worker pool's parent runs no engine
+        preload.start()  # torch & co. import while the job is checked and planned (preload.py)
     from batchrun.job import load_job
     from batchrun.runner import run_job
 
@@ -113,6 +116,7 @@ def run(job, task_id, num_tasks, restart, restart_token, progress, log_interval,
         _fail(ExitCode.CONFIG, str(e))
     try:
         spec = load_job(job)
+        _preload_tokenizer(spec)
         stats = run_job(spec, task_id, num_tasks, restart=restart, progress="none" if no_progress else progress,
                         log=lambda m: click.echo(m, err=True), log_interval=log_interval, verbose=verbose,
                         on_stats=held.append, restart_token=restart_token, worker=worker_name(task_id),
@@ -135,6 +139,15 @@ def run(job, task_id, num_tasks, restart, restart_token, progress, log_interval,
         _fail(code, str(e))
     _summary(spec, stats)
     _summary_block(stats, ExitCode.OK, "done")
+
+
+def _preload_tokenizer(spec) -> None:
+    """The engine's tokenizer loads on the preload thread after the imports; prepare's tokenizer
+    check then finds it loaded (or raises its error)."""
+    from batchrun import preload
+    from batchrun.token_count import load_tokenizer
+    if not spec.input.prompt_token_ids_column:
+        preload.then(lambda: load_tokenizer(spec.model))
 
 
 def _run_workers(job, workers, gpus, restart, restart_token, log_interval, claim_lease):

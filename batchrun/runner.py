@@ -21,7 +21,7 @@ from typing import Callable, Iterable
 
 import numpy as np
 
-from batchrun import commit
+from batchrun import commit, preload
 from batchrun.claims import UnitClaims
 from batchrun.commit import check_part, read_commits
 from batchrun.engine.request import Result
@@ -67,6 +67,8 @@ class TaskStats:
     elapsed_s: float = 0.0
     model_load_s: float = 0.0
     startup_s: float = 0.0  # from the start of run_job until the engine was ready (checks, plan, load)
+    prepare_s: float = 0.0  # of which checks, digests, fingerprint and plan (prepare.prepare)
+    import_wait_s: float = 0.0  # of which waiting for the preload thread's imports and tokenizer
     writing_s: float = 0.0  # writing, publishing and committing part files (on the writer thread)
     writer_wait_s: float = 0.0  # the engine thread blocked on the writer (full queue, final drain)
     error_reasons: dict = field(default_factory=dict)  # reason (digits as N) -> error rows
@@ -85,7 +87,9 @@ class TaskStats:
 
 
 def load_engine(spec: JobSpec):
-    """The real engine (imported late: planning and validation never need torch)."""
+    """The real engine (imported late: planning and validation never need torch; `batchrun run`
+    has imported it on the preload thread meanwhile)."""
+    preload.wait()
     from batchrun.config import EngineConfig
     from batchrun.engine.engine import Engine
     e = spec.engine
@@ -266,6 +270,7 @@ class TaskRunner:
             engine = self.engine_factory(self.spec)
             st.model_load_s = time.time() - t0
             st.startup_s = time.time() - st.started
+            st.import_wait_s = preload.waited_s
             if self.mode != "none":
                 self.progress = Progress(self.mode, f"task {self.task_id}/{self.num_tasks}", sum(u.rows for u in todo),
                                          len(todo), self.log, self.log_interval, self.verbose)
@@ -439,12 +444,14 @@ def run_job(spec: JobSpec, task_id: int = 0, num_tasks: int = 1, restart: bool =
         raise ConfigError(f"--task-id must be in [0, {num_tasks}), got {task_id}")
     started = time.time()
     prep = prepare(spec, restart=restart, log=log, restart_token=restart_token)
+    prepared = time.time() - started
     worker = worker or str(task_id)
     lock = TaskLock(prep.out.lock(worker), f"task {worker} of {prep.out.path}")
     with lock:
         runner = TaskRunner(prep, task_id, num_tasks, engine_factory or load_engine, progress=progress, log=log,
                             log_interval=log_interval, verbose=verbose, started=started, worker=worker,
                             claim_lease=claim_lease)
+        runner.stats.prepare_s = prepared
         if on_stats is not None:
             on_stats(runner.stats)
         return runner.run()

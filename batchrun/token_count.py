@@ -24,6 +24,7 @@ import threading
 import numpy as np
 import pyarrow as pa
 
+from batchrun import preload
 from batchrun.errors import ConfigError
 
 # transformers' generic fast-tokenizer classes: they use tokenizer.json's pipeline as it is.
@@ -66,6 +67,7 @@ def load_tokenizer(model_dir: str):
     model_dir = str(model_dir)
     if not has_tokenizer(model_dir):
         return None
+    preload.wait()  # transformers may be importing on the preload thread (or loading this tokenizer)
 
     def load():
         from transformers import AutoTokenizer
