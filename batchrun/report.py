@@ -47,7 +47,11 @@ def plan_report(spec: JobSpec, num_tasks: int, count_tokens: bool = True, estima
              f"adapters: {', '.join(f'{k} ({v})' for k, v in spec.adapters.items()) or 'none'}",
              f"input:    {len(files)} file(s), {plan.total_rows} rows",
              f"output:   {spec.output.path}"]
-    lines += sampling_summary(spec.sampling, plan.override_columns) + [""]
+    lines += sampling_summary(spec.sampling, plan.override_columns)
+    e = spec.engine
+    seqs = ("auto (sized from the KV cache when the engine starts)" if e.max_num_seqs == "auto"
+            else e.max_num_seqs)
+    lines += [f"engine:   max_num_seqs={seqs}, max_model_len={e.max_model_len}, max_loras={e.max_loras}", ""]
     tokens, bad, note = (_prompt_tokens(spec, plan, estimate_tokens) if count_tokens else ({}, {}, None))
     shards = plan.shards()
     rows = []

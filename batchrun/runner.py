@@ -33,7 +33,7 @@ from batchrun.job import JobSpec
 from batchrun.lock import TaskLock
 from batchrun.metrics import write_metrics
 from batchrun.output import OutputDir
-from batchrun.plan import Unit, assign_tasks, engine_groups, group_rows
+from batchrun.plan import Unit, assign_tasks, engine_groups, group_rows, seqs_bound
 from batchrun.progress import Progress
 from batchrun.prepare import Prepared, prepare
 from batchrun.rows import UnitWork, arrow_columns, build_unit, input_columns, unit_table
@@ -324,7 +324,9 @@ class TaskRunner:
         writer = Writer(self._finish, WRITER_QUEUE_UNITS, inline=not streams).start()
         # claims go ahead of the engine only this far: enough to refill its batch, little enough that
         # other workers of the output dir still find units (and bounded memory)
-        feeder = Feeder(todo, build, ahead_rows=FEEDER_AHEAD_BATCHES * spec.engine.max_num_seqs).start()
+        seqs = getattr(getattr(engine, "config", None), "max_num_seqs", None)  # resolved by the engine
+        seqs = seqs if isinstance(seqs, int) else seqs_bound(spec.engine.max_num_seqs)
+        feeder = Feeder(todo, build, ahead_rows=FEEDER_AHEAD_BATCHES * seqs).start()
         shard = [object()]
 
         def on_unit(work: UnitWork) -> None:  # on the engine thread, as the unit's requests go out
