@@ -2,7 +2,8 @@
 
 - Prefill steps go first: sequences still mid-prompt continue, then waiting sequences are
   admitted while `max_num_seqs`, the `max_num_batched_tokens` budget, free KV blocks for the
-  whole prompt and LoRA slots allow. A prompt longer than the budget is prefilled in chunks over several steps, so a
+  whole prompt and LoRA slots allow (a row waiting for a LoRA slot is stepped over, up to
+  LORA_LOOKAHEAD rows, by rows that can run: `_next_admissible`). A prompt longer than the budget is prefilled in chunks over several steps, so a
   long prompt never needs more activation memory than one budget's worth of tokens.
 - Otherwise every running sequence decodes one token. A sequence that needs a new KV block when
   none is free preempts the most recently admitted sequence (recompute: its blocks are freed and
@@ -12,10 +13,14 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from itertools import islice
 
 from batchrun.config import EngineConfig
 from batchrun.engine.block_manager import BlockManager
 from batchrun.engine.sequence import Sequence, SeqStatus
+
+
+LORA_LOOKAHEAD = 64  # waiting rows admission looks through past rows that wait for a LoRA slot
 
 
 @dataclass
@@ -57,14 +62,14 @@ class Scheduler:
                 n = min(seq.num_tokens - seq.num_computed, budget)
                 seqs.append(seq); counts.append(n); budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
-            if seq.adapter and self.lora is not None and not self.lora.can_acquire(seq.adapter):
-                break  # every LoRA slot is pinned by running rows: wait until one finishes
+            seq = self._next_admissible()
+            if seq is None:
+                break  # every LoRA slot the look-ahead's rows need is pinned: wait until one frees
             # blocks for the whole prompt up front: a chunked prompt never stalls mid-way
             if not self.blocks.can_allocate(seq, seq.num_tokens):
                 break
             n = min(seq.num_tokens, budget)
-            self.waiting.popleft()
+            self.waiting.remove(seq)  # within the first LORA_LOOKAHEAD: a short scan
             self.blocks.allocate(seq, seq.num_tokens)
             if seq.adapter and self.lora is not None:
                 seq.lora_slot = self.lora.acquire(seq.adapter)
@@ -72,6 +77,21 @@ class Scheduler:
             self.running.append(seq)
             seqs.append(seq); counts.append(n); budget -= n
         return ScheduledBatch(True, seqs, counts)
+
+    def _next_admissible(self) -> Sequence | None:
+        """The first of the first LORA_LOOKAHEAD waiting sequences that can run now: a base row,
+        or one whose adapter is resident or can get a slot. A row whose adapter has no free
+        slot (all pinned by running rows) no longer blocks base rows and rows of resident
+        adapters behind it. Rows of one adapter keep their order (they get the same answer),
+        and a skipped row keeps its place at the head, so it is the first to get a slot that
+        frees. Only slot waits are skipped: a row that does not fit the KV blocks still stops
+        admission (the caller), so a long prompt is not starved by short ones."""
+        if self.lora is None:
+            return self.waiting[0]
+        for seq in islice(self.waiting, LORA_LOOKAHEAD):
+            if not seq.adapter or self.lora.can_acquire(seq.adapter):
+                return seq
+        return None
 
     def _schedule_decode(self) -> ScheduledBatch:
         scheduled = []
