@@ -110,7 +110,8 @@ def _prompt_tokens(spec: JobSpec, plan: Plan, estimate: bool = False) -> tuple[d
     bad = np.zeros(len(shard_keys), dtype=np.int64)
     col = inp.prompt_column or inp.messages_column or inp.prompt_token_ids_column
     extra = [c for c in plan.override_columns if c != col]
-    plain = inp.prompt_column and inp.system_prompt is None and tok.backend is not None
+    plain = (tok is not None and tok.backend is not None and not inp.messages_column
+             and inp.system_prompt is None)
     est = (Estimate(tok, inp.add_special_tokens is not False, plan.total_rows, len(shard_keys))
            if estimate and plain else None)
     first_row = 0

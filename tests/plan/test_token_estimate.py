@@ -131,3 +131,11 @@ def test_estimate_is_exact_and_says_so_when_the_prompts_need_the_chat_template(m
     text = plan_report(spec, 1, estimate_tokens=True)
     assert "~" not in text and "prompt tokens exact" in text
     assert _rows(text) == _rows(plan_report(spec, 1))
+
+
+def test_estimate_with_token_id_prompts_counts_them_exactly(make_job):
+    rows = [{"id": i, "ids": [1, 5 + i % 7, 6] * (1 + i % 3), "adapter": None} for i in range(10)]
+    spec = load_job(make_job(rows, input={"prompt_column": None, "prompt_token_ids_column": "ids"}))
+    text = plan_report(spec, 1, estimate_tokens=True)
+    assert "~" not in text
+    assert _rows(text) == _rows(plan_report(spec, 1))
