@@ -86,6 +86,9 @@ def main():
 def run(job, task_id, num_tasks, restart, restart_token, progress, log_interval, verbose, no_progress,
         claim_lease, workers, gpus):
     """Run JOB (a job.yaml), or this task's share of it; resumes a previous run."""
+    from batchrun.job import preload
+    if workers is None and gpus is None:  # a worker pool's parent runs no engine
+        preload.start()  # torch & co. import while the job is checked and planned (preload.py)
     from batchrun.job.spec import load_job
     from batchrun.job.runner import run_job
 
@@ -113,6 +116,7 @@ def run(job, task_id, num_tasks, restart, restart_token, progress, log_interval,
         _fail(ExitCode.CONFIG, str(e))
     try:
         spec = load_job(job)
+        _preload_tokenizer(spec)
         stats = run_job(spec, task_id, num_tasks, restart=restart, progress="none" if no_progress else progress,
                         log=lambda m: click.echo(m, err=True), log_interval=log_interval, verbose=verbose,
                         on_stats=held.append, restart_token=restart_token, worker=worker_name(task_id),
@@ -135,6 +139,15 @@ def run(job, task_id, num_tasks, restart, restart_token, progress, log_interval,
         _fail(code, str(e))
     _summary(spec, stats)
     _summary_block(stats, ExitCode.OK, "done")
+
+
+def _preload_tokenizer(spec) -> None:
+    """The engine's tokenizer loads on the preload thread after the imports; prepare's tokenizer
+    check then finds it loaded (or raises its error)."""
+    from batchrun.job import preload
+    from batchrun.job.token_count import load_tokenizer
+    if not spec.input.prompt_token_ids_column:
+        preload.then(lambda: load_tokenizer(spec.model))
 
 
 def _run_workers(job, workers, gpus, restart, restart_token, log_interval, claim_lease):
@@ -187,13 +200,17 @@ def _summary(spec, st) -> None:
 @click.option("--num-tasks", type=click.IntRange(min=1), default=None,
               help="Show task shares for this many tasks (default: Slurm env or 1).")
 @click.option("--no-tokens", is_flag=True, help="Skip tokenizing prompts (faster on huge inputs).")
-def plan(job, num_tasks, no_tokens):
+@click.option("--estimate-tokens", is_flag=True,
+              help="Plain-text prompts: estimate the prompt-token totals from a sample of rows (marked ~); "
+                   "error rows stay exact. Seconds instead of minutes on millions of rows.")
+def plan(job, num_tasks, no_tokens, estimate_tokens):
     """Validate JOB without loading weights and print its shards, work units and task shares."""
     from batchrun.job.spec import load_job
     from batchrun.job.report import plan_report
     num_tasks = num_tasks or slurm_task_defaults()[1] or 1
     with _read_errors():
-        click.echo(plan_report(load_job(job), num_tasks, count_tokens=not no_tokens))
+        click.echo(plan_report(load_job(job), num_tasks, count_tokens=not no_tokens,
+                               estimate_tokens=estimate_tokens))
 
 
 @main.command()

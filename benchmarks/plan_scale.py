@@ -3,6 +3,7 @@ rows over 4 adapters, token counts on), on the demo model. Writes the data and j
 DIR, then times `batchrun plan` in a fresh process with /usr/bin/time -v (wall, peak RSS).
 
     PYTHONPATH=. python benchmarks/plan_scale.py /tmp/plan1m [--rows 1000000] [--repeat 3] [--code A --code B]
+        [--estimate-tokens]
 
 ``--later-worker`` instead times what every worker after the first pays at start-up (issue 14):
 the first worker plans the output directory (in this process), every unit gets a commit marker
@@ -64,9 +65,9 @@ def write_job(root: Path, job: Path, rows_per_unit: int) -> None:
         "engine:\n  device: cpu\n  max_model_len: 128\n  max_loras: 2\n")
 
 
-def time_plan(job: Path, code: Path = REPO) -> tuple[float, int, str]:
+def time_plan(job: Path, code: Path = REPO, flags: tuple = ()) -> tuple[float, int, str]:
     env = {**os.environ, "PYTHONPATH": str(code)}
-    r = subprocess.run(["/usr/bin/time", "-v", sys.executable, "-m", "batchrun", "plan", str(job)],
+    r = subprocess.run(["/usr/bin/time", "-v", sys.executable, "-m", "batchrun", "plan", str(job), *flags],
                        capture_output=True, text=True, env=env)
     if r.returncode != 0:
         raise SystemExit(r.stderr)
@@ -160,6 +161,7 @@ def main() -> None:
     ap.add_argument("--in-flight", type=int, default=1000, help="--later-worker: units held by other workers")
     ap.add_argument("--rows-per-unit", type=int, default=4096)
     ap.add_argument("--phase", choices=["later"], help=argparse.SUPPRESS)  # the fresh process's part
+    ap.add_argument("--estimate-tokens", action="store_true", help="time `plan --estimate-tokens`")
     a = ap.parse_args()
     job = write_inputs(Path(a.dir), a.rows, a.rows_per_unit)
     if a.phase == "later":
@@ -177,7 +179,7 @@ def main() -> None:
         return
     for i in range(a.repeat):
         for code in a.code or [REPO]:
-            secs, rss, out = time_plan(job, code)
+            secs, rss, out = time_plan(job, code, ("--estimate-tokens",) if a.estimate_tokens else ())
             if i == 0:
                 print(out)
             print(f"run {i} {code}: {secs:.2f} s wall, peak RSS {rss / 1024:.0f} MB")

@@ -48,12 +48,17 @@ class SamplingParams:
         return self.temperature == 0 or self.top_k == 1
 
 
+# max_num_seqs "auto": at most this many (engine/kv_sizing.py says why; fewer when the KV cache
+# holds fewer max_model_len sequences)
+AUTO_MAX_NUM_SEQS = {"cuda": 256, "cpu": 16}
+
+
 @dataclass
 class EngineConfig:
     model: str
     device: str = "auto"  # auto | cpu | cuda
     dtype: str = "auto"  # auto (config torch_dtype on GPU, float32 on CPU) | float32 | float16 | bfloat16
-    max_num_seqs: int = 64
+    max_num_seqs: int | str = 64  # "auto": sized from the KV cache when the engine starts (kv_sizing.py)
     max_num_batched_tokens: int = 2048  # per step; long prompts are prefilled in chunks of this size
     max_model_len: int = 2048
     block_size: int = 16
@@ -72,7 +77,7 @@ class EngineConfig:
     # full KV blocks are shared by rows whose prompts start with the same tokens (same adapter);
     # outputs are the same either way, only the prefill work differs
     enable_prefix_caching: bool = True
-    cuda_graph_sizes: list[int] | None = None  # None = 1, 2, 4, 8, 16, 24, ... up to max_num_seqs
+    cuda_graph_sizes: list[int] | None = None  # None = 1, 2, 4, 8, 16, 24, ... up to max_num_seqs (resolved)
     seed: int = 0
 
     def __post_init__(self):
@@ -83,6 +88,8 @@ class EngineConfig:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size",
                      "max_loras", "max_lora_rank"):
             v = getattr(self, name)
+            if name == "max_num_seqs" and v == "auto":
+                continue
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"engine.{name} must be an integer >= 1, got {v!r}")
         if not 0 < self.gpu_memory_utilization <= 1:

@@ -14,7 +14,7 @@ import torch
 
 from batchrun.engine.config import EngineConfig
 from batchrun.engine.block_manager import BlockManager
-from batchrun.engine.kv_sizing import check_one_sequence_fits, num_kv_blocks
+from batchrun.engine.kv_sizing import check_one_sequence_fits, num_kv_blocks, resolve_max_num_seqs
 from batchrun.engine.model_runner import ModelRunner
 from batchrun.engine.request import Request, Result
 from batchrun.engine.sampler import RowState, sample
@@ -62,6 +62,7 @@ def max_position(config: EngineConfig, mcfg: ModelConfig) -> int:
 
 class Engine:
     def __init__(self, config: EngineConfig, model, tokenizer, device, dtype, lora=None):
+        config = resolve_max_num_seqs(model.config, config, device, dtype)
         self.config, self.model, self.tokenizer = config, model, tokenizer
         self.device, self.dtype, self.lora = device, dtype, lora
         mcfg: ModelConfig = model.config
@@ -102,6 +103,9 @@ class Engine:
         """Wrap an already built model (e.g. random weights for benchmarks)."""
         device = next(model.parameters()).device
         dtype = next(model.parameters()).dtype
+        # before the LoRA buffers and the runner, which are sized by it (the weights are loaded,
+        # so the free memory it is sized from is what the KV cache will get)
+        config = resolve_max_num_seqs(model.config, config, device, dtype)
         lora = None
         if adapters and not config.enable_lora:
             raise ConfigError("adapters were given but engine LoRA is disabled (enable_lora=False)")

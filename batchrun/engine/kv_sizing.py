@@ -1,10 +1,20 @@
 """How many KV blocks to allocate: from free GPU memory (gpu_memory_utilization) on CUDA, from a
-fixed budget on CPU; never more than max_num_seqs full-length sequences need."""
+fixed budget on CPU; never more than max_num_seqs full-length sequences need.
+
+``max_num_seqs: auto`` (``resolve_max_num_seqs``): as many sequences as the budget holds at
+max_model_len each (so a full batch never has to preempt), at least 1, at most
+``AUTO_MAX_NUM_SEQS`` (256 on a GPU: past that a decode step is compute-bound and bigger
+batches only add latency and graph memory; 16 on CPU, where a step's cost grows with the batch
+and the cores are few). The budget is computed with the activation reserve of the cap, so the
+resolved value never starves the blocks it was sized from.
+"""
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 
-from batchrun.engine.config import EngineConfig
+from batchrun.engine.config import AUTO_MAX_NUM_SEQS, EngineConfig
 from batchrun.errors import ConfigError
 from batchrun.engine.models.config import ModelConfig
 
@@ -25,20 +35,37 @@ def activation_reserve(cfg: ModelConfig, config: EngineConfig, dtype: torch.dtyp
     return 2 * t * per_token + logits + (1 << 30)
 
 
-def num_kv_blocks(cfg: ModelConfig, config: EngineConfig, device: torch.device,
-                  dtype: torch.dtype) -> int:
-    per_block = bytes_per_block(cfg, config.block_size, dtype)
-    blocks_per_seq = -(-config.max_model_len // config.block_size)
-    cap = config.max_num_seqs * blocks_per_seq + 1  # +1: scratch block
+def _budget_blocks(cfg: ModelConfig, config: EngineConfig, device: torch.device, dtype: torch.dtype) -> int:
+    """KV blocks the memory budget holds (num_kv_blocks when it is set), before any cap."""
     if config.num_kv_blocks is not None:
-        n = config.num_kv_blocks
-    elif device.type == "cuda":
+        return config.num_kv_blocks
+    per_block = bytes_per_block(cfg, config.block_size, dtype)
+    if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         budget = total * config.gpu_memory_utilization - (total - free) \
             - activation_reserve(cfg, config, dtype)
-        n = min(int(budget // per_block), cap)
-    else:
-        n = min(int(config.cpu_kv_cache_gb * (1 << 30) // per_block), cap)
+        return int(budget // per_block)
+    return int(config.cpu_kv_cache_gb * (1 << 30) // per_block)
+
+
+def resolve_max_num_seqs(cfg: ModelConfig, config: EngineConfig, device: torch.device,
+                         dtype: torch.dtype) -> EngineConfig:
+    """``config`` with an integer max_num_seqs ("auto" sized as the module docstring says)."""
+    if config.max_num_seqs != "auto":
+        return config
+    cap = AUTO_MAX_NUM_SEQS["cuda" if device.type == "cuda" else "cpu"]
+    blocks = _budget_blocks(cfg, dataclasses.replace(config, max_num_seqs=cap), device, dtype)
+    fit = (blocks - 1) // -(-config.max_model_len // config.block_size)  # -1: the scratch block
+    return dataclasses.replace(config, max_num_seqs=max(1, min(cap, fit)))
+
+
+def num_kv_blocks(cfg: ModelConfig, config: EngineConfig, device: torch.device,
+                  dtype: torch.dtype) -> int:
+    blocks_per_seq = -(-config.max_model_len // config.block_size)
+    cap = config.max_num_seqs * blocks_per_seq + 1  # +1: scratch block
+    n = _budget_blocks(cfg, config, device, dtype)
+    if config.num_kv_blocks is None:
+        n = min(n, cap)
     if n - 1 < blocks_per_seq:
         have = max(n - 1, 0) * config.block_size
         raise ConfigError(

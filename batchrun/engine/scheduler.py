@@ -2,7 +2,8 @@
 
 - Prefill steps go first: sequences still mid-prompt continue, then waiting sequences are
   admitted while `max_num_seqs`, the `max_num_batched_tokens` budget, free KV blocks for the
-  whole prompt and LoRA slots allow. A prompt longer than the budget is prefilled in chunks over several steps, so a
+  whole prompt and LoRA slots allow (a row waiting for a LoRA slot is stepped over, up to
+  LORA_LOOKAHEAD rows, by rows that can run: `_next_admissible`). A prompt longer than the budget is prefilled in chunks over several steps, so a
   long prompt never needs more activation memory than one budget's worth of tokens.
 - With prefix caching an admitted sequence starts after the cached blocks of its prompt
   (block_manager.admit), and every scheduled sequence registers the full blocks this step
@@ -16,10 +17,14 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from itertools import islice
 
 from batchrun.engine.config import EngineConfig
 from batchrun.engine.block_manager import BlockManager
 from batchrun.engine.sequence import Sequence, SeqStatus
+
+
+LORA_LOOKAHEAD = 64  # waiting rows admission looks through past rows that wait for a LoRA slot
 
 
 @dataclass
@@ -64,9 +69,9 @@ class Scheduler:
                 self.blocks.cache_blocks(seq, seq.num_computed + n)
                 seqs.append(seq); counts.append(n); budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
-            if seq.adapter and self.lora is not None and not self.lora.can_acquire(seq.adapter):
-                break  # every LoRA slot is pinned by running rows: wait until one finishes
+            seq = self._next_admissible()
+            if seq is None:
+                break  # every LoRA slot the look-ahead's rows need is pinned: wait until one frees
             # blocks for the whole prompt up front: a chunked prompt never stalls mid-way
             if not self.blocks.admit(seq):
                 break
@@ -76,7 +81,7 @@ class Scheduler:
                 if seq.num_preemptions:  # what preemption dropped but the cache kept is not recomputed
                     self.num_recomputed_tokens -= seq.num_computed
             n = min(seq.num_tokens - seq.num_computed, budget)
-            self.waiting.popleft()
+            self._take_waiting(seq)
             self.blocks.cache_blocks(seq, seq.num_computed + n)
             if seq.adapter and self.lora is not None:
                 seq.lora_slot = self.lora.acquire(seq.adapter)
@@ -84,6 +89,28 @@ class Scheduler:
             self.running.append(seq)
             seqs.append(seq); counts.append(n); budget -= n
         return ScheduledBatch(True, seqs, counts)
+
+    def _take_waiting(self, seq: Sequence) -> None:
+        # by identity (within the first LORA_LOOKAHEAD rows: a short scan)
+        if self.waiting[0] is seq:
+            self.waiting.popleft()
+        else:
+            del self.waiting[next(i for i, s in enumerate(self.waiting) if s is seq)]
+
+    def _next_admissible(self) -> Sequence | None:
+        """The first of the first LORA_LOOKAHEAD waiting sequences that can run now: a base row,
+        or one whose adapter is resident or can get a slot. A row whose adapter has no free
+        slot (all pinned by running rows) no longer blocks base rows and rows of resident
+        adapters behind it. Rows of one adapter keep their order (they get the same answer),
+        and a skipped row keeps its place at the head, so it is the first to get a slot that
+        frees. Only slot waits are skipped: a row that does not fit the KV blocks still stops
+        admission (the caller), so a long prompt is not starved by short ones."""
+        if self.lora is None:
+            return self.waiting[0]
+        for seq in islice(self.waiting, LORA_LOOKAHEAD):
+            if not seq.adapter or self.lora.can_acquire(seq.adapter):
+                return seq
+        return None
 
     def _schedule_decode(self) -> ScheduledBatch:
         scheduled = []

@@ -21,6 +21,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.dataset as ds
 
+from batchrun.engine.config import AUTO_MAX_NUM_SEQS
 from batchrun.job.commit import fsync_path
 from batchrun.errors import ConfigError
 from batchrun.job.inputs import InputSchema, check_schemas, column_values, find_input_files, id_array
@@ -246,9 +247,15 @@ def task_units(plan: Plan, task_id: int, num_tasks: int) -> list[Unit]:
 
 # ---- engine groups ----------------------------------------------------------------------------
 
-def group_rows(max_num_seqs: int) -> int:
+def seqs_bound(max_num_seqs: int | str) -> int:
+    """engine.max_num_seqs, or for "auto" (resolved only by the engine, from its KV cache) the
+    most it can resolve to."""
+    return max(AUTO_MAX_NUM_SEQS.values()) if max_num_seqs == "auto" else max_num_seqs
+
+
+def group_rows(max_num_seqs: int | str) -> int:
     """Rows the runner hands the engine per ``generate`` call at most (bounds a call's memory)."""
-    return max(4096, 32 * max_num_seqs)
+    return max(4096, 32 * seqs_bound(max_num_seqs))
 
 
 def engine_groups(units: list[Unit], cap: int, max_loras: int) -> list[list[Unit]]:

@@ -95,6 +95,8 @@ def check_output_writable(out: OutputDir) -> None:
 def check_structured(spec: JobSpec, model_config) -> None:
     """response_format: xgrammar is installed, and the job-level format compiles (imports torch:
     only jobs that ask for structured output pay for it here)."""
+    from batchrun.job import preload
+    preload.wait()  # grammar.py imports torch: not while the preload thread does
     from batchrun.engine.grammar import _xgrammar, check_response_format
     _xgrammar()
     if spec.sampling.response_format is not None:
@@ -105,14 +107,21 @@ def check_structured(spec: JobSpec, model_config) -> None:
         check_response_format(spec.sampling.response_format, tok, model_config.vocab_size, eos)
 
 
+def check_tokenizer(spec: JobSpec, for_run: bool = False) -> None:
+    """A broken tokenizer or a missing chat template fails before anything is written or loaded."""
+    if not spec.input.prompt_token_ids_column:  # token-id prompts need no tokenizer
+        token_counter(spec, for_run)
+
+
 def validate(spec: JobSpec, for_run: bool = False) -> tuple[list[str], str, object, object]:
-    """All pre-load checks; returns (files, root, input schema, model config). ``for_run``: load
-    the engine's (transformers) tokenizer now, so the run loads it once."""
+    """All pre-load checks; returns (files, root, input schema, model config). ``for_run``: all
+    but the tokenizer's, which prepare makes after the inputs are digested (the engine's
+    transformers tokenizer, loaded once: on the preload thread, overlapping the digests)."""
     files, root = find_input_files(spec.input)
     schema = check_schemas(files, spec.input, spec.sampling.overrides)
     model_config = check_model_and_adapters(spec)
-    if not spec.input.prompt_token_ids_column:  # token-id prompts need no tokenizer
-        token_counter(spec, for_run)  # a broken tokenizer or missing chat template fails before the weights load
+    if not for_run:
+        check_tokenizer(spec)
     if spec.sampling.response_format is not None or "response_format" in schema.override_columns:
         check_structured(spec, model_config)
     check_output_path(spec, files)
@@ -135,6 +144,7 @@ def prepare(spec: JobSpec, restart: bool = False, log=None, restart_token: str |
     pins = _pins(out, files)  # each input read at most once: its digest serves the fingerprint too
     parts = job_fingerprint(spec, files, names, list(schema.override_columns), digests=[p.digest for p in pins])
     fp = combine(parts)
+    check_tokenizer(spec, for_run=True)  # waits for the preload thread's imports and tokenizer
     token = restart_token or os.environ.get("SLURM_ARRAY_JOB_ID")  # restart once per token
     restart = restart or bool(restart_token)
     if not os.path.lexists(out.manifest) and not pending_wipe(out):

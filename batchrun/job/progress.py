@@ -107,6 +107,7 @@ def summary_lines(st, exit_code: int, what: str) -> list[str]:
         lines.append(f"{head} error rows {n}x: {reason}")
     if len(reasons) > 5:
         lines.append(f"{head} error rows {sum(n for _, n in reasons[5:])}x: {len(reasons) - 5} other reason(s)")
-    lines.append(f"{head} time {st.elapsed_s:.1f}s: start-up {st.startup_s:.1f}s (model load {st.model_load_s:.1f}s), "
+    lines.append(f"{head} time {st.elapsed_s:.1f}s: start-up {st.startup_s:.1f}s (checks and plan {st.prepare_s:.1f}s, "
+                 f"waiting for imports {st.import_wait_s:.1f}s, model load {st.model_load_s:.1f}s), "
                  f"generation {gen:.1f}s, writing {st.writing_s:.1f}s")
     return lines

@@ -21,6 +21,7 @@ from batchrun.job.prepare import token_counter, validate
 from batchrun.job.prompts import chat_messages
 from batchrun.job.rows import _sampling
 from batchrun.job.worker_progress import HEADER, worker_rows
+from batchrun.job.token_estimate import Estimate
 
 
 def _shard_name(adapter: str | None, known: bool) -> str:
@@ -34,7 +35,9 @@ def _table(header: list[str], rows: list[list]) -> str:
     return "\n".join(fmt(r) for r in cells)
 
 
-def plan_report(spec: JobSpec, num_tasks: int, count_tokens: bool = True) -> str:
+def plan_report(spec: JobSpec, num_tasks: int, count_tokens: bool = True, estimate_tokens: bool = False) -> str:
+    """``estimate_tokens``: token totals of plain-text prompts from a sample (token_estimate.py),
+    error rows still exact."""
     files, root, schema, _ = validate(spec)
     out = OutputDir(spec.output.path)
     if not os.path.lexists(out.manifest):
@@ -45,8 +48,12 @@ def plan_report(spec: JobSpec, num_tasks: int, count_tokens: bool = True) -> str
              f"adapters: {', '.join(f'{k} ({v})' for k, v in spec.adapters.items()) or 'none'}",
              f"input:    {len(files)} file(s), {plan.total_rows} rows",
              f"output:   {spec.output.path}"]
-    lines += sampling_summary(spec.sampling, plan.override_columns) + [""]
-    tokens, bad = (_prompt_tokens(spec, plan) if count_tokens else ({}, {}))
+    lines += sampling_summary(spec.sampling, plan.override_columns)
+    e = spec.engine
+    seqs = ("auto (sized from the KV cache when the engine starts)" if e.max_num_seqs == "auto"
+            else e.max_num_seqs)
+    lines += [f"engine:   max_num_seqs={seqs}, max_model_len={e.max_model_len}, max_loras={e.max_loras}", ""]
+    tokens, bad, note = (_prompt_tokens(spec, plan, estimate_tokens) if count_tokens else ({}, {}, None))
     shards = plan.shards()
     n = spec.sampling.n  # the run writes n output rows per input row, an error row per sample too
     rows = []
@@ -60,6 +67,8 @@ def plan_report(spec: JobSpec, num_tasks: int, count_tokens: bool = True) -> str
     if n > 1:
         lines.append(f"(sampling.n = {n}: each input row gives {n} output rows, one per sample_index; "
                      f"a bad input row gives {n} error rows)")
+    if note:
+        lines.append(note)
     lines += ["", "engine batches (adapters whose rows share the engine's steps, "
               f"up to engine.max_loras = {spec.engine.max_loras}):"]
     for g in _batches(plan, spec):
@@ -90,9 +99,10 @@ def _batches(plan: Plan, spec: JobSpec) -> list[list]:
     return merged
 
 
-def _prompt_tokens(spec: JobSpec, plan: Plan) -> tuple[dict, dict]:
+def _prompt_tokens(spec: JobSpec, plan: Plan, estimate: bool = False) -> tuple[dict, dict, str | None]:
     """Prompt tokens and predictable error rows per shard (tokenizer only, file by file, in
-    column batches: token_count.py's counts, numpy for the checks, no Python object kept per row)."""
+    column batches: token_count.py's counts, numpy for the checks, no Python object kept per row),
+    and a note for the table when the totals are estimated."""
     inp = spec.input
     tok = None if inp.prompt_token_ids_column else token_counter(spec)
     shard_keys = list(dict.fromkeys((u.adapter, u.known) for u in plan.units))
@@ -107,13 +117,17 @@ def _prompt_tokens(spec: JobSpec, plan: Plan) -> tuple[dict, dict]:
     bad = np.zeros(len(shard_keys), dtype=np.int64)
     col = inp.prompt_column or inp.messages_column or inp.prompt_token_ids_column
     extra = [c for c in plan.override_columns if c != col]
+    plain = (tok is not None and tok.backend is not None and not inp.messages_column
+             and inp.system_prompt is None)
+    est = (Estimate(tok, inp.add_special_tokens is not False, plan.total_rows, len(shard_keys))
+           if estimate and plain else None)
+    first_row = 0
     for fi, path in enumerate(plan.files):
         start = 0
         for batch in pq.ParquetFile(path).iter_batches(batch_size=32768, columns=[col] + extra):
             n = batch.num_rows
             codes = per_file[fi][start:start + n]
             start += n
-            lens = row_lengths(tok, inp, batch.column(col))
             mt = np.full(n, spec.sampling.max_tokens, dtype=np.float64)
             if extra:  # a bad override is an error row at run time too (rows._sampling decides both)
                 overrides = {c: column_values(batch.column(c)) for c in extra}
@@ -122,10 +136,52 @@ def _prompt_tokens(spec: JobSpec, plan: Plan) -> tuple[dict, dict]:
                         mt[i] = _sampling(spec, overrides, i, None, extra).max_tokens
                     except (ValueError, TypeError):
                         mt[i] = np.inf
+            if est is not None:
+                is_bad = _estimated_batch(est, tok, inp, batch.column(col), codes, mt,
+                                          spec.engine.max_model_len, first_row)
+                bad += np.bincount(codes, weights=is_bad, minlength=len(shard_keys)).astype(np.int64)
+                first_row += n
+                continue
+            lens = row_lengths(tok, inp, batch.column(col))
             is_bad = (lens <= 0) | (lens + mt > spec.engine.max_model_len)
             bad += np.bincount(codes, weights=is_bad, minlength=len(shard_keys)).astype(np.int64)
             tokens += np.bincount(codes, weights=np.maximum(lens, 0), minlength=len(shard_keys)).astype(np.int64)
-    return ({k: int(tokens[i]) for k, i in code_of.items()}, {k: int(bad[i]) for k, i in code_of.items()})
+    bad_of = {k: int(bad[i]) for k, i in code_of.items()}
+    if est is not None:
+        totals = est.totals()
+        if est.estimated:
+            return {k: f"~{int(totals[i])}" for k, i in code_of.items()}, bad_of, est.note()
+        return {k: int(totals[i]) for k, i in code_of.items()}, bad_of, est.note()
+    note = ("(prompt tokens exact: --estimate-tokens covers plain-text prompts without system_prompt)"
+            if estimate and not plain and tok is not None else None)
+    return {k: int(tokens[i]) for k, i in code_of.items()}, bad_of, note
+
+
+def _estimated_batch(est, tok, inp, texts, codes, mt, max_model_len: int, first_row: int) -> np.ndarray:
+    """One column batch in --estimate-tokens mode: tokenizes only the rows est.must_count names,
+    adds the batch to est and returns its error-row mask (exact)."""
+    texts = _plain_strings(texts)
+    keep = prompt_lengths(tok, texts, lengths=False)
+    nbytes = (np.zeros(len(texts), dtype=np.int64) if pa.types.is_null(texts.type) else
+              np.asarray(pc.binary_length(texts).fill_null(0), dtype=np.int64))
+    counted = keep & est.must_count(nbytes, first_row, max_model_len - mt)
+    lens = np.full(len(texts), -1, dtype=np.int64)
+    if counted.any():
+        lens[counted] = prompt_lengths(tok, texts.filter(pa.array(counted)),
+                                       add_special_tokens=inp.add_special_tokens is not False)
+    est.add(codes, nbytes, keep, counted, lens, first_row)
+    return ~keep | (counted & ((lens <= 0) | (lens + mt > max_model_len)))
+
+
+def _plain_strings(texts):
+    """A string column as one (large_)string array: chunks combined, dictionaries decoded."""
+    if isinstance(texts, pa.ChunkedArray):
+        texts = texts.combine_chunks()
+    if pa.types.is_dictionary(texts.type):
+        texts = texts.cast(texts.type.value_type)
+    if pa.types.is_string_view(texts.type):
+        texts = texts.cast(pa.large_string())
+    return texts
 
 
 def row_lengths(tok, inp, column) -> np.ndarray:
@@ -149,12 +205,7 @@ def prompt_lengths(tok, texts, add_special_tokens: bool = True, lengths: bool = 
     ``lengths=False``: only the mask of the rows it keeps."""
     if pa.types.is_null(texts.type):
         return np.full(len(texts), -1, dtype=np.int64) if lengths else np.zeros(len(texts), dtype=bool)
-    if isinstance(texts, pa.ChunkedArray):
-        texts = texts.combine_chunks()
-    if pa.types.is_dictionary(texts.type):
-        texts = texts.cast(texts.type.value_type)
-    if pa.types.is_string_view(texts.type):
-        texts = texts.cast(pa.large_string())
+    texts = _plain_strings(texts)
     try:
         texts.validate(full=True)  # invalid UTF-8 (writers do not all check): those rows are refused
     except pa.ArrowInvalid:

@@ -21,7 +21,7 @@ from typing import Callable, Iterable
 
 import numpy as np
 
-from batchrun.job import commit
+from batchrun.job import commit, preload
 from batchrun.job.claims import UnitClaims
 from batchrun.job.commit import check_part, read_commits
 from batchrun.engine.request import Result
@@ -33,7 +33,7 @@ from batchrun.job.spec import JobSpec
 from batchrun.job.lock import TaskLock
 from batchrun.job.metrics import write_metrics
 from batchrun.job.output import OutputDir
-from batchrun.job.plan import Unit, assign_tasks, engine_groups, group_rows
+from batchrun.job.plan import Unit, assign_tasks, engine_groups, group_rows, seqs_bound
 from batchrun.job.progress import Progress
 from batchrun.job.prepare import Prepared, prepare
 from batchrun.job.rows import UnitWork, arrow_columns, build_unit, input_columns, unit_table
@@ -69,6 +69,8 @@ class TaskStats:
     elapsed_s: float = 0.0
     model_load_s: float = 0.0
     startup_s: float = 0.0  # from the start of run_job until the engine was ready (checks, plan, load)
+    prepare_s: float = 0.0  # of which checks, digests, fingerprint and plan (prepare.prepare)
+    import_wait_s: float = 0.0  # of which waiting for the preload thread's imports and tokenizer
     writing_s: float = 0.0  # writing, publishing and committing part files (on the writer thread)
     writer_wait_s: float = 0.0  # the engine thread blocked on the writer (full queue, final drain)
     error_reasons: dict = field(default_factory=dict)  # reason (digits as N) -> error rows
@@ -87,7 +89,9 @@ class TaskStats:
 
 
 def load_engine(spec: JobSpec):
-    """The real engine (imported late: planning and validation never need torch)."""
+    """The real engine (imported late: planning and validation never need torch; `batchrun run`
+    has imported it on the preload thread meanwhile)."""
+    preload.wait()
     from batchrun.engine.config import EngineConfig
     from batchrun.engine.engine import Engine
     e = spec.engine
@@ -291,6 +295,7 @@ class TaskRunner:
             st.model_load_s = time.time() - t0
             st.startup_s = time.time() - st.started
             self._note_progress(force=True)  # the engine is ready: rates count from here
+            st.import_wait_s = preload.waited_s
             if self.mode != "none":
                 self.progress = Progress(self.mode, f"task {self.task_id}/{self.num_tasks}",
                                          sum(u.rows for u in todo) * self.spec.sampling.n,
@@ -346,7 +351,9 @@ class TaskRunner:
         writer = Writer(self._finish, WRITER_QUEUE_UNITS, inline=not streams).start()
         # claims go ahead of the engine only this far: enough to refill its batch, little enough that
         # other workers of the output dir still find units (and bounded memory)
-        feeder = Feeder(todo, build, ahead_rows=FEEDER_AHEAD_BATCHES * spec.engine.max_num_seqs).start()
+        seqs = getattr(getattr(engine, "config", None), "max_num_seqs", None)  # resolved by the engine
+        seqs = seqs if isinstance(seqs, int) else seqs_bound(spec.engine.max_num_seqs)
+        feeder = Feeder(todo, build, ahead_rows=FEEDER_AHEAD_BATCHES * seqs).start()
         shard = [object()]
 
         def on_unit(work: UnitWork) -> None:  # on the engine thread, as the unit's requests go out
@@ -473,12 +480,14 @@ def run_job(spec: JobSpec, task_id: int = 0, num_tasks: int = 1, restart: bool =
         raise ConfigError(f"--task-id must be in [0, {num_tasks}), got {task_id}")
     started = time.time()
     prep = prepare(spec, restart=restart, log=log, restart_token=restart_token)
+    prepared = time.time() - started
     worker = worker or str(task_id)
     lock = TaskLock(prep.out.lock(worker), f"task {worker} of {prep.out.path}")
     with lock:
         runner = TaskRunner(prep, task_id, num_tasks, engine_factory or load_engine, progress=progress, log=log,
                             log_interval=log_interval, verbose=verbose, started=started, worker=worker,
                             claim_lease=claim_lease)
+        runner.stats.prepare_s = prepared
         if on_stats is not None:
             on_stats(runner.stats)
         return runner.run()

@@ -89,7 +89,7 @@ class SamplingSpec:
 class EngineSpec:
     device: str = "auto"
     dtype: str = "auto"
-    max_num_seqs: int = 64
+    max_num_seqs: int | str = "auto"  # auto: the engine sizes it from its KV cache (kv_sizing.py)
     max_model_len: int = 2048
     max_loras: int = 4
     max_lora_rank: int = 64
@@ -126,6 +126,21 @@ def _type_ok(value: Any, typ: type) -> bool:
     if typ is float:
         return isinstance(value, (int, float)) and not isinstance(value, bool)
     return isinstance(value, typ)
+
+
+def _auto_max_num_seqs(raw: Any) -> tuple[Any, bool]:
+    """(the engine mapping without an ``auto`` max_num_seqs, whether it is auto: unset or
+    "auto"). Any other non-integer names the field and both accepted forms."""
+    if not isinstance(raw, dict):
+        return raw, raw is None
+    value = raw.get("max_num_seqs", "auto")
+    if value == "auto":
+        return {k: v for k, v in raw.items() if k != "max_num_seqs"}, True
+    if not _type_ok(value, int):
+        raise ConfigError(f"engine.max_num_seqs: expected an integer, got {_show(value)}; or auto (the "
+                          "default: as many sequences as the KV cache holds at max_model_len, up to 256 "
+                          "on a GPU and 16 on CPU)")
+    return raw, False
 
 
 def _fields(raw: Any, where: str, schema: dict[str, tuple[type, bool, Any]]) -> dict[str, Any]:
@@ -305,7 +320,8 @@ def parse_job(raw: Any, base_dir: str | os.PathLike, job_file: str = "") -> JobS
 
     smp = parse_sampling(top["sampling"], model)
 
-    eng = _fields(top["engine"], "engine", {
+    raw_eng, auto_seqs = _auto_max_num_seqs(top["engine"])
+    eng = _fields(raw_eng, "engine", {
         "device": (str, False, "auto"),
         "dtype": (str, False, "auto"),
         "max_num_seqs": (int, False, 64),
@@ -321,6 +337,8 @@ def parse_job(raw: Any, base_dir: str | os.PathLike, job_file: str = "") -> JobS
     _check(eng["dtype"] in DTYPES, "engine.dtype", f"expected one of {', '.join(DTYPES)}, got {_short(eng['dtype'])}")
     for key in ("max_num_seqs", "max_model_len", "max_loras", "max_lora_rank", "max_num_batched_tokens"):
         _check(eng[key] >= 1, f"engine.{key}", "must be >= 1")
+    if auto_seqs:
+        eng["max_num_seqs"] = "auto"
     _check(0 < eng["gpu_memory_utilization"] <= 1, "engine.gpu_memory_utilization", "must be in (0, 1]")
     _check(smp.max_tokens < eng["max_model_len"], "sampling.max_tokens",
            ("(from the model's generation_config.json max_new_tokens) " if "max_tokens" in smp.from_generation_config else "") +

@@ -24,6 +24,7 @@ import threading
 import numpy as np
 import pyarrow as pa
 
+from batchrun.job import preload
 from batchrun.errors import ConfigError
 
 # transformers' generic fast-tokenizer classes: they use tokenizer.json's pipeline as it is.
@@ -66,6 +67,7 @@ def load_tokenizer(model_dir: str):
     model_dir = str(model_dir)
     if not has_tokenizer(model_dir):
         return None
+    preload.wait()  # transformers may be importing on the preload thread (or loading this tokenizer)
 
     def load():
         from transformers import AutoTokenizer
@@ -91,7 +93,8 @@ def _encode_lengths(tok, texts: list[str], add_special_tokens: bool) -> np.ndarr
     if not texts:
         return np.zeros(0, dtype=np.int64)
     encode = getattr(tok, "encode_batch_fast", None) or tok.encode_batch  # _fast: no offsets (0.21+)
-    return np.fromiter((len(e.ids) for e in encode(texts, add_special_tokens=add_special_tokens)),
+    # len(encoding), not len(encoding.ids): no Python list of ids per row
+    return np.fromiter((len(e) for e in encode(texts, add_special_tokens=add_special_tokens)),
                        dtype=np.int64, count=len(texts))
 
 

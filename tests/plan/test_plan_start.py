@@ -29,3 +29,35 @@ def test_plan_does_not_import_torch(make_job):
 def test_demo_plan_does_not_import_torch():
     r, line = _imported("plan", REPO / "jobs" / "demo.yaml")
     assert line == "IMPORTED [] 0", (line, r.stderr)
+
+
+BLOCKER = ("import sys\n"
+           "class Block:\n"
+           "    def find_spec(self, name, path=None, target=None):\n"
+           "        if name.split('.')[0] in BLOCKED:\n"
+           "            raise ImportError(f'{name} is blocked in this test')\n"
+           "sys.meta_path.insert(0, Block())\n"
+           "from batchrun.__main__ import entry\n"
+           "entry(sys.argv[1:])\n")
+
+
+def _plan_without(blocked: tuple, job, *flags):
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    code = f"BLOCKED = {blocked!r}\n" + BLOCKER
+    return subprocess.run([sys.executable, "-c", code, "plan", str(job), *flags], capture_output=True, text=True,
+                          env=env, timeout=120)
+
+
+def test_plan_works_where_import_torch_fails(make_job):
+    for job in (make_job(demo_rows(12)), REPO / "jobs" / "demo.yaml"):
+        r = _plan_without(("torch",), job)
+        assert r.returncode == 0, r.stderr
+        assert "prompt tokens" in r.stdout and "work units" in r.stdout
+
+
+def test_plan_works_where_import_transformers_fails_without_messages(make_job):
+    job = make_job(demo_rows(12))
+    for flags in ((), ("--estimate-tokens",)):
+        r = _plan_without(("transformers", "torch"), job, *flags)
+        assert r.returncode == 0, r.stderr
+        assert "work units: 3 of up to 4 rows" in r.stdout

@@ -37,7 +37,7 @@ def test_defaults_and_relative_paths(tmp_path):
     assert spec.output.path == str(tmp_path / "sub" / "out")
     assert spec.input.prompt_column == "prompt" and spec.input.id_column is None
     assert spec.sampling.max_tokens == 64 and spec.sampling.temperature == 0.0
-    assert spec.engine.device == "auto" and spec.engine.max_num_seqs == 64 and spec.engine.enforce_eager is False
+    assert spec.engine.device == "auto" and spec.engine.max_num_seqs == "auto" and spec.engine.enforce_eager is False
     assert spec.on_error == "skip"
     assert spec.job_file == str(f)
 

@@ -1,0 +1,101 @@
+"""`batchrun run` imports the engine side on a background thread (batchrun/job/preload.py, issue 11):
+errors there reach the main thread with their own type when it needs the module, a job that
+fails its checks exits without waiting for the imports, and the run itself is unchanged."""
+import importlib
+import os
+import shutil
+import subprocess
+import sys
+import threading
+
+import pytest
+
+from batchrun.job import preload
+from runner_helpers import REPO, demo_rows, read_output, run_cli
+
+BLOCKER = ("import sys\n"
+           "BLOCKED = tuple(sys.argv[1].split(','))\n"
+           "class Block:\n"
+           "    def find_spec(self, name, path=None, target=None):\n"
+           "        if name.split('.')[0] in BLOCKED:\n"
+           "            raise ImportError(f'{name} is blocked in this test')\n"
+           "sys.meta_path.insert(0, Block())\n"
+           "from batchrun.__main__ import entry\n"
+           "entry(sys.argv[2:])\n")
+
+
+@pytest.fixture
+def fresh_preload():
+    importlib.reload(preload)
+    yield preload
+    try:
+        preload.wait()  # let the test's thread finish before the module is reset
+    except Exception:
+        pass
+    importlib.reload(preload)
+
+
+def test_steps_run_in_order_off_the_main_thread_and_errors_keep_their_type(fresh_preload):
+    seen = []
+    fresh_preload.start(modules=())
+    fresh_preload.then(lambda: seen.append(threading.current_thread().name))
+    fresh_preload.wait()
+    assert seen == ["batchrun-preload"]
+
+    def broken():
+        raise KeyError("step failed")
+
+    fresh_preload.then(broken)
+    fresh_preload.then(lambda: seen.append("after the error"))
+    with pytest.raises(KeyError, match="step failed"):
+        fresh_preload.wait()
+    with pytest.raises(KeyError):  # every later wait says it again
+        fresh_preload.wait()
+    assert seen == ["batchrun-preload"]  # steps after a failed one are skipped
+
+
+def test_wait_without_start_does_nothing(fresh_preload, monkeypatch):
+    fresh_preload.then(lambda: 1 / 0)
+    fresh_preload.wait()
+    monkeypatch.setenv("BATCHRUN_PRELOAD", "0")
+    fresh_preload.start()
+    assert fresh_preload._thread is None
+
+
+def _blocked_run(blocked: str, job, timeout=180):
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.run([sys.executable, "-c", BLOCKER, blocked, "run", str(job), "--progress", "none"],
+                          capture_output=True, text=True, env=env, timeout=timeout)
+
+
+def test_a_failing_torch_import_surfaces_before_anything_is_written(make_job, tmp_path):
+    r = _blocked_run("torch", make_job(demo_rows(8)))
+    assert r.returncode == 1, r.stderr
+    assert "ImportError: torch is blocked in this test" in r.stderr
+    assert "batchrun: error: internal error" in r.stderr
+    assert not (tmp_path / "out" / "_batchrun" / "manifest.json").exists()
+
+
+def test_a_broken_tokenizer_loaded_in_the_background_is_a_config_error(make_job, tiny_model, tmp_path):
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model["model"], model)
+    (model / "tokenizer.json").write_text("{not json")
+    r = run_cli("run", make_job(demo_rows(8), model=str(model)), fake=False)
+    assert r.returncode == 3, r.stderr
+    assert "cannot load the tokenizer" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_a_bad_job_exits_with_its_config_error_while_imports_run(make_job, tmp_path):
+    r = run_cli("run", make_job(demo_rows(8), model=str(tmp_path / "missing")), fake=False, timeout=60)
+    assert r.returncode == 3 and "is not a directory" in r.stderr, r.stderr
+
+
+def test_runs_with_and_without_the_preload_write_the_same_rows(make_job, tmp_path):
+    job = make_job(demo_rows(12))
+    tables = []
+    for flag in ("1", "0"):
+        r = run_cli("run", job, "--restart", "--progress", "none", env={"BATCHRUN_PRELOAD": flag}, fake=False)
+        assert r.returncode == 0, r.stderr
+        assert "waiting for imports" in r.stderr
+        tables.append(sorted((row["id"], row["output_text"]) for row in read_output(tmp_path / "out").to_pylist()))
+    assert tables[0] == tables[1]
