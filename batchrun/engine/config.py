@@ -69,6 +69,9 @@ class EngineConfig:
     # steps are always fused. Same math either way; it only moves the cost.
     lora_fused_max_tokens: int = 1024
     enforce_eager: bool = False
+    # one step carries the running rows' decode tokens and prompt chunks (vLLM's unified
+    # scheduling; scheduler.py); False: a step is prefill or decode, never both (A/B benchmarks)
+    enable_mixed_steps: bool = True
     cuda_graph_sizes: list[int] | None = None  # None = 1, 2, 4, 8, 16, 24, ... up to max_num_seqs
     seed: int = 0
 
@@ -87,5 +90,8 @@ class EngineConfig:
         if not isinstance(self.lora_fused_max_tokens, int) or self.lora_fused_max_tokens < 0:
             raise ValueError(f"engine.lora_fused_max_tokens must be an integer >= 0, got "
                              f"{self.lora_fused_max_tokens!r}")
+        if not isinstance(self.enable_mixed_steps, bool):
+            raise ValueError(f"engine.enable_mixed_steps must be true or false, got "
+                             f"{self.enable_mixed_steps!r}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"engine.num_kv_blocks must be >= 1, got {self.num_kv_blocks!r}")

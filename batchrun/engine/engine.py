@@ -76,8 +76,9 @@ class Engine:
             self.eos_ids.add(tokenizer.eos_token_id)
         self.blocks = BlockManager(num_kv_blocks(mcfg, config, device, dtype), config.block_size)
         self.runner = ModelRunner(model, config, device, dtype, self.blocks, lora)
-        self.stats = {"steps": 0, "prefill_steps": 0, "decode_steps": 0, "preemptions": 0,
-                      "recomputed_tokens": 0}
+        # steps = prefill_steps + decode_steps + mixed_steps (decode rows + prefill chunks)
+        self.stats = {"steps": 0, "prefill_steps": 0, "decode_steps": 0, "mixed_steps": 0,
+                      "preemptions": 0, "recomputed_tokens": 0}
 
     @classmethod
     def from_config(cls, config: EngineConfig, adapters: dict[str, str] | None = None) -> "Engine":
@@ -222,8 +223,9 @@ class Engine:
                                "(KV cache too small for any waiting sequence)")
         self.stats["steps"] += 1
         if batch.is_prefill:
-            self.stats["prefill_steps"] += 1
-            done, logits = self.runner.prefill(batch.seqs, batch.num_tokens)
+            self.stats["mixed_steps" if batch.is_mixed else "prefill_steps"] += 1
+            # rows in batch order: decode rows (always done) first, then finished prompts
+            done, logits = self.runner.prefill(batch.seqs, batch.num_tokens, batch.num_decode)
             seqs = [batch.seqs[i] for i in done]
         else:
             self.stats["decode_steps"] += 1
