@@ -164,6 +164,8 @@ def lora_matrix(**kw):
               default="auto", show_default=True)
 @click.option("--gpu-memory-utilization", type=float, default=0.90, show_default=True)
 @click.option("--enforce-eager", is_flag=True, help="No CUDA graphs.")
+@click.option("--enable-mixed-steps/--no-enable-mixed-steps", default=True, show_default=True,
+              help="Job engine.enable_mixed_steps: decode tokens and prompt chunks in one step.")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--workdir", type=click.Path(file_okay=False), default=None,
               help="Keep the model, adapters, inputs and job output here (a model written "

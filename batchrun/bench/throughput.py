@@ -57,6 +57,7 @@ class ThroughputParams:
     dtype: str = "auto"
     gpu_memory_utilization: float = 0.90
     enforce_eager: bool = False
+    enable_mixed_steps: bool = True
     seed: int = 0
     workdir: str | None = None  # None: a temporary directory, removed afterwards
     output_json: str | None = None
@@ -93,7 +94,7 @@ class ThroughputParams:
              "max_num_batched_tokens": self.max_num_batched_tokens,
              "max_model_len": self.input_len + self.output_len,
              "gpu_memory_utilization": self.gpu_memory_utilization,
-             "enforce_eager": self.enforce_eager}
+             "enforce_eager": self.enforce_eager, "enable_mixed_steps": self.enable_mixed_steps}
         if self.uses_lora:
             e["max_loras"] = self.max_loras or self.num_adapters
             e["max_lora_rank"] = self.lora_rank
@@ -323,7 +324,8 @@ def print_throughput(r: dict, echo=print) -> None:
     echo(f"{r['model']} on {r['device']}, commit {r['commit'][:12]}"
          f"{' (dirty)' if r.get('git_dirty') else ''}; {a['num_prompts']} prompts x "
          f"({a['input_len']} in + {a['output_len']} out), max_num_seqs {a['max_num_seqs']}, "
-         f"max_num_batched_tokens {a['max_num_batched_tokens']}; "
+         f"max_num_batched_tokens {a['max_num_batched_tokens']}, mixed steps "
+         f"{'on' if a.get('enable_mixed_steps', True) else 'off'}; "
          f"{r['workload']['lora_rows']} rows over {a['num_adapters']} rank-{a['lora_rank']} adapters")
     rows = [("engine alone: generate (one call)", r["engine_alone"]["generate_s"], t["engine_alone"]),
             ("  (its load: weights, KV, graphs)", r["engine_alone"]["load_s"], None),
@@ -340,6 +342,9 @@ def print_throughput(r: dict, echo=print) -> None:
     ra = r["ratios"]
     echo(f"job generation / engine alone: {_f(ra['job_generation_over_engine'], '.3f', ' x')}; "
          f"job process / engine alone: {_f(ra['job_process_over_engine'], '.3f', ' x')}")
+    st = r["engine_alone"].get("engine_stats", {})
+    echo("engine alone steps: " + ", ".join(f"{k} {st[k]}" for k in
+                                           ("prefill_steps", "mixed_steps", "decode_steps", "preemptions") if k in st))
     echo(f"phases from: {r['job']['source']}")
     c = r["output_check"]
     echo(f"output: {c['rows']} rows in {c['part_files']} part file(s); every id once: "
