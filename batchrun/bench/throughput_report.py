@@ -54,7 +54,8 @@ def print_throughput(r: dict, echo=print) -> None:
     echo(f"{r['model']} on {r['device']}, commit {r['commit'][:12]}"
          f"{' (dirty)' if r.get('git_dirty') else ''}; {a['num_prompts']} prompts x "
          f"({_prompt(a)} in + {a['output_len']} out), max_num_seqs {a['max_num_seqs']}, "
-         f"max_num_batched_tokens {a['max_num_batched_tokens']}; "
+         f"max_num_batched_tokens {a['max_num_batched_tokens']}, mixed steps "
+         f"{'on' if a.get('enable_mixed_steps', True) else 'off'}; "
          f"{r['workload']['lora_rows']} rows over {a['num_adapters']} rank-{a['lora_rank']} adapters")
     rows = [("engine alone: generate (one call)", r["engine_alone"]["generate_s"], t["engine_alone"]),
             ("  (its load: weights, KV, graphs)", r["engine_alone"]["load_s"], None),
@@ -71,6 +72,9 @@ def print_throughput(r: dict, echo=print) -> None:
     ra = r["ratios"]
     echo(f"job generation / engine alone: {_f(ra['job_generation_over_engine'], '.3f', ' x')}; "
          f"job process / engine alone: {_f(ra['job_process_over_engine'], '.3f', ' x')}")
+    st = r["engine_alone"].get("engine_stats", {})
+    echo("engine alone steps: " + ", ".join(f"{k} {st[k]}" for k in
+                                           ("prefill_steps", "mixed_steps", "decode_steps", "preemptions") if k in st))
     echo(f"phases from: {r['job']['source']}")
     pc = r["prefix_cache"]
     if not pc["enabled"]:

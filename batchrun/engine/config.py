@@ -77,7 +77,10 @@ class EngineConfig:
     # full KV blocks are shared by rows whose prompts start with the same tokens (same adapter);
     # outputs are the same either way, only the prefill work differs
     enable_prefix_caching: bool = True
-    cuda_graph_sizes: list[int] | None = None  # None = 1, 2, 4, 8, 16, 24, ... up to max_num_seqs (resolved)
+    # one step carries the running rows' decode tokens and prompt chunks (vLLM's unified
+    # scheduling; scheduler.py); False: a step is prefill or decode, never both (A/B benchmarks)
+    enable_mixed_steps: bool = True
+    cuda_graph_sizes: list[int] | None = None  # None = 1, 2, 4, 8, 16, 24, ... up to max_num_seqs
     seed: int = 0
 
     def __post_init__(self):
@@ -100,5 +103,8 @@ class EngineConfig:
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(f"engine.enable_prefix_caching must be true or false, got "
                              f"{self.enable_prefix_caching!r}")
+        if not isinstance(self.enable_mixed_steps, bool):
+            raise ValueError(f"engine.enable_mixed_steps must be true or false, got "
+                             f"{self.enable_mixed_steps!r}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"engine.num_kv_blocks must be >= 1, got {self.num_kv_blocks!r}")

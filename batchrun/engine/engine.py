@@ -78,9 +78,10 @@ class Engine:
         self.blocks = BlockManager(num_kv_blocks(mcfg, config, device, dtype), config.block_size,
                                    enable_caching=config.enable_prefix_caching)
         self.runner = ModelRunner(model, config, device, dtype, self.blocks, lora)
+        # steps = prefill_steps + decode_steps + mixed_steps (decode rows + prefill chunks);
         # prefix_cache_*: prompt tokens looked up at admission and found cached (not computed)
-        self.stats = {"steps": 0, "prefill_steps": 0, "decode_steps": 0, "preemptions": 0,
-                      "recomputed_tokens": 0, "prefix_cache_queried_tokens": 0,
+        self.stats = {"steps": 0, "prefill_steps": 0, "decode_steps": 0, "mixed_steps": 0,
+                      "preemptions": 0, "recomputed_tokens": 0, "prefix_cache_queried_tokens": 0,
                       "prefix_cache_hit_tokens": 0}
 
     @classmethod
@@ -231,8 +232,9 @@ class Engine:
                                "(KV cache too small for any waiting sequence)")
         self.stats["steps"] += 1
         if batch.is_prefill:
-            self.stats["prefill_steps"] += 1
-            done, logits = self.runner.prefill(batch.seqs, batch.num_tokens)
+            self.stats["mixed_steps" if batch.is_mixed else "prefill_steps"] += 1
+            # rows in batch order: decode rows (always done) first, then finished prompts
+            done, logits = self.runner.prefill(batch.seqs, batch.num_tokens, batch.num_decode)
             seqs = [batch.seqs[i] for i in done]
         else:
             self.stats["decode_steps"] += 1

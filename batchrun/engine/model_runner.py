@@ -1,4 +1,4 @@
-"""Prepare batched inputs, run prefill and decode steps on the model.
+"""Prepare batched inputs, run prefill (and mixed) and decode steps on the model.
 
 Every step is one frozen `Step` (layers/step.py: attention metadata, and `lora`, None when no
 token has an adapter) built here and passed through `model(...)`; nothing per step is kept on
@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 from typing import Iterator
 
+import numpy as np
 import torch
 
 from batchrun.engine.config import EngineConfig
@@ -143,35 +144,55 @@ class ModelRunner:
             return self._fused_decode_lora
         return self.lora.lora_step(lora + [-1] * (rows - b), has_lora=True)
 
-    # ---- prefill ------------------------------------------------------------------------
+    # ---- prefill (and mixed) -------------------------------------------------------------
     @torch.inference_mode()
-    def prefill(self, seqs: list[Sequence], counts: list[int]) -> tuple[list[int], torch.Tensor]:
-        """Compute `counts[i]` prompt tokens of seqs[i]. Returns the indices of sequences whose
-        prompt is now complete and their fp32 logits [len(done), V]."""
-        ids, pos, slots, lora, q_lens, ctx_lens, done, last = [], [], [], [], [], [], [], []
-        table = torch.zeros(len(seqs), self.max_blocks_per_seq, dtype=torch.int32)
+    def prefill(self, seqs: list[Sequence], counts: list[int],
+                num_decode: int = 0) -> tuple[list[int], torch.Tensor]:
+        """Compute `counts[i]` tokens of seqs[i] from its num_computed on. Returns the indices
+        of sequences whose tokens are now all computed and their fp32 logits [len(done), V].
+
+        A mixed step puts its decode rows first: seqs[:num_decode], one token each (the last
+        sampled one); attention runs them through the decode kernel and the rest through the
+        varlen prefill kernel (layers/attention.py). Eager, like every prefill step."""
+        if any(n != 1 for n in counts[:num_decode]):
+            raise ValueError(f"prefill: the first num_decode={num_decode} rows must be decode "
+                             f"rows of one token each, got counts {counts[:num_decode]}")
+        total, bs = sum(counts), self.block_size
+        ids = np.empty(total, dtype=np.int64)
+        pos = np.empty(total, dtype=np.int64)
+        slots = np.empty(total, dtype=np.int64)
+        lora = np.empty(total, dtype=np.int32)
+        table = np.zeros((len(seqs), self.max_blocks_per_seq), dtype=np.int32)
+        ctx_lens, done, last, t = [], [], [], 0
         for i, (s, n) in enumerate(zip(seqs, counts)):
             start, end = s.num_computed, s.num_computed + n
-            ids.extend(s.token_ids[start:end]); pos.extend(range(start, end))
-            slots.extend(self.blocks.slot(s, p) for p in range(start, end))
-            lora.extend([s.lora_slot] * n)
-            table[i, :len(s.block_ids)] = torch.tensor(s.block_ids, dtype=torch.int32)
-            q_lens.append(n); ctx_lens.append(end)
+            table[i, :len(s.block_ids)] = s.block_ids
+            if n == 1:  # decode rows: plain ints beat numpy's per-call cost
+                ids[t], pos[t], slots[t] = s.token_ids[start], start, self.blocks.slot(s, start)
+            else:
+                p = np.arange(start, end)
+                ids[t:t + n] = s.token_ids[start:end]
+                pos[t:t + n] = p
+                slots[t:t + n] = table[i, p // bs].astype(np.int64) * bs + p % bs
+            lora[t:t + n] = s.lora_slot
+            t += n
+            ctx_lens.append(end)
             s.num_computed = end
             if end == s.num_tokens:
-                done.append(i); last.append(len(ids) - 1)
+                done.append(i); last.append(t - 1)
         dev = self.device
-        attn = AttnMetadata(True, torch.tensor(slots, dtype=torch.long, device=dev),
-                            table.to(dev), torch.tensor(ctx_lens, dtype=torch.int32, device=dev),
-                            query_lens=q_lens, context_lens_host=ctx_lens,
-                            query_start=query_start_tensor(q_lens, dev))
+        attn = AttnMetadata(True, torch.from_numpy(slots).to(dev), torch.from_numpy(table).to(dev),
+                            torch.tensor(ctx_lens, dtype=torch.int32, device=dev),
+                            query_lens=list(counts), context_lens_host=ctx_lens,
+                            query_start=query_start_tensor(counts, dev), num_decode=num_decode)
         step_lora = None
         if self.lora is not None:  # None when no token has an adapter: nothing written
             # small prefills fuse too (no launches); big ones amortise shrink + expand launches
-            fuse = use_triton(self._i64) and len(ids) <= self.config.lora_fused_max_tokens
-            step_lora = self.lora.lora_step(lora, fuse=fuse)
-        hidden = self.model(torch.tensor(ids, dtype=torch.long, device=dev),
-                            torch.tensor(pos, dtype=torch.long, device=dev), Step(attn, step_lora))
+            fuse = use_triton(self._i64) and total <= self.config.lora_fused_max_tokens
+            has = bool((lora >= 0).any())
+            step_lora = self.lora.lora_step(lora.tolist() if has else [], has_lora=has, fuse=fuse)
+        hidden = self.model(torch.from_numpy(ids).to(dev), torch.from_numpy(pos).to(dev),
+                            Step(attn, step_lora))
         if not done:
             return done, hidden.new_empty(0)
         return done, self.model.compute_logits(hidden[torch.tensor(last, device=dev)])

@@ -1,17 +1,30 @@
-"""Continuous batching: each step is either a prefill step or a decode step.
+"""Continuous batching: each step is a mixed step (decode rows + prefill chunks), a prefill
+step or a decode step.
 
-- Prefill steps go first: sequences still mid-prompt continue, then waiting sequences are
-  admitted while `max_num_seqs`, the `max_num_batched_tokens` budget, free KV blocks for the
-  whole prompt and LoRA slots allow (a row waiting for a LoRA slot is stepped over, up to
-  LORA_LOOKAHEAD rows, by rows that can run: `_next_admissible`). A prompt longer than the budget is prefilled in chunks over several steps, so a
-  long prompt never needs more activation memory than one budget's worth of tokens.
+- Mixed steps (`enable_mixed_steps`, the default; vLLM's unified scheduling): while there is
+  prompt work, one step carries every running row's next decode token first (each after
+  `_make_room` for its next KV slot, preempting as a decode step does), then chunks of prompts
+  still mid-way, then newly admitted sequences, all within `max_num_batched_tokens`. Decode
+  rows' room is made before any prefill chunk is picked, so a preemption never drops a row
+  already put in the step; a step whose decode rows preempted a sequence admits none (the
+  victim would only come back to be preempted again). Decode rows go first so that the model
+  runner can hand them to the decode attention kernel as one block (`AttnMetadata.num_decode`).
+  When the decode rows leave no token of the budget (more running rows than
+  max_num_batched_tokens), the step is a prefill step as below.
+- Prefill steps (mixed steps off): sequences still mid-prompt continue, then waiting sequences
+  are admitted while `max_num_seqs`, the `max_num_batched_tokens` budget, free KV blocks for
+  the whole prompt and LoRA slots allow (a row waiting for a LoRA slot is stepped over, up to
+  LORA_LOOKAHEAD rows, by rows that can run: `_next_admissible`). A prompt longer than the budget is prefilled in chunks
+  over several steps, so a long prompt never needs more activation memory than one budget's
+  worth of tokens.
 - With prefix caching an admitted sequence starts after the cached blocks of its prompt
   (block_manager.admit), and every scheduled sequence registers the full blocks this step
   fills, so rows admitted next (in this step too: the n samples of one row, rows sharing a
   system prompt) take them instead of computing them again.
-- Otherwise every running sequence decodes one token. A sequence that needs a new KV block when
-  none is free preempts the most recently admitted sequence (recompute: its blocks are freed and
-  it goes back to the front of the queue with its outputs so far as part of its prompt).
+- Otherwise (nothing to prefill) every running sequence decodes one token: a decode step, the
+  one CUDA graphs replay. A sequence that needs a new KV block when none is free preempts the
+  most recently admitted sequence (recompute: its blocks are freed and it goes back to the
+  front of the queue with its outputs so far as part of its prompt).
 """
 from __future__ import annotations
 
@@ -29,15 +42,21 @@ LORA_LOOKAHEAD = 64  # waiting rows admission looks through past rows that wait 
 
 @dataclass
 class ScheduledBatch:
-    is_prefill: bool
+    is_prefill: bool  # False: a pure decode step (CUDA graphs); True: prefill or mixed
     seqs: list[Sequence]
     num_tokens: list[int]  # tokens computed this step per sequence (1 each in decode)
+    num_decode: int = 0  # prefill/mixed: seqs[:num_decode] are decode rows (1 token each)
+
+    @property
+    def is_mixed(self) -> bool:
+        return self.is_prefill and self.num_decode > 0
 
 
 class Scheduler:
     def __init__(self, config: EngineConfig, block_manager: BlockManager, lora=None):
         self.max_num_seqs = config.max_num_seqs
         self.max_batched = config.max_num_batched_tokens
+        self.mixed = config.enable_mixed_steps
         self.blocks = block_manager
         self.lora = lora  # LoRAManager or None
         self.waiting: deque[Sequence] = deque()
@@ -60,14 +79,53 @@ class Scheduler:
         return self._schedule_decode()
 
     def _schedule_prefill(self) -> ScheduledBatch:
-        seqs, counts, budget = [], [], self.max_batched
-        for seq in list(self.running):  # continue chunked prompts first
+        budget, decode, preempted = self.max_batched, [], False
+        if self.mixed and self._prefill_fits_beside_decode():
+            decode, preempted = self._schedule_decode_rows()
+            budget -= len(decode)
+        seqs, counts = self._continue_prompts(budget)
+        budget -= sum(counts)
+        if not preempted or not decode:
+            self._admit(seqs, counts, budget)
+        if decode and not seqs:  # nothing to prefill after all: a plain decode step (graphs)
+            return ScheduledBatch(False, decode, [1] * len(decode))
+        return ScheduledBatch(True, decode + seqs, [1] * len(decode) + counts, len(decode))
+
+    def _prefill_fits_beside_decode(self) -> bool:
+        """A mixed step is worth scheduling: some prompt work waits and the decode rows leave
+        at least one token of the budget for it."""
+        decode = sum(1 for s in self.running if not s.needs_prefill)
+        if decode == 0 or decode >= self.max_batched:
+            return False
+        return (any(s.needs_prefill for s in self.running)
+                or (bool(self.waiting) and len(self.running) < self.max_num_seqs))
+
+    def _schedule_decode_rows(self) -> tuple[list[Sequence], bool]:
+        """Room for each running decode row's next token, oldest first (a victim is always the
+        newest row, never one already taken). Returns the rows and whether any preemption
+        happened."""
+        rows, before = [], self.num_preemptions
+        for seq in list(self.running):
+            if seq.status is not SeqStatus.RUNNING or seq.needs_prefill:
+                continue  # preempted while making room for an earlier row / a prompt chunk
+            if self._make_room(seq, seq.num_tokens):
+                rows.append(seq)
+        return rows, self.num_preemptions > before
+
+    def _continue_prompts(self, budget: int) -> tuple[list[Sequence], list[int]]:
+        """The next chunk of each running sequence still mid-prompt, within budget."""
+        seqs, counts = [], []
+        for seq in self.running:
             if budget == 0:
                 break
             if seq.needs_prefill and seq.status is SeqStatus.RUNNING:
                 n = min(seq.num_tokens - seq.num_computed, budget)
                 self.blocks.cache_blocks(seq, seq.num_computed + n)
                 seqs.append(seq); counts.append(n); budget -= n
+        return seqs, counts
+
+    def _admit(self, seqs: list[Sequence], counts: list[int], budget: int) -> None:
+        """Admit waiting sequences (their first chunk appended to seqs/counts) within budget."""
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self._next_admissible()
             if seq is None:
@@ -88,7 +146,6 @@ class Scheduler:
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
             seqs.append(seq); counts.append(n); budget -= n
-        return ScheduledBatch(True, seqs, counts)
 
     def _take_waiting(self, seq: Sequence) -> None:
         # by identity (within the first LORA_LOOKAHEAD rows: a short scan)

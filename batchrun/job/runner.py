@@ -99,7 +99,8 @@ def load_engine(spec: JobSpec):
                        max_num_batched_tokens=e.max_num_batched_tokens, max_model_len=e.max_model_len,
                        gpu_memory_utilization=e.gpu_memory_utilization, enable_lora=bool(spec.adapters),
                        max_loras=e.max_loras, max_lora_rank=e.max_lora_rank, enforce_eager=e.enforce_eager,
-                       enable_prefix_caching=e.enable_prefix_caching, seed=spec.sampling.seed)
+                       enable_prefix_caching=e.enable_prefix_caching,
+                       enable_mixed_steps=e.enable_mixed_steps, seed=spec.sampling.seed)
     return Engine.from_config(cfg, adapters=dict(spec.adapters))
 
 

@@ -97,6 +97,7 @@ class EngineSpec:
     max_num_batched_tokens: int = 2048
     gpu_memory_utilization: float = 0.90
     enable_prefix_caching: bool = True
+    enable_mixed_steps: bool = True
 
 
 @dataclass(frozen=True)
@@ -332,6 +333,7 @@ def parse_job(raw: Any, base_dir: str | os.PathLike, job_file: str = "") -> JobS
         "max_num_batched_tokens": (int, False, 2048),
         "gpu_memory_utilization": (float, False, 0.90),
         "enable_prefix_caching": (bool, False, True),
+        "enable_mixed_steps": (bool, False, True),
     })
     _check(eng["device"] in DEVICES, "engine.device", f"expected one of {', '.join(DEVICES)}, got {_short(eng['device'])}")
     _check(eng["dtype"] in DTYPES, "engine.dtype", f"expected one of {', '.join(DTYPES)}, got {_short(eng['dtype'])}")

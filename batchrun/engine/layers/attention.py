@@ -9,6 +9,12 @@ covers the step's packed tokens, reading K/V through the block table
 (kernels/prefill_attention.py); on CPU it is done per sequence with torch SDPA on K/V gathered
 through the block table (exact and fast enough there). Decode: one query per sequence, Triton
 paged kernel on CUDA, torch reference on CPU (same math; the engine's CPU path is torch by design).
+
+A mixed step (scheduler.py) is a prefill step whose first `num_decode` sequences are decode
+rows of one query each: two launches, those rows through the decode kernel (the math a decode
+step does for them; no BLOCK_M-row query tile wasted on one query) and the others through the
+prefill kernel, which reads its sequences' rows through query_start, so both write disjoint
+rows of one output without copies.
 """
 from __future__ import annotations
 
@@ -31,6 +37,7 @@ class AttnMetadata:
     query_lens: list[int] | None = None
     context_lens_host: list[int] | None = None
     query_start: torch.Tensor | None = None  # int32 [B + 1] on device: cumsum of query_lens
+    num_decode: int = 0  # mixed step: sequences [0, num_decode) are decode rows, 1 query each
 
 
 class PagedAttention(nn.Module):
@@ -55,22 +62,33 @@ class PagedAttention(nn.Module):
         return out
 
     def _prefill(self, q: torch.Tensor, meta: AttnMetadata) -> torch.Tensor:
+        nd, out = meta.num_decode, torch.empty_like(q)
+        if nd:  # decode rows own q rows [0, nd): one query per sequence
+            decode_attention(q[:nd], self.k_cache, self.v_cache, meta.block_tables[:nd],
+                             meta.context_lens[:nd], self.scale, out[:nd])
+        if nd == len(meta.query_lens):
+            return out
         if use_triton(q):
             from batchrun.kernels.prefill_attention import prefill_attention
             if meta.query_start is None:
                 raise ValueError("AttnMetadata.query_start (int32 [B + 1], cumsum of query_lens) "
                                  "is required for prefill on the Triton path; build it with "
                                  "query_start_tensor(query_lens, device)")
-            out = torch.empty_like(q)
-            prefill_attention(q, self.k_cache, self.v_cache, meta.block_tables, meta.query_start,
-                              meta.context_lens, max(meta.query_lens), self.scale, out)
-            return out
-        return self._prefill_per_sequence(q, meta)
+            # query_start[nd:] still holds absolute rows, so the kernel writes rows nd.. of out
+            prefill_attention(q, self.k_cache, self.v_cache, meta.block_tables[nd:],
+                              meta.query_start[nd:], meta.context_lens[nd:],
+                              max(meta.query_lens[nd:]), self.scale, out)
+        else:
+            out[nd:] = self._prefill_per_sequence(q, meta, nd)
+        return out
 
-    def _prefill_per_sequence(self, q: torch.Tensor, meta: AttnMetadata) -> torch.Tensor:
+    def _prefill_per_sequence(self, q: torch.Tensor, meta: AttnMetadata,
+                              first: int = 0) -> torch.Tensor:
+        """Sequences first.. (whose rows start at q row `first`: the ones before hold one each)."""
         block_size = self.k_cache.shape[1]
-        outs, start = [], 0
-        for i, (n_q, n_ctx) in enumerate(zip(meta.query_lens, meta.context_lens_host)):
+        outs, start = [], first
+        for i in range(first, len(meta.query_lens)):
+            n_q, n_ctx = meta.query_lens[i], meta.context_lens_host[i]
             n_blocks = -(-n_ctx // block_size)
             blocks = meta.block_tables[i, :n_blocks].long()
             # gather this sequence's context: [n_blocks, bs, Hkv, D] -> [n_ctx, Hkv, D]
