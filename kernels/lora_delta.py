@@ -1,6 +1,6 @@
-"""LoRA delta of one token over a tile of output columns: a device function that the
-elementwise kernels after each projection (rotary, RMSNorm, SiLU-and-mul) call when they run a
-LoRA decode step, so the delta costs no launch of its own.
+"""LoRA delta over a tile of token rows x output columns: device functions that the elementwise
+kernels after each projection (rotary, RMSNorm, SiLU-and-mul) call on a LoRA step, so the delta
+costs no launch of its own.
 
 Where the inputs come from (batchrun/lora/layer.py): a LoRA-able Linear keeps its weight and
 the A matrices of every slot in one tensor [N + S*L*R, K], so on a LoRA step one base GEMM also
@@ -13,68 +13,90 @@ l = slot[t] >= 0 and output column n of slice s,
 with B stored [L, N, R] (fused output layout, scaling folded in). Tokens with slot -1 (no LoRA,
 padding) get 0. The caller rounds `y + delta` once to the model dtype, which is what a separate
 expand kernel writing y would have produced.
+
+Why tiles: a program owns BLOCK_M rows x BLOCK_N columns and, for each slot l present among its
+rows, does one tensor-core dot `where(slot == l, s_l, 0) [M, R] @ B_l[cols].T [R, N]`, so B is
+read once per tile and slot instead of once per token row (at 256 rows the per-row form read
+B 256 times a step). Rows need not be sorted by slot: rows of other slots (and slot -1) enter
+the dot as zeros, so the masked sum is exact. Slots are walked over the tile's [min, max]
+range, skipping the absent ones.
+
+Precision: 16-bit s and B of the same dtype are dotted as they are (their products are exact in
+fp32, accumulated in fp32); any other pair is dotted in fp32 with "ieee" precision (no tf32).
+The result differs from the reference only by fp32 summation order.
 """
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
 from batchrun.kernels.lora_meta import LoRADelta
-from batchrun.kernels.utils import FLOAT_DTYPES, check
+from batchrun.kernels.utils import FLOAT_DTYPES, check, dot_block
 
 
 @triton.jit
-def lora_delta(
+def tile_slots(slot_ptr, rows, row_mask):
+    """(slot of each row, -1 past T; lowest and highest slot >= 0 among them). No slot present:
+    lo > hi, so a `range(lo, hi + 1)` over the slots is empty."""
+    slot = tl.load(slot_ptr + rows, mask=row_mask, other=-1)
+    lo = tl.min(tl.where(slot >= 0, slot, 1 << 30), axis=0)
+    hi = tl.max(slot, axis=0)
+    return slot, lo, hi
+
+
+@triton.jit
+def lora_delta_tile(
     s_ptr,        # shrunk [T, S*L*R] (row stride stride_s, last dim contiguous), any float dtype
     stride_s,
     b_ptr,        # lora_b [L, N, R] contiguous
-    slot_ptr,     # int32 [>= T]: slot per token, -1 = none
-    t,            # token (row) index, int64 scalar
+    rows,         # int [BLOCK_M]: token rows of the tile
+    slot,         # int32 [BLOCK_M]: their slots (-1 = none), from tile_slots
+    lo, hi,       # slot range present among them, from tile_slots
     slice_idx,    # slice of the fused output these columns belong to (scalar)
-    cols,         # int [M, C]: output columns (indices into N), any 2-D tile
-    mask,         # bool [M, C]
+    cols,         # int [BLOCK_N]: output columns (indices into N); masked ones may be anything
+    col_mask,     # bool [BLOCK_N]
     N, L, R,
-    BLOCK_R: tl.constexpr,   # >= R, a power of two
-    R_CHUNK: tl.constexpr,   # ranks loaded per step (bounds registers: M*C*R_CHUNK values)
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr,   # >= max(R, 16), a power of two (tl.dot's minimum K is 16)
+    DOT_IEEE: tl.constexpr,  # dot in fp32 (see the module docstring)
 ):
-    slot = tl.load(slot_ptr + t)
-    r_used = tl.where(slot >= 0, R, 0)  # slot -1: every load masked off, delta 0
-    slot64 = tl.maximum(slot, 0).to(tl.int64)
-    s_row = s_ptr + t * stride_s + (slice_idx * L + slot64) * R
-    b_slot = b_ptr + slot64 * N * R
-    cols3 = cols.to(tl.int64)[:, :, None] * R
-    mask3 = mask[:, :, None]
-    acc = tl.zeros(cols.shape, dtype=tl.float32)
-    # Unrolled: all chunks' loads are independent, so they are in flight together.
-    for r0 in tl.static_range(0, BLOCK_R, R_CHUNK):
-        offs_r = r0 + tl.arange(0, R_CHUNK)
-        r_mask = offs_r < r_used
-        s = tl.load(s_row + offs_r, mask=r_mask, other=0.0).to(tl.float32)         # [RC]
-        b = tl.load(b_slot + cols3 + offs_r[None, None, :],
-                    mask=mask3 & r_mask[None, None, :], other=0.0)                # [M, C, RC]
-        acc += tl.sum(b.to(tl.float32) * s[None, None, :], axis=2)
+    """fp32 [BLOCK_M, BLOCK_N]: the delta of every (row, column) of the tile."""
+    offs_r = tl.arange(0, BLOCK_R)
+    r_mask = offs_r < R
+    s_rows = s_ptr + rows.to(tl.int64)[:, None] * stride_s + offs_r[None, :]      # [M, BR]
+    safe_cols = tl.where(col_mask, cols, 0).to(tl.int64)
+    b_tile = b_ptr + safe_cols[None, :] * R + offs_r[:, None]                     # [BR, N]
+    b_mask = r_mask[:, None] & col_mask[None, :]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for l in range(lo, hi + 1):
+        sel = slot == l
+        if tl.max(sel.to(tl.int32), axis=0) > 0:
+            s = tl.load(s_rows + (slice_idx * L + l) * R, mask=sel[:, None] & r_mask[None, :],
+                        other=0.0)
+            b = tl.load(b_tile + tl.cast(l, tl.int64) * N * R, mask=b_mask, other=0.0)
+            if DOT_IEEE:
+                acc = tl.dot(s.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(s, b, acc)
     return acc
 
 
-def r_chunk(block_r: int, tile: int, budget: int = 4096) -> int:
-    # Ranks per step so that a [tile, R_CHUNK] load stays within `budget` values per program
-    # (a power of two: block_r and budget are).
-    return max(1, min(block_r, budget // triton.next_power_of_2(max(1, tile))))
+def row_block(T: int, cap: int = 64) -> int:
+    # Token rows per tile: B is read once per tile and slot, so more rows read it less often;
+    # a small step keeps 16 (tl.dot's minimum) so its few rows are not spread over padding.
+    return max(16, min(cap, triton.next_power_of_2(T)))
 
 
-def delta_args(lora: LoRADelta | None, like: Tensor, T: int, N: int, num_slices: int):
-    """(kernel args, BLOCK_R) for the lora_delta parameters of a consumer kernel.
-
-    args = (s_ptr, stride_s, b_ptr, slot_ptr, N, L, R). Without a delta the kernel is compiled
-    with HAS_LORA=False and never reads them: fixed placeholders, so the no-LoRA launch is the
-    same specialisation whether or not the engine has LoRA enabled.
-    """
-    if lora is None:
-        return (like, 0, like, like, 0, 0, 0), 1
-    lora.validate(T, N, num_slices, like.device)
+def delta_args(lora: LoRADelta, T: int, N: int, num_slices: int, device) -> tuple[tuple, dict]:
+    """(kernel args, constexprs) for the lora_delta_tile parameters of a consumer kernel:
+    args = (s_ptr, stride_s, b_ptr, slot_ptr, N, L, R), constexprs = BLOCK_R, DOT_IEEE."""
+    lora.validate(T, N, num_slices, device)
     L, _, R = lora.lora_b.shape
-    check(lora.shrunk.dtype in FLOAT_DTYPES and lora.lora_b.dtype in FLOAT_DTYPES,
+    sd, bd = lora.shrunk.dtype, lora.lora_b.dtype
+    check(sd in FLOAT_DTYPES and bd in FLOAT_DTYPES,
           "LoRA shrunk values and lora_b must be float tensors")
     args = (lora.shrunk, lora.shrunk.stride(0), lora.lora_b, lora.token_slots, N, L, R)
-    return args, triton.next_power_of_2(R)
+    ieee = not (sd == bd and sd in (torch.float16, torch.bfloat16))
+    return args, dict(BLOCK_R=dot_block(R, triton.next_power_of_2(R)), DOT_IEEE=ieee)
