@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from batchrun.kernels.lora_delta import delta_args, lora_delta_tile, tile_slots
+from batchrun.kernels.lora_delta import delta_args, lora_delta_tile, tile_shrunk, tile_slots
 from batchrun.kernels.lora_meta import MAX_NORM_CHUNKS, LoRADelta
 from batchrun.kernels.utils import FLOAT_DTYPES, check
 
@@ -68,7 +68,7 @@ def _rms_norm_lora_kernel(
     FUSED_ADD: tl.constexpr,
     BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, NUM_CHUNKS: tl.constexpr,
     BLOCK_C: tl.constexpr, NORM_BLOCK: tl.constexpr,
-    BLOCK_R: tl.constexpr, DOT_IEEE: tl.constexpr,
+    BLOCK_R: tl.constexpr, DOT_IEEE: tl.constexpr, SLOT_UNROLL: tl.constexpr,
 ):
     # Grid (row tiles, NUM_CHUNKS): the norm needs whole rows but the delta is cheap only per
     # tile (B read once per tile and slot), so each program adds the delta to a BLOCK_M x CHUNK
@@ -86,8 +86,9 @@ def _rms_norm_lora_kernel(
     mask = row_mask[:, None] & col_mask[None, :]
     x = tl.load(x_ptr + rows64[:, None] * stride_x + offs[None, :], mask=mask, other=0.0)
     slot, lo, hi = tile_slots(slot_ptr, rows, row_mask)
-    d = lora_delta_tile(s_ptr, stride_s, b_ptr, rows, slot, lo, hi, 0, offs, col_mask,
-                        LN, LL, LR, BLOCK_M, CHUNK, BLOCK_R, DOT_IEEE)
+    s = tile_shrunk(s_ptr, stride_s, rows, slot, 0, LL, LR, BLOCK_R, DOT_IEEE)
+    d = lora_delta_tile(s, b_ptr, slot, lo, hi, offs, col_mask, LN, LR,
+                        BLOCK_M, CHUNK, BLOCK_R, SLOT_UNROLL, DOT_IEEE)
     h = (x.to(tl.float32) + d).to(xdt)
     if FUSED_ADD:
         h_rows = res_ptr + rows64 * stride_r
@@ -108,12 +109,20 @@ def _rms_norm_lora_kernel(
                         cache_modifier=".cg")
         rstd = tl.math.rsqrt(tl.sum(parts, axis=1) / H + eps)[:, None]
         o_rows = out_ptr + rows64 * stride_o
+        # The tile's rows alone, in column blocks; the next block's load is issued before this
+        # block's math and store so that two are in flight.
+        on = tl.arange(0, NORM_BLOCK)
+        nxt = tl.load(h_rows[:, None] + on[None, :], mask=row_mask[:, None] & (on < H)[None, :],
+                      other=0.0, cache_modifier=".cg")
         for n0 in range(0, H, NORM_BLOCK):
+            hr = nxt.to(tl.float32)
             on = n0 + tl.arange(0, NORM_BLOCK)
             nm = on < H
             m2 = row_mask[:, None] & nm[None, :]
-            hr = tl.load(h_rows[:, None] + on[None, :], mask=m2, other=0.0,
-                         cache_modifier=".cg").to(tl.float32)
+            nm_next = (on + NORM_BLOCK) < H
+            nxt = tl.load(h_rows[:, None] + (on + NORM_BLOCK)[None, :],
+                          mask=row_mask[:, None] & nm_next[None, :], other=0.0,
+                          cache_modifier=".cg")
             n = (hr * rstd).to(xdt).to(tl.float32)                 # HF: cast before the weight
             w = tl.load(w_ptr + on, mask=nm, other=0.0).to(tl.float32)
             tl.store(o_rows[:, None] + on[None, :], (w[None, :] * n).to(out_ptr.dtype.element_ty),
@@ -159,7 +168,7 @@ def _launch(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float,
         x, res, weight, out, parts, counters, T, H, eps, x.stride(0), res.stride(0),
         out.stride(0), *largs, FUSED_ADD=residual is not None, BLOCK_M=bm, CHUNK=chunk,
         NUM_CHUNKS=n_chunks, BLOCK_C=triton.next_power_of_2(n_chunks),
-        NORM_BLOCK=min(512, block), **consts, num_warps=4)
+        NORM_BLOCK=min(256, block), **consts, num_warps=4)
     return out
 
 

@@ -14,12 +14,13 @@ with B stored [L, N, R] (fused output layout, scaling folded in). Tokens with sl
 padding) get 0. The caller rounds `y + delta` once to the model dtype, which is what a separate
 expand kernel writing y would have produced.
 
-Why tiles: a program owns BLOCK_M rows x BLOCK_N columns and, for each slot l present among its
-rows, does one tensor-core dot `where(slot == l, s_l, 0) [M, R] @ B_l[cols].T [R, N]`, so B is
-read once per tile and slot instead of once per token row (at 256 rows the per-row form read
-B 256 times a step). Rows need not be sorted by slot: rows of other slots (and slot -1) enter
-the dot as zeros, so the masked sum is exact. Slots are walked over the tile's [min, max]
-range, skipping the absent ones.
+Why tiles: a program owns BLOCK_M rows x BLOCK_N columns. It gathers each row's own slot's
+shrunk values s [M, R] once (tile_shrunk) and then, for each slot l of the tile's [min, max]
+slot range, does one tensor-core dot `where(slot == l, s, 0) [M, R] @ B_l[cols].T [R, N]`,
+loading B_l only if some row uses l. So B is read once per tile and slot instead of once per
+token row (at 256 rows the per-row form read B 256 times a step). Rows need not be sorted by
+slot: rows of other slots (and slot -1) enter each dot as zeros, so the masked sum is exact
+(for finite B: a non-finite B of one adapter would reach the tile's other rows as 0 * inf).
 
 Precision: 16-bit s and B of the same dtype are dotted as they are (their products are exact in
 fp32, accumulated in fp32); any other pair is dotted in fp32 with "ieee" precision (no tf32).
@@ -47,39 +48,52 @@ def tile_slots(slot_ptr, rows, row_mask):
 
 
 @triton.jit
+def tile_shrunk(s_ptr, stride_s, rows, slot, slice_idx, L, R,
+                BLOCK_R: tl.constexpr, DOT_IEEE: tl.constexpr):
+    """[BLOCK_M, BLOCK_R]: each row's own slot's shrunk values of one slice (0 for slot -1 and
+    past R), in the dot's operand dtype. One gather per tile and slice."""
+    offs_r = tl.arange(0, BLOCK_R)
+    own = (slice_idx * L + tl.maximum(slot, 0)) * R
+    s = tl.load(s_ptr + rows.to(tl.int64)[:, None] * stride_s + own[:, None] + offs_r[None, :],
+                mask=(slot >= 0)[:, None] & (offs_r < R)[None, :], other=0.0)
+    if DOT_IEEE:
+        s = s.to(tl.float32)
+    return s
+
+
+@triton.jit
 def lora_delta_tile(
-    s_ptr,        # shrunk [T, S*L*R] (row stride stride_s, last dim contiguous), any float dtype
-    stride_s,
+    s,            # [BLOCK_M, BLOCK_R] from tile_shrunk
     b_ptr,        # lora_b [L, N, R] contiguous
-    rows,         # int [BLOCK_M]: token rows of the tile
-    slot,         # int32 [BLOCK_M]: their slots (-1 = none), from tile_slots
+    slot,         # int32 [BLOCK_M]: the rows' slots (-1 = none), from tile_slots
     lo, hi,       # slot range present among them, from tile_slots
-    slice_idx,    # slice of the fused output these columns belong to (scalar)
     cols,         # int [BLOCK_N]: output columns (indices into N); masked ones may be anything
     col_mask,     # bool [BLOCK_N]
-    N, L, R,
+    N, R,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_R: tl.constexpr,   # >= max(R, 16), a power of two (tl.dot's minimum K is 16)
-    DOT_IEEE: tl.constexpr,  # dot in fp32 (see the module docstring)
+    BLOCK_R: tl.constexpr,      # >= max(R, 16), a power of two (tl.dot's minimum K is 16)
+    SLOT_UNROLL: tl.constexpr,  # slots per unrolled group
+    DOT_IEEE: tl.constexpr,     # dot in fp32 (see the module docstring)
 ):
     """fp32 [BLOCK_M, BLOCK_N]: the delta of every (row, column) of the tile."""
     offs_r = tl.arange(0, BLOCK_R)
-    r_mask = offs_r < R
-    s_rows = s_ptr + rows.to(tl.int64)[:, None] * stride_s + offs_r[None, :]      # [M, BR]
     safe_cols = tl.where(col_mask, cols, 0).to(tl.int64)
-    b_tile = b_ptr + safe_cols[None, :] * R + offs_r[:, None]                     # [BR, N]
-    b_mask = r_mask[:, None] & col_mask[None, :]
+    b_tile = b_ptr + safe_cols[None, :] * R + offs_r[:, None]                     # [BR, BN]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for l in range(lo, hi + 1):
-        sel = slot == l
-        if tl.max(sel.to(tl.int32), axis=0) > 0:
-            s = tl.load(s_rows + (slice_idx * L + l) * R, mask=sel[:, None] & r_mask[None, :],
-                        other=0.0)
-            b = tl.load(b_tile + tl.cast(l, tl.int64) * N * R, mask=b_mask, other=0.0)
+    # Unrolled groups without branches: the B loads of a group are independent, so they are
+    # in flight together; a slot no row uses (or past hi) has its load predicated off, so it
+    # reads nothing, and its dot adds zeros.
+    for l0 in range(lo, hi + 1, SLOT_UNROLL):
+        for u in tl.static_range(SLOT_UNROLL):
+            sel = slot == l0 + u
+            r_used = R * tl.max(sel.to(tl.int32), axis=0)   # R if some row uses the slot, else 0
+            b_mask = (offs_r < r_used)[:, None] & col_mask[None, :]
+            b = tl.load(b_tile + tl.cast(l0 + u, tl.int64) * N * R, mask=b_mask, other=0.0)
+            s_l = tl.where(sel[:, None], s, tl.zeros_like(s))
             if DOT_IEEE:
-                acc = tl.dot(s.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+                acc = tl.dot(s_l, b.to(tl.float32), acc, input_precision="ieee")
             else:
-                acc = tl.dot(s, b, acc)
+                acc = tl.dot(s_l, b, acc)
     return acc
 
 
@@ -90,8 +104,9 @@ def row_block(T: int, cap: int = 64) -> int:
 
 
 def delta_args(lora: LoRADelta, T: int, N: int, num_slices: int, device) -> tuple[tuple, dict]:
-    """(kernel args, constexprs) for the lora_delta_tile parameters of a consumer kernel:
-    args = (s_ptr, stride_s, b_ptr, slot_ptr, N, L, R), constexprs = BLOCK_R, DOT_IEEE."""
+    """(kernel args, constexprs) for the LoRA parameters of a consumer kernel:
+    args = (s_ptr, stride_s, b_ptr, slot_ptr, N, L, R), constexprs = BLOCK_R, DOT_IEEE,
+    SLOT_UNROLL."""
     lora.validate(T, N, num_slices, device)
     L, _, R = lora.lora_b.shape
     sd, bd = lora.shrunk.dtype, lora.lora_b.dtype
@@ -99,4 +114,6 @@ def delta_args(lora: LoRADelta, T: int, N: int, num_slices: int, device) -> tupl
           "LoRA shrunk values and lora_b must be float tensors")
     args = (lora.shrunk, lora.shrunk.stride(0), lora.lora_b, lora.token_slots, N, L, R)
     ieee = not (sd == bd and sd in (torch.float16, torch.bfloat16))
-    return args, dict(BLOCK_R=dot_block(R, triton.next_power_of_2(R)), DOT_IEEE=ieee)
+    # All of a typical max_loras (<= 8) in one unrolled group; more slots loop over groups.
+    return args, dict(BLOCK_R=dot_block(R, triton.next_power_of_2(R)), DOT_IEEE=ieee,
+                      SLOT_UNROLL=min(8, triton.next_power_of_2(L)))

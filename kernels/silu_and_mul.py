@@ -17,7 +17,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from batchrun.kernels.lora_delta import delta_args, lora_delta_tile, row_block, tile_slots
+from batchrun.kernels.lora_delta import (delta_args, lora_delta_tile, row_block, tile_shrunk,
+                                        tile_slots)
 from batchrun.kernels.lora_meta import LoRADelta
 from batchrun.kernels.utils import FLOAT_DTYPES, check
 
@@ -53,7 +54,7 @@ def _silu_and_mul_lora_kernel(
     x_ptr, out_ptr, T, I, stride_x, stride_o,        # as above, T rows
     s_ptr, stride_s, b_ptr, slot_ptr, LN, LL, LR,   # LoRA delta of x (gate | up slices)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_R: tl.constexpr, DOT_IEEE: tl.constexpr,
+    BLOCK_R: tl.constexpr, DOT_IEEE: tl.constexpr, SLOT_UNROLL: tl.constexpr,
 ):
     # Grid (row tiles, column tiles): each program reads B[gate cols] and B[up cols] once per
     # slot its rows use.
@@ -66,10 +67,12 @@ def _silu_and_mul_lora_kernel(
     g = tl.load(g_ptrs, mask=mask, other=0.0)
     u = tl.load(g_ptrs + I, mask=mask, other=0.0)
     slot, lo, hi = tile_slots(slot_ptr, rows, row_mask)
-    dg = lora_delta_tile(s_ptr, stride_s, b_ptr, rows, slot, lo, hi, 0, cols, col_mask,
-                         LN, LL, LR, BLOCK_M, BLOCK_N, BLOCK_R, DOT_IEEE)
-    du = lora_delta_tile(s_ptr, stride_s, b_ptr, rows, slot, lo, hi, 1, cols + I, col_mask,
-                         LN, LL, LR, BLOCK_M, BLOCK_N, BLOCK_R, DOT_IEEE)
+    sg = tile_shrunk(s_ptr, stride_s, rows, slot, 0, LL, LR, BLOCK_R, DOT_IEEE)
+    su = tile_shrunk(s_ptr, stride_s, rows, slot, 1, LL, LR, BLOCK_R, DOT_IEEE)
+    dg = lora_delta_tile(sg, b_ptr, slot, lo, hi, cols, col_mask, LN, LR,
+                         BLOCK_M, BLOCK_N, BLOCK_R, SLOT_UNROLL, DOT_IEEE)
+    du = lora_delta_tile(su, b_ptr, slot, lo, hi, cols + I, col_mask, LN, LR,
+                         BLOCK_M, BLOCK_N, BLOCK_R, SLOT_UNROLL, DOT_IEEE)
     g = (g.to(tl.float32) + dg).to(g.dtype)
     u = (u.to(tl.float32) + du).to(g.dtype)
     tl.store(out_ptr + rows64[:, None] * stride_o + cols[None, :],
