@@ -106,5 +106,5 @@ def silu_and_mul(gate_up: Tensor, out: Tensor | None = None,
     bm, bn = row_block(T), min(64, max(16, triton.next_power_of_2(I)))
     _silu_and_mul_lora_kernel[(triton.cdiv(T, bm), triton.cdiv(I, bn))](
         gate_up, out, T, I, gate_up.stride(0), out.stride(0), *largs,
-        BLOCK_M=bm, BLOCK_N=bn, **consts, num_warps=4 if bm * bn <= 2048 else 8)
+        BLOCK_M=bm, BLOCK_N=bn, **consts, num_warps=4)
     return out

@@ -3,7 +3,7 @@ against the torch reference: op(apply_reference(x)). Inputs are laid out like a 
 step: y and `shrunk` are column ranges of one GEMM output (strided rows), slots mix -1 with
 every slot, ranks are odd and small. Rows with slot -1 must equal the plain kernel bit for bit.
 
-The kernels work on tiles of token rows (kernels/lora_delta.py: 16 rows for RMSNorm, up to 64
+The kernels work on tiles of token rows (kernels/lora_delta.py: 16 rows for RMSNorm, up to 32
 for the others), so the shapes also cover several tiles, a last tile cut short, tiles whose
 rows all share one slot (the highest, so the slot range does not start at 0), rows sorted by
 slot, and ranks below, at and above the 16-rank dot minimum.
@@ -119,8 +119,8 @@ def test_silu_and_mul(T, I, L, R, dtype, pattern="mixed"):
     _check_silu(T, I, L, R, dtype, pattern)
 
 
-# (T, I, L, R, slot pattern): row tiles of 64 (two, the second short) and of 32; column
-# tiles of 64, the last one short; 12 slots: two unrolled groups of 8
+# (T, I, L, R, slot pattern): several row tiles of 32, the last one short; column tiles of
+# 64, the last one short; 12 slots: two unrolled groups of 8
 @pytest.mark.parametrize("dtype", CPU_DTYPES)
 @pytest.mark.parametrize("T,I,L,R,pattern", [(70, 100, 8, 16, "mixed"), (29, 72, 3, 5, "one"),
                                              (66, 40, 4, 20, "sorted"), (20, 64, 2, 1, "mixed"),
