@@ -13,9 +13,9 @@ works. Static grid (T,), no host syncs: CUDA-graph capturable.
 
 With `lora` (a LoRADelta for the projection that produced x, see kernels/lora_delta.py) a
 second kernel first makes x = rnd(x + delta), exactly the x a separate LoRA expand would have
-written, and then goes on as above: a LoRA decode step pays no extra launch for o_proj /
-down_proj. It splits each row over NUM_CHUNKS programs (see _rms_norm_lora_kernel) and needs
-the delta's zeroed counters; the no-LoRA kernel is untouched.
+written, and then goes on as above: a LoRA step pays no extra launch for o_proj / down_proj.
+It works on tiles of 16 rows x a chunk of columns (see _rms_norm_lora_kernel) and needs the
+delta's zeroed counters; the no-LoRA kernel is untouched.
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from batchrun.kernels.lora_delta import delta_args, lora_delta, r_chunk
+from batchrun.kernels.lora_delta import delta_args, lora_delta_tile, tile_shrunk, tile_slots
 from batchrun.kernels.lora_meta import MAX_NORM_CHUNKS, LoRADelta
 from batchrun.kernels.utils import FLOAT_DTYPES, check
 
@@ -61,52 +61,73 @@ def _rms_norm_kernel(
 def _rms_norm_lora_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr,   # as in _rms_norm_kernel
     part_ptr,         # fp32 [T, NUM_CHUNKS]  sum of squares of each chunk of h
-    cnt_ptr,          # int32 [T]  chunks of the row done; 0 before and after the launch
-    H, eps,
+    cnt_ptr,          # int32 [>= row tiles]  chunks of the tile done; 0 before and after
+    T, H, eps,
     stride_x, stride_r, stride_o,
     s_ptr, stride_s, b_ptr, slot_ptr, LN, LL, LR,   # the LoRA delta of x
     FUSED_ADD: tl.constexpr,
-    CHUNK: tl.constexpr, NUM_CHUNKS: tl.constexpr, BLOCK_C: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, R_CHUNK: tl.constexpr,
+    BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, NUM_CHUNKS: tl.constexpr,
+    BLOCK_C: tl.constexpr, NORM_BLOCK: tl.constexpr,
+    BLOCK_R: tl.constexpr, DOT_IEEE: tl.constexpr, SLOT_UNROLL: tl.constexpr,
 ):
-    # Grid (T, NUM_CHUNKS): the delta needs a [H, R] slice of B per row, too much for one
-    # program per row (a decode step has ~8 rows), so each program adds the delta to one chunk,
-    # writes h = rnd(x + delta) (+ residual) and its chunk's sum of squares; the row's last
-    # program to finish (an atomic ticket) sums the partials in chunk order (deterministic)
-    # and normalises the whole row.
-    row = tl.program_id(0).to(tl.int64)
+    # Grid (row tiles, NUM_CHUNKS): the norm needs whole rows but the delta is cheap only per
+    # tile (B read once per tile and slot), so each program adds the delta to a BLOCK_M x CHUNK
+    # tile, writes h = rnd(x + delta) (+ residual) and its rows' chunk sums of squares; the
+    # tile's last program to finish (an atomic ticket) sums the partials in chunk order
+    # (deterministic) and normalises the tile's rows.
+    tile = tl.program_id(0)
     c = tl.program_id(1)
     xdt = x_ptr.dtype.element_ty
+    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_mask = rows < T
+    rows64 = rows.to(tl.int64)
     offs = c * CHUNK + tl.arange(0, CHUNK)
-    mask = offs < H
-    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
-    d = lora_delta(s_ptr, stride_s, b_ptr, slot_ptr, row, 0, offs[None, :], mask[None, :],
-                   LN, LL, LR, BLOCK_R, R_CHUNK)
-    h = (x.to(tl.float32) + tl.sum(d, axis=0)).to(xdt)
+    col_mask = offs < H
+    mask = row_mask[:, None] & col_mask[None, :]
+    x = tl.load(x_ptr + rows64[:, None] * stride_x + offs[None, :], mask=mask, other=0.0)
+    slot, lo, hi = tile_slots(slot_ptr, rows, row_mask)
+    s = tile_shrunk(s_ptr, stride_s, rows, slot, 0, LL, LR, BLOCK_R, DOT_IEEE)
+    d = lora_delta_tile(s, b_ptr, slot, lo, hi, offs, col_mask, LN, LR,
+                        BLOCK_M, CHUNK, BLOCK_R, SLOT_UNROLL, DOT_IEEE)
+    h = (x.to(tl.float32) + d).to(xdt)
     if FUSED_ADD:
-        h_row = res_ptr + row * stride_r
-        r = tl.load(h_row + offs, mask=mask, other=0.0)
+        h_rows = res_ptr + rows64 * stride_r
+        r = tl.load(h_rows[:, None] + offs[None, :], mask=mask, other=0.0)
         h = (r.to(tl.float32) + h.to(tl.float32)).to(xdt)
     else:
-        h_row = out_ptr + row * stride_o  # staging: the last program normalises it in place
-    tl.store(h_row + offs, h, mask=mask)
+        h_rows = out_ptr + rows64 * stride_o  # staging: the last program normalises in place
+    tl.store(h_rows[:, None] + offs[None, :], h, mask=mask)
     hf = h.to(tl.float32)
-    tl.store(part_ptr + row * NUM_CHUNKS + c, tl.sum(hf * hf, axis=0))
+    tl.store(part_ptr + rows64 * NUM_CHUNKS + c, tl.sum(hf * hf, axis=1), mask=row_mask)
     tl.debug_barrier()  # all of this program's stores come before its release below
-    ticket = tl.atomic_add(cnt_ptr + row, 1, sem="acq_rel", scope="gpu")
+    ticket = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
     if ticket == NUM_CHUNKS - 1:
         tl.debug_barrier()
         oc = tl.arange(0, BLOCK_C)
-        parts = tl.load(part_ptr + row * NUM_CHUNKS + oc, mask=oc < NUM_CHUNKS, other=0.0,
+        parts = tl.load(part_ptr + rows64[:, None] * NUM_CHUNKS + oc[None, :],
+                        mask=row_mask[:, None] & (oc < NUM_CHUNKS)[None, :], other=0.0,
                         cache_modifier=".cg")
-        rstd = tl.math.rsqrt(tl.sum(parts, axis=0) / H + eps)
-        on = tl.arange(0, BLOCK_N)
-        nm = on < H
-        hr = tl.load(h_row + on, mask=nm, other=0.0, cache_modifier=".cg").to(tl.float32)
-        n = (hr * rstd).to(xdt).to(tl.float32)                    # HF: cast before the weight
-        w = tl.load(w_ptr + on, mask=nm, other=0.0).to(tl.float32)
-        tl.store(out_ptr + row * stride_o + on, (w * n).to(out_ptr.dtype.element_ty), mask=nm)
-        tl.store(cnt_ptr + row, 0)  # ready for the next launch
+        rstd = tl.math.rsqrt(tl.sum(parts, axis=1) / H + eps)[:, None]
+        o_rows = out_ptr + rows64 * stride_o
+        # The tile's rows alone, in column blocks; the next block's load is issued before this
+        # block's math and store so that two are in flight.
+        on = tl.arange(0, NORM_BLOCK)
+        nxt = tl.load(h_rows[:, None] + on[None, :], mask=row_mask[:, None] & (on < H)[None, :],
+                      other=0.0, cache_modifier=".cg")
+        for n0 in range(0, H, NORM_BLOCK):
+            hr = nxt.to(tl.float32)
+            on = n0 + tl.arange(0, NORM_BLOCK)
+            nm = on < H
+            m2 = row_mask[:, None] & nm[None, :]
+            nm_next = (on + NORM_BLOCK) < H
+            nxt = tl.load(h_rows[:, None] + (on + NORM_BLOCK)[None, :],
+                          mask=row_mask[:, None] & nm_next[None, :], other=0.0,
+                          cache_modifier=".cg")
+            n = (hr * rstd).to(xdt).to(tl.float32)                 # HF: cast before the weight
+            w = tl.load(w_ptr + on, mask=nm, other=0.0).to(tl.float32)
+            tl.store(o_rows[:, None] + on[None, :], (w[None, :] * n).to(out_ptr.dtype.element_ty),
+                     mask=m2)
+        tl.store(cnt_ptr + tile, 0)  # ready for the next launch
 
 
 def _launch(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float,
@@ -125,6 +146,8 @@ def _launch(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float,
         check(residual.shape == x.shape and residual.dtype == x.dtype and residual.stride(1) == 1,
               "residual must match x (shape, dtype) with contiguous rows")
         check(residual.data_ptr() != out.data_ptr(), "out must not alias residual")
+    if lora is not None:
+        largs, consts = delta_args(lora, T, H, 1, x.device)
     if T == 0:
         return out
     block = triton.next_power_of_2(H)
@@ -135,15 +158,17 @@ def _launch(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float,
             x, res, weight, out, H, eps, x.stride(0), res.stride(0), out.stride(0),
             FUSED_ADD=residual is not None, BLOCK_N=block, num_warps=num_warps)
         return out
-    largs, block_r = delta_args(lora, x, T, H, 1)
+    # 16 rows per tile (tl.dot's minimum): the tile's last program normalises all of its
+    # rows alone, so small tiles keep that tail short; B is still read once per 16 rows.
+    bm = 16
     chunk = max(128, triton.next_power_of_2(triton.cdiv(H, MAX_NORM_CHUNKS)))
     n_chunks = triton.cdiv(H, chunk)
     parts, counters = lora.norm_scratch(T, n_chunks)
-    _rms_norm_lora_kernel[(T, n_chunks)](
-        x, res, weight, out, parts, counters, H, eps, x.stride(0), res.stride(0), out.stride(0),
-        *largs, FUSED_ADD=residual is not None, CHUNK=chunk, NUM_CHUNKS=n_chunks,
-        BLOCK_C=triton.next_power_of_2(n_chunks), BLOCK_N=block, BLOCK_R=block_r,
-        R_CHUNK=r_chunk(block_r, chunk), num_warps=4)
+    _rms_norm_lora_kernel[(triton.cdiv(T, bm), n_chunks)](
+        x, res, weight, out, parts, counters, T, H, eps, x.stride(0), res.stride(0),
+        out.stride(0), *largs, FUSED_ADD=residual is not None, BLOCK_M=bm, CHUNK=chunk,
+        NUM_CHUNKS=n_chunks, BLOCK_C=triton.next_power_of_2(n_chunks),
+        NORM_BLOCK=min(256, block), **consts, num_warps=4)
     return out
 
 

@@ -1,6 +1,6 @@
-"""LoRA delta of one token over a tile of output columns: a device function that the
-elementwise kernels after each projection (rotary, RMSNorm, SiLU-and-mul) call when they run a
-LoRA decode step, so the delta costs no launch of its own.
+"""LoRA delta over a tile of token rows x output columns: device functions that the elementwise
+kernels after each projection (rotary, RMSNorm, SiLU-and-mul) call on a LoRA step, so the delta
+costs no launch of its own.
 
 Where the inputs come from (batchrun/engine/lora/layer.py): a LoRA-able Linear keeps its weight and
 the A matrices of every slot in one tensor [N + S*L*R, K], so on a LoRA step one base GEMM also
@@ -13,68 +13,109 @@ l = slot[t] >= 0 and output column n of slice s,
 with B stored [L, N, R] (fused output layout, scaling folded in). Tokens with slot -1 (no LoRA,
 padding) get 0. The caller rounds `y + delta` once to the model dtype, which is what a separate
 expand kernel writing y would have produced.
+
+Why tiles: a program owns BLOCK_M rows x BLOCK_N columns. It gathers each row's own slot's
+shrunk values s [M, R] once (tile_shrunk) and then, for each slot l of the tile's [min, max]
+slot range, does one tensor-core dot `where(slot == l, s, 0) [M, R] @ B_l[cols].T [R, N]`,
+loading B_l only if some row uses l. So B is read once per tile and slot instead of once per
+token row (at 256 rows the per-row form read B 256 times a step). Rows need not be sorted by
+slot: rows of other slots (and slot -1) enter each dot as zeros, so the masked sum is exact
+(for finite B: a non-finite B of one adapter would reach the tile's other rows as 0 * inf).
+
+Precision: 16-bit s and B of the same dtype are dotted as they are (their products are exact in
+fp32, accumulated in fp32); any other pair is dotted in fp32 with "ieee" precision (no tf32).
+The result differs from the reference only by fp32 summation order.
 """
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
 from batchrun.kernels.lora_meta import LoRADelta
-from batchrun.kernels.utils import FLOAT_DTYPES, check
+from batchrun.kernels.utils import FLOAT_DTYPES, check, dot_block
 
 
 @triton.jit
-def lora_delta(
-    s_ptr,        # shrunk [T, S*L*R] (row stride stride_s, last dim contiguous), any float dtype
-    stride_s,
+def tile_slots(slot_ptr, rows, row_mask):
+    """(slot of each row, -1 past T; lowest and highest slot >= 0 among them). No slot present:
+    lo > hi, so a `range(lo, hi + 1)` over the slots is empty."""
+    slot = tl.load(slot_ptr + rows, mask=row_mask, other=-1)
+    lo = tl.min(tl.where(slot >= 0, slot, 1 << 30), axis=0)
+    hi = tl.max(slot, axis=0)
+    return slot, lo, hi
+
+
+@triton.jit
+def tile_shrunk(s_ptr, stride_s, rows, slot, slice_idx, L, R,
+                BLOCK_R: tl.constexpr, DOT_IEEE: tl.constexpr):
+    """[BLOCK_M, BLOCK_R]: each row's own slot's shrunk values of one slice (0 for slot -1 and
+    past R), in the dot's operand dtype. One gather per tile and slice."""
+    offs_r = tl.arange(0, BLOCK_R)
+    own = (slice_idx * L + tl.maximum(slot, 0)) * R
+    s = tl.load(s_ptr + rows.to(tl.int64)[:, None] * stride_s + own[:, None] + offs_r[None, :],
+                mask=(slot >= 0)[:, None] & (offs_r < R)[None, :], other=0.0)
+    if DOT_IEEE:
+        s = s.to(tl.float32)
+    return s
+
+
+@triton.jit
+def lora_delta_tile(
+    s,            # [BLOCK_M, BLOCK_R] from tile_shrunk
     b_ptr,        # lora_b [L, N, R] contiguous
-    slot_ptr,     # int32 [>= T]: slot per token, -1 = none
-    t,            # token (row) index, int64 scalar
-    slice_idx,    # slice of the fused output these columns belong to (scalar)
-    cols,         # int [M, C]: output columns (indices into N), any 2-D tile
-    mask,         # bool [M, C]
-    N, L, R,
-    BLOCK_R: tl.constexpr,   # >= R, a power of two
-    R_CHUNK: tl.constexpr,   # ranks loaded per step (bounds registers: M*C*R_CHUNK values)
+    slot,         # int32 [BLOCK_M]: the rows' slots (-1 = none), from tile_slots
+    lo, hi,       # slot range present among them, from tile_slots
+    cols,         # int [BLOCK_N]: output columns (indices into N); masked ones may be anything
+    col_mask,     # bool [BLOCK_N]
+    N, R,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr,      # >= max(R, 16), a power of two (tl.dot's minimum K is 16)
+    SLOT_UNROLL: tl.constexpr,  # slots per unrolled group
+    DOT_IEEE: tl.constexpr,     # dot in fp32 (see the module docstring)
 ):
-    slot = tl.load(slot_ptr + t)
-    r_used = tl.where(slot >= 0, R, 0)  # slot -1: every load masked off, delta 0
-    slot64 = tl.maximum(slot, 0).to(tl.int64)
-    s_row = s_ptr + t * stride_s + (slice_idx * L + slot64) * R
-    b_slot = b_ptr + slot64 * N * R
-    cols3 = cols.to(tl.int64)[:, :, None] * R
-    mask3 = mask[:, :, None]
-    acc = tl.zeros(cols.shape, dtype=tl.float32)
-    # Unrolled: all chunks' loads are independent, so they are in flight together.
-    for r0 in tl.static_range(0, BLOCK_R, R_CHUNK):
-        offs_r = r0 + tl.arange(0, R_CHUNK)
-        r_mask = offs_r < r_used
-        s = tl.load(s_row + offs_r, mask=r_mask, other=0.0).to(tl.float32)         # [RC]
-        b = tl.load(b_slot + cols3 + offs_r[None, None, :],
-                    mask=mask3 & r_mask[None, None, :], other=0.0)                # [M, C, RC]
-        acc += tl.sum(b.to(tl.float32) * s[None, None, :], axis=2)
+    """fp32 [BLOCK_M, BLOCK_N]: the delta of every (row, column) of the tile."""
+    offs_r = tl.arange(0, BLOCK_R)
+    safe_cols = tl.where(col_mask, cols, 0).to(tl.int64)
+    b_tile = b_ptr + safe_cols[None, :] * R + offs_r[:, None]                     # [BR, BN]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    # Unrolled groups without branches: the B loads of a group are independent, so they are
+    # in flight together; a slot no row uses (or past hi) has its load predicated off, so it
+    # reads nothing, and its dot adds zeros.
+    for l0 in range(lo, hi + 1, SLOT_UNROLL):
+        for u in tl.static_range(SLOT_UNROLL):
+            sel = slot == l0 + u
+            r_used = R * tl.max(sel.to(tl.int32), axis=0)   # R if some row uses the slot, else 0
+            b_mask = (offs_r < r_used)[:, None] & col_mask[None, :]
+            b = tl.load(b_tile + tl.cast(l0 + u, tl.int64) * N * R, mask=b_mask, other=0.0)
+            s_l = tl.where(sel[:, None], s, tl.zeros_like(s))
+            if DOT_IEEE:
+                acc = tl.dot(s_l, b.to(tl.float32), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(s_l, b, acc)
     return acc
 
 
-def r_chunk(block_r: int, tile: int, budget: int = 4096) -> int:
-    # Ranks per step so that a [tile, R_CHUNK] load stays within `budget` values per program
-    # (a power of two: block_r and budget are).
-    return max(1, min(block_r, budget // triton.next_power_of_2(max(1, tile))))
+def row_block(T: int, cap: int = 32) -> int:
+    # Token rows per tile: B is read once per tile and slot, so more rows read it less often;
+    # a small step keeps 16 (tl.dot's minimum) so its few rows are not spread over padding.
+    # The cap of 32 (with 64 columns and 4 warps) keeps the consumers near 100-170 registers
+    # on sm_90 (ptxas), several programs per SM; 64-row tiles need ~200-250 (one per SM).
+    return max(16, min(cap, triton.next_power_of_2(T)))
 
 
-def delta_args(lora: LoRADelta | None, like: Tensor, T: int, N: int, num_slices: int):
-    """(kernel args, BLOCK_R) for the lora_delta parameters of a consumer kernel.
-
-    args = (s_ptr, stride_s, b_ptr, slot_ptr, N, L, R). Without a delta the kernel is compiled
-    with HAS_LORA=False and never reads them: fixed placeholders, so the no-LoRA launch is the
-    same specialisation whether or not the engine has LoRA enabled.
-    """
-    if lora is None:
-        return (like, 0, like, like, 0, 0, 0), 1
-    lora.validate(T, N, num_slices, like.device)
+def delta_args(lora: LoRADelta, T: int, N: int, num_slices: int, device) -> tuple[tuple, dict]:
+    """(kernel args, constexprs) for the LoRA parameters of a consumer kernel:
+    args = (s_ptr, stride_s, b_ptr, slot_ptr, N, L, R), constexprs = BLOCK_R, DOT_IEEE,
+    SLOT_UNROLL."""
+    lora.validate(T, N, num_slices, device)
     L, _, R = lora.lora_b.shape
-    check(lora.shrunk.dtype in FLOAT_DTYPES and lora.lora_b.dtype in FLOAT_DTYPES,
+    sd, bd = lora.shrunk.dtype, lora.lora_b.dtype
+    check(sd in FLOAT_DTYPES and bd in FLOAT_DTYPES,
           "LoRA shrunk values and lora_b must be float tensors")
     args = (lora.shrunk, lora.shrunk.stride(0), lora.lora_b, lora.token_slots, N, L, R)
-    return args, triton.next_power_of_2(R)
+    ieee = not (sd == bd and sd in (torch.float16, torch.bfloat16))
+    # All of a typical max_loras (<= 8) in one unrolled group; more slots loop over groups.
+    return args, dict(BLOCK_R=dot_block(R, triton.next_power_of_2(R)), DOT_IEEE=ieee,
+                      SLOT_UNROLL=min(8, triton.next_power_of_2(L)))

@@ -10,8 +10,11 @@ are rounded to q's dtype, each product is rounded, then the sum is rounded. A pr
 of two bf16/fp16 values is exact in fp32, so computing each step in fp32 and rounding it to the
 dtype reproduces torch's bf16/fp16 ops exactly. For x = [x1, x2] (halves):
   out1 = rnd(rnd(x1*c) + rnd(-x2*s)),  out2 = rnd(rnd(x2*c) + rnd(x1*s))
-One program handles BLOCK_H heads of one token; program_id(1) walks q's head blocks, then k's
-(then v's, when a LoRA delta is fused in: see apply_rotary).
+One program handles BLOCK_H heads of one token; program_id(1) walks q's head blocks, then k's.
+
+With a LoRA delta of the qkv projection a second kernel runs instead, on tiles of token rows x
+heads (kernels/lora_delta.py): program_id(1) walks q's, k's, then v's head blocks, the delta is
+added to q, k (before rotating) and v, each rounded once. The no-LoRA kernel is the plain one.
 """
 from __future__ import annotations
 
@@ -20,40 +23,34 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from batchrun.kernels.lora_delta import delta_args, lora_delta, r_chunk
+from batchrun.kernels.lora_delta import (delta_args, lora_delta_tile, row_block, tile_shrunk,
+                                        tile_slots)
 from batchrun.kernels.lora_meta import LoRADelta
 from batchrun.kernels.utils import FLOAT_DTYPES, check
 
 
 @triton.jit
+def _rotate(x1, x2, c, s):
+    # HF's rounding (module docstring): c, s are fp32, x1, x2 the halves in the model dtype
+    dt = x1.dtype
+    c = c.to(dt).to(tl.float32)
+    s = s.to(dt).to(tl.float32)
+    a1 = x1.to(tl.float32)
+    a2 = x2.to(tl.float32)
+    o1 = ((a1 * c).to(dt).to(tl.float32) + (-a2 * s).to(dt).to(tl.float32)).to(dt)
+    o2 = ((a2 * c).to(dt).to(tl.float32) + (a1 * s).to(dt).to(tl.float32)).to(dt)
+    return o1, o2
+
+
+@triton.jit
 def _rope_heads(x_ptr, stride_t, stride_h, t, h0, H, c, s, offs_h, offs_d, d_mask,
-                s_ptr, stride_s, b_ptr, slot_ptr, LN, LL, LR, slice_idx, col0,
-                HALF: tl.constexpr, ROTATE: tl.constexpr, HAS_LORA: tl.constexpr,
-                BLOCK_R: tl.constexpr, R_CHUNK: tl.constexpr):
+                HALF: tl.constexpr):
     heads = h0 + offs_h
     mask = (heads < H)[:, None] & d_mask[None, :]
     p1 = x_ptr + t * stride_t + heads[:, None].to(tl.int64) * stride_h + offs_d[None, :]
     x1 = tl.load(p1, mask=mask, other=0.0)
     x2 = tl.load(p1 + HALF, mask=mask, other=0.0)
-    dt = x1.dtype
-    if HAS_LORA:  # head h of this slice is fused-output columns col0 + h*D .. col0 + h*D + D
-        cols = col0 + heads[:, None] * (2 * HALF) + offs_d[None, :]
-        d1 = lora_delta(s_ptr, stride_s, b_ptr, slot_ptr, t, slice_idx, cols, mask,
-                        LN, LL, LR, BLOCK_R, R_CHUNK)
-        d2 = lora_delta(s_ptr, stride_s, b_ptr, slot_ptr, t, slice_idx, cols + HALF, mask,
-                        LN, LL, LR, BLOCK_R, R_CHUNK)
-        x1 = (x1.to(tl.float32) + d1).to(dt)
-        x2 = (x2.to(tl.float32) + d2).to(dt)
-    if ROTATE:
-        c = c.to(dt).to(tl.float32)[None, :]
-        s = s.to(dt).to(tl.float32)[None, :]
-        a1 = x1.to(tl.float32)
-        a2 = x2.to(tl.float32)
-        o1 = ((a1 * c).to(dt).to(tl.float32) + (-a2 * s).to(dt).to(tl.float32)).to(dt)
-        o2 = ((a2 * c).to(dt).to(tl.float32) + (a1 * s).to(dt).to(tl.float32)).to(dt)
-    else:  # v: only the LoRA delta
-        o1 = x1
-        o2 = x2
+    o1, o2 = _rotate(x1, x2, c[None, :], s[None, :])
     tl.store(p1, o1, mask=mask)
     tl.store(p1 + HALF, o2, mask=mask)
 
@@ -62,18 +59,13 @@ def _rope_heads(x_ptr, stride_t, stride_h, t, h0, H, c, s, offs_h, offs_d, d_mas
 def _rotary_kernel(
     q_ptr,            # [T, Hq, D]   rotated in place
     k_ptr,            # [T, Hkv, D]  rotated in place
-    v_ptr,            # [T, Hkv, D]  LoRA delta added in place (HAS_LORA only)
     cs_ptr,           # fp32 [P, D]  cat(cos, sin)
     pos_ptr,          # int [T]
     Hq, Hkv,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cs,
-    Q_BLOCKS,         # cdiv(Hq, BLOCK_H): head blocks of q come first on axis 1, then k, then v
-    K_BLOCKS,         # cdiv(Hkv, BLOCK_H)
-    s_ptr, stride_s, b_ptr, slot_ptr, LN, LL, LR,   # LoRA delta of q|k|v (HAS_LORA only)
-    OFF_K, OFF_V,     # first fused-output column of k and of v (LoRA only)
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_cs,
+    Q_BLOCKS,         # cdiv(Hq, BLOCK_H): head blocks of q come first on axis 1, then k
     HALF: tl.constexpr,       # D / 2
     BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
-    HAS_LORA: tl.constexpr, BLOCK_R: tl.constexpr, R_CHUNK: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     hb = tl.program_id(1)
@@ -85,16 +77,87 @@ def _rotary_kernel(
     s = tl.load(cs_ptr + pos * stride_cs + HALF + offs_d, mask=d_mask, other=0.0)
     if hb < Q_BLOCKS:
         _rope_heads(q_ptr, stride_qt, stride_qh, t, hb * BLOCK_H, Hq, c, s,
-                    offs_h, offs_d, d_mask, s_ptr, stride_s, b_ptr, slot_ptr, LN, LL, LR, 0, 0,
-                    HALF, True, HAS_LORA, BLOCK_R, R_CHUNK)
-    elif hb < Q_BLOCKS + K_BLOCKS:
+                    offs_h, offs_d, d_mask, HALF)
+    else:
         _rope_heads(k_ptr, stride_kt, stride_kh, t, (hb - Q_BLOCKS) * BLOCK_H, Hkv, c, s,
-                    offs_h, offs_d, d_mask, s_ptr, stride_s, b_ptr, slot_ptr, LN, LL, LR,
-                    1, OFF_K, HALF, True, HAS_LORA, BLOCK_R, R_CHUNK)
-    elif HAS_LORA:
-        _rope_heads(v_ptr, stride_vt, stride_vh, t, (hb - Q_BLOCKS - K_BLOCKS) * BLOCK_H, Hkv,
-                    c, s, offs_h, offs_d, d_mask, s_ptr, stride_s, b_ptr, slot_ptr, LN, LL, LR,
-                    2, OFF_V, HALF, False, HAS_LORA, BLOCK_R, R_CHUNK)
+                    offs_h, offs_d, d_mask, HALF)
+
+
+@triton.jit
+def _rope_lora_tile(x_ptr, stride_t, stride_h, rows, row_mask, h0, H, jh, jd, jd_mask,
+                    cs_ptr, pos_ptr, stride_cs,
+                    s_ptr, stride_s, b_ptr, slot, lo, hi, LN, LL, LR, slice_idx, col0,
+                    HALF: tl.constexpr, ROTATE: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, DOT_IEEE: tl.constexpr,
+                    SLOT_UNROLL: tl.constexpr):
+    # Tile: BLOCK_M rows x (BLOCK_H heads x BLOCK_HALF dims) flattened into BLOCK_N columns;
+    # column j is dim jd[j] of head h0 + jh[j] (first half; the second half is + HALF).
+    heads = h0 + jh
+    col_mask = (heads < H) & jd_mask
+    mask = row_mask[:, None] & col_mask[None, :]
+    rows64 = rows.to(tl.int64)
+    p1 = x_ptr + rows64[:, None] * stride_t + (heads.to(tl.int64) * stride_h + jd)[None, :]
+    x1 = tl.load(p1, mask=mask, other=0.0)
+    x2 = tl.load(p1 + HALF, mask=mask, other=0.0)
+    dt = x1.dtype
+    cols = col0 + heads * (2 * HALF) + jd       # head h of the slice: columns h*D .. h*D + D
+    s_own = tile_shrunk(s_ptr, stride_s, rows, slot, slice_idx, LL, LR, BLOCK_R, DOT_IEEE)
+    d1 = lora_delta_tile(s_own, b_ptr, slot, lo, hi, cols, col_mask, LN, LR,
+                         BLOCK_M, BLOCK_N, BLOCK_R, SLOT_UNROLL, DOT_IEEE)
+    d2 = lora_delta_tile(s_own, b_ptr, slot, lo, hi, cols + HALF, col_mask, LN, LR,
+                         BLOCK_M, BLOCK_N, BLOCK_R, SLOT_UNROLL, DOT_IEEE)
+    x1 = (x1.to(tl.float32) + d1).to(dt)
+    x2 = (x2.to(tl.float32) + d2).to(dt)
+    if ROTATE:
+        pos = tl.load(pos_ptr + rows, mask=row_mask, other=0).to(tl.int64)
+        cs = cs_ptr + pos[:, None] * stride_cs + jd[None, :]
+        cs_mask = row_mask[:, None] & jd_mask[None, :]
+        c = tl.load(cs, mask=cs_mask, other=0.0)
+        s = tl.load(cs + HALF, mask=cs_mask, other=0.0)
+        x1, x2 = _rotate(x1, x2, c, s)
+    tl.store(p1, x1, mask=mask)
+    tl.store(p1 + HALF, x2, mask=mask)
+
+
+@triton.jit
+def _rotary_lora_kernel(
+    q_ptr, k_ptr,     # as in _rotary_kernel
+    v_ptr,            # [T, Hkv, D]  LoRA delta added in place
+    cs_ptr, pos_ptr, T, Hq, Hkv,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cs,
+    Q_BLOCKS, K_BLOCKS,   # head blocks of q, then k, then v on axis 1
+    s_ptr, stride_s, b_ptr, slot_ptr, LN, LL, LR,   # LoRA delta of q|k|v
+    OFF_K, OFF_V,     # first fused-output column of k and of v
+    HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    BLOCK_N: tl.constexpr,    # BLOCK_H * BLOCK_HALF
+    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, DOT_IEEE: tl.constexpr,
+    SLOT_UNROLL: tl.constexpr,
+):
+    # Grid (row tiles, head blocks of q | k | v): B[the block's columns] is read once per
+    # slot the tile's rows use.
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_mask = rows < T
+    hb = tl.program_id(1)
+    j = tl.arange(0, BLOCK_N)
+    jh, jd = j // BLOCK_HALF, j % BLOCK_HALF
+    jd_mask = jd < HALF
+    slot, lo, hi = tile_slots(slot_ptr, rows, row_mask)
+    if hb < Q_BLOCKS:
+        _rope_lora_tile(q_ptr, stride_qt, stride_qh, rows, row_mask, hb * BLOCK_H, Hq, jh, jd,
+                        jd_mask, cs_ptr, pos_ptr, stride_cs, s_ptr, stride_s, b_ptr, slot, lo, hi,
+                        LN, LL, LR, 0, 0, HALF, True, BLOCK_M, BLOCK_N, BLOCK_R, DOT_IEEE,
+                        SLOT_UNROLL)
+    elif hb < Q_BLOCKS + K_BLOCKS:
+        _rope_lora_tile(k_ptr, stride_kt, stride_kh, rows, row_mask, (hb - Q_BLOCKS) * BLOCK_H,
+                        Hkv, jh, jd, jd_mask, cs_ptr, pos_ptr, stride_cs, s_ptr, stride_s, b_ptr,
+                        slot, lo, hi, LN, LL, LR, 1, OFF_K, HALF, True, BLOCK_M, BLOCK_N,
+                        BLOCK_R, DOT_IEEE, SLOT_UNROLL)
+    else:  # v: only the LoRA delta
+        _rope_lora_tile(v_ptr, stride_vt, stride_vh, rows, row_mask,
+                        (hb - Q_BLOCKS - K_BLOCKS) * BLOCK_H, Hkv, jh, jd, jd_mask, cs_ptr,
+                        pos_ptr, stride_cs, s_ptr, stride_s, b_ptr, slot, lo, hi, LN, LL, LR,
+                        2, OFF_V, HALF, False, BLOCK_M, BLOCK_N, BLOCK_R, DOT_IEEE,
+                        SLOT_UNROLL)
 
 
 def apply_rotary(q: Tensor, k: Tensor, cos_sin: Tensor, positions: Tensor,
@@ -120,22 +183,29 @@ def apply_rotary(q: Tensor, k: Tensor, cos_sin: Tensor, positions: Tensor,
         want = (0, Hq * D, (Hq + Hkv) * D, (Hq + 2 * Hkv) * D)
         check(tuple(lora.slice_offsets) == want,
               f"LoRA slice offsets {tuple(lora.slice_offsets)} are not q|k|v's {want}")
-    vv = v if lora is not None else k
+    if lora is not None:
+        largs, consts = delta_args(lora, T, (Hq + 2 * Hkv) * D, 3, q.device)
     if T == 0:
         return q, k
-    largs, block_r = delta_args(lora, q, T, (Hq + 2 * Hkv) * D, 3)
     block_half = triton.next_power_of_2(D // 2)
-    # With a LoRA delta each head also needs a [D, R] slice of B: 2 heads per program spread
-    # those loads over many programs (a decode step has only a few tokens).
-    max_h = 512 // block_half if lora is None else max(1, 128 // block_half)
-    block_h = max(1, min(triton.next_power_of_2(max(Hq, Hkv)), max_h))
+    if lora is None:
+        block_h = max(1, min(triton.next_power_of_2(max(Hq, Hkv)), 512 // block_half))
+        q_blocks = triton.cdiv(Hq, block_h)
+        _rotary_kernel[(T, q_blocks + triton.cdiv(Hkv, block_h))](
+            q, k, cos_sin, positions, Hq, Hkv, q.stride(0), q.stride(1), k.stride(0),
+            k.stride(1), cos_sin.stride(0), q_blocks,
+            HALF=D // 2, BLOCK_H=block_h, BLOCK_HALF=block_half, num_warps=4)
+        return q, k
+    # About 64 columns (half-head dims) per tile: one head of D = 128, and enough programs
+    # (row tiles x 3 slices' heads) to fill the GPU at decode sizes. At least 16 (tl.dot).
+    block_h = max(1, min(triton.next_power_of_2(max(Hq, Hkv)), 64 // block_half))
+    block_h = max(block_h, triton.cdiv(16, block_half))
+    bm = row_block(T)
     q_blocks, k_blocks = triton.cdiv(Hq, block_h), triton.cdiv(Hkv, block_h)
-    grid = (T, q_blocks + k_blocks * (2 if lora is not None else 1))
-    _rotary_kernel[grid](
-        q, k, vv, cos_sin, positions, Hq, Hkv,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), vv.stride(0), vv.stride(1),
+    _rotary_lora_kernel[(triton.cdiv(T, bm), q_blocks + 2 * k_blocks)](
+        q, k, v, cos_sin, positions, T, Hq, Hkv,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         cos_sin.stride(0), q_blocks, k_blocks, *largs, Hq * D, (Hq + Hkv) * D,
-        HALF=D // 2, BLOCK_H=block_h, BLOCK_HALF=block_half,
-        HAS_LORA=lora is not None, BLOCK_R=block_r,
-        R_CHUNK=r_chunk(block_r, block_h * block_half), num_warps=4)
+        HALF=D // 2, BLOCK_H=block_h, BLOCK_HALF=block_half, BLOCK_N=block_h * block_half,
+        BLOCK_M=bm, **consts, num_warps=4)
     return q, k

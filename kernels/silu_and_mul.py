@@ -3,11 +3,12 @@
 HF's MLP computes `act_fn(gate_proj(x)) * up_proj(x)`: F.silu in the input dtype (fp32 math,
 rounded once), then the multiply in the input dtype. The kernel does the same: silu in fp32,
 round to the input dtype, multiply in fp32 (exact for two bf16/fp16 values) and round once.
-Grid (T, cdiv(I, BLOCK)) from static shapes: CUDA-graph capturable.
+Grid from static shapes: CUDA-graph capturable.
 
 With `lora` (the LoRA delta of the gate_up projection, slices gate and up; see
-kernels/lora_delta.py) gate and up are first made rnd(gate + delta) and rnd(up + delta), the
-values a separate LoRA expand would have written, so a LoRA decode step launches nothing extra.
+kernels/lora_delta.py) a second kernel runs instead, on tiles of token rows x columns: gate and
+up are first made rnd(gate + delta) and rnd(up + delta), the values a separate LoRA expand would
+have written, so a LoRA step launches nothing extra. The no-LoRA kernel is the plain one.
 """
 from __future__ import annotations
 
@@ -16,9 +17,18 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from batchrun.kernels.lora_delta import delta_args, lora_delta, r_chunk
+from batchrun.kernels.lora_delta import (delta_args, lora_delta_tile, row_block, tile_shrunk,
+                                        tile_slots)
 from batchrun.kernels.lora_meta import LoRADelta
 from batchrun.kernels.utils import FLOAT_DTYPES, check
+
+
+@triton.jit
+def _silu_mul(g, u, out_dtype):
+    # g, u in the input dtype -> silu(g) rounded to it, times u, rounded once to out_dtype
+    gf = g.to(tl.float32)
+    s = (gf / (1.0 + tl.exp(-gf))).to(g.dtype).to(tl.float32)   # F.silu in the input dtype
+    return (s * u.to(tl.float32)).to(out_dtype)
 
 
 @triton.jit
@@ -27,9 +37,7 @@ def _silu_and_mul_kernel(
     out_ptr,          # [T, I]
     I,
     stride_x, stride_o,   # row strides (last dim contiguous)
-    s_ptr, stride_s, b_ptr, slot_ptr, LN, LL, LR,   # LoRA delta of x (HAS_LORA only)
     BLOCK: tl.constexpr,
-    HAS_LORA: tl.constexpr, BLOCK_R: tl.constexpr, R_CHUNK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -37,18 +45,38 @@ def _silu_and_mul_kernel(
     g_ptrs = x_ptr + row * stride_x + offs
     g = tl.load(g_ptrs, mask=mask, other=0.0)
     u = tl.load(g_ptrs + I, mask=mask, other=0.0)
-    if HAS_LORA:
-        cols, m2 = offs[None, :], mask[None, :]
-        dg = lora_delta(s_ptr, stride_s, b_ptr, slot_ptr, row, 0, cols, m2, LN, LL, LR,
-                        BLOCK_R, R_CHUNK)
-        du = lora_delta(s_ptr, stride_s, b_ptr, slot_ptr, row, 1, cols + I, m2, LN, LL, LR,
-                        BLOCK_R, R_CHUNK)
-        g = (g.to(tl.float32) + tl.sum(dg, axis=0)).to(g.dtype)
-        u = (u.to(tl.float32) + tl.sum(du, axis=0)).to(g.dtype)
-    u = u.to(tl.float32)
-    gf = g.to(tl.float32)
-    s = (gf / (1.0 + tl.exp(-gf))).to(g.dtype).to(tl.float32)   # F.silu in the input dtype
-    tl.store(out_ptr + row * stride_o + offs, (s * u).to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + row * stride_o + offs, _silu_mul(g, u, out_ptr.dtype.element_ty),
+             mask=mask)
+
+
+@triton.jit
+def _silu_and_mul_lora_kernel(
+    x_ptr, out_ptr, T, I, stride_x, stride_o,        # as above, T rows
+    s_ptr, stride_s, b_ptr, slot_ptr, LN, LL, LR,   # LoRA delta of x (gate | up slices)
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr, DOT_IEEE: tl.constexpr, SLOT_UNROLL: tl.constexpr,
+):
+    # Grid (row tiles, column tiles): each program reads B[gate cols] and B[up cols] once per
+    # slot its rows use.
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask, col_mask = rows < T, cols < I
+    mask = row_mask[:, None] & col_mask[None, :]
+    rows64 = rows.to(tl.int64)
+    g_ptrs = x_ptr + rows64[:, None] * stride_x + cols[None, :]
+    g = tl.load(g_ptrs, mask=mask, other=0.0)
+    u = tl.load(g_ptrs + I, mask=mask, other=0.0)
+    slot, lo, hi = tile_slots(slot_ptr, rows, row_mask)
+    sg = tile_shrunk(s_ptr, stride_s, rows, slot, 0, LL, LR, BLOCK_R, DOT_IEEE)
+    su = tile_shrunk(s_ptr, stride_s, rows, slot, 1, LL, LR, BLOCK_R, DOT_IEEE)
+    dg = lora_delta_tile(sg, b_ptr, slot, lo, hi, cols, col_mask, LN, LR,
+                         BLOCK_M, BLOCK_N, BLOCK_R, SLOT_UNROLL, DOT_IEEE)
+    du = lora_delta_tile(su, b_ptr, slot, lo, hi, cols + I, col_mask, LN, LR,
+                         BLOCK_M, BLOCK_N, BLOCK_R, SLOT_UNROLL, DOT_IEEE)
+    g = (g.to(tl.float32) + dg).to(g.dtype)
+    u = (u.to(tl.float32) + du).to(g.dtype)
+    tl.store(out_ptr + rows64[:, None] * stride_o + cols[None, :],
+             _silu_mul(g, u, out_ptr.dtype.element_ty), mask=mask)
 
 
 def silu_and_mul(gate_up: Tensor, out: Tensor | None = None,
@@ -64,14 +92,19 @@ def silu_and_mul(gate_up: Tensor, out: Tensor | None = None,
         out = torch.empty((T, I), dtype=gate_up.dtype, device=gate_up.device)
     check(out.shape == (T, I) and out.dtype == gate_up.dtype and out.stride(1) == 1,
           f"out must be [{T}, {I}] {gate_up.dtype} with contiguous rows")
+    if lora is not None:
+        largs, consts = delta_args(lora, T, 2 * I, 2, gate_up.device)
     if T == 0 or I == 0:
         return out
-    largs, block_r = delta_args(lora, gate_up, T, 2 * I, 2)
-    # The LoRA variant loads [BLOCK, R] weights twice per program: smaller column blocks (more
-    # programs) keep that in registers.
-    block = min(1024 if lora is None else 128, triton.next_power_of_2(I))
-    grid = (T, triton.cdiv(I, block))
-    _silu_and_mul_kernel[grid](gate_up, out, I, gate_up.stride(0), out.stride(0), *largs,
-                               BLOCK=block, HAS_LORA=lora is not None, BLOCK_R=block_r,
-                               R_CHUNK=r_chunk(block_r, block), num_warps=4)
+    if lora is None:
+        block = min(1024, triton.next_power_of_2(I))
+        _silu_and_mul_kernel[(T, triton.cdiv(I, block))](
+            gate_up, out, I, gate_up.stride(0), out.stride(0), BLOCK=block, num_warps=4)
+        return out
+    # 64 columns: enough programs to fill the GPU at a few row tiles, and a [64, R] B tile
+    # per slice and slot.
+    bm, bn = row_block(T), min(64, max(16, triton.next_power_of_2(I)))
+    _silu_and_mul_lora_kernel[(triton.cdiv(T, bm), triton.cdiv(I, bn))](
+        gate_up, out, T, I, gate_up.stride(0), out.stride(0), *largs,
+        BLOCK_M=bm, BLOCK_N=bn, **consts, num_warps=4)
     return out

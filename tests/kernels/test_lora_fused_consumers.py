@@ -2,6 +2,11 @@
 against the torch reference: op(apply_reference(x)). Inputs are laid out like a fused decode
 step: y and `shrunk` are column ranges of one GEMM output (strided rows), slots mix -1 with
 every slot, ranks are odd and small. Rows with slot -1 must equal the plain kernel bit for bit.
+
+The kernels work on tiles of token rows (kernels/lora_delta.py: 16 rows for RMSNorm, up to 32
+for the others), so the shapes also cover several tiles, a last tile cut short, tiles whose
+rows all share one slot (the highest, so the slot range does not start at 0), rows sorted by
+slot, and ranks below, at and above the 16-rank dot minimum.
 """
 import pytest
 import torch
@@ -16,13 +21,24 @@ from kernel_testutils import CPU_DTYPES, DEVICE, mixed_slots, randn
 from test_rotary import cos_sin_cache
 
 
-def _fused_output(T, sizes, L, R, dtype, seed):
+def _slots(T, L, gen, pattern):
+    # int32 [T]: "mixed" (-1 and every slot, shuffled), "sorted" (the same, grouped by slot),
+    # "one" (every row the highest slot), "none" (every row -1)
+    if pattern == "one":
+        return torch.full((T,), L - 1, dtype=torch.int32)
+    if pattern == "none":
+        return torch.full((T,), -1, dtype=torch.int32)
+    slots = mixed_slots(T, L, gen)
+    return slots.sort().values if pattern == "sorted" else slots
+
+
+def _fused_output(T, sizes, L, R, dtype, seed, pattern="mixed"):
     """(y [T, N] view, LoRADelta, slots) as a fused LoRA GEMM leaves them."""
     gen = torch.Generator().manual_seed(seed)
     N, S = sum(sizes), len(sizes)
     full = randn(T, N + S * L * R + 3, dtype=dtype, gen=gen)  # +3: rows are strided
-    slots = torch.cat([mixed_slots(T, L, gen), torch.randint(0, L, (5,), generator=gen,
-                                                             dtype=torch.int32)]).to(DEVICE)
+    slots = torch.cat([_slots(T, L, gen, pattern), torch.randint(0, L, (5,), generator=gen,
+                                                                 dtype=torch.int32)]).to(DEVICE)
     lora_b = randn(L, N, R, dtype=dtype, gen=gen, scale=R ** -0.5)
     offs = [0]
     for n in sizes:
@@ -52,11 +68,27 @@ def _same_where_no_lora(got, plain, slots):
         assert torch.equal(got[none], plain[none])
 
 
+# (T, H, L, R, slot pattern): several 16-row tiles, the last one short
+NORM_TILES = [(37, 96, 3, 5, "mixed"), (50, 200, 8, 16, "mixed"), (33, 128, 4, 20, "one"),
+              (40, 64, 2, 3, "sorted"), (17, 130, 2, 4, "none")]
+
+
 @pytest.mark.parametrize("dtype", CPU_DTYPES)
 @pytest.mark.parametrize("T,H,L,R", [(1, 64, 1, 16), (7, 96, 3, 5), (5, 300, 4, 8), (9, 128, 2, 1)])
 @pytest.mark.parametrize("fused_add", [True, False])
-def test_norm(T, H, L, R, dtype, fused_add):
-    x, delta, slots = _fused_output(T, [H], L, R, dtype, seed=T * 31 + H + R)
+def test_norm(T, H, L, R, dtype, fused_add, pattern="mixed"):
+    _check_norm(T, H, L, R, dtype, fused_add, pattern)
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+@pytest.mark.parametrize("T,H,L,R,pattern", NORM_TILES)
+@pytest.mark.parametrize("fused_add", [True, False])
+def test_norm_tiles(T, H, L, R, pattern, dtype, fused_add):
+    _check_norm(T, H, L, R, dtype, fused_add, pattern)
+
+
+def _check_norm(T, H, L, R, dtype, fused_add, pattern):
+    x, delta, slots = _fused_output(T, [H], L, R, dtype, seed=T * 31 + H + R, pattern=pattern)
     gen = torch.Generator().manual_seed(7)
     w = randn(H, dtype=dtype, gen=gen)
     x_before = x.clone()
@@ -83,8 +115,22 @@ def test_norm(T, H, L, R, dtype, fused_add):
 
 @pytest.mark.parametrize("dtype", CPU_DTYPES)
 @pytest.mark.parametrize("T,I,L,R", [(1, 64, 1, 16), (6, 130, 3, 7), (4, 600, 2, 4)])
-def test_silu_and_mul(T, I, L, R, dtype):
-    gate_up, delta, slots = _fused_output(T, [I, I], L, R, dtype, seed=T + I + R)
+def test_silu_and_mul(T, I, L, R, dtype, pattern="mixed"):
+    _check_silu(T, I, L, R, dtype, pattern)
+
+
+# (T, I, L, R, slot pattern): several row tiles of 32, the last one short; column tiles of
+# 64, the last one short; 12 slots: two unrolled groups of 8
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+@pytest.mark.parametrize("T,I,L,R,pattern", [(70, 100, 8, 16, "mixed"), (29, 72, 3, 5, "one"),
+                                             (66, 40, 4, 20, "sorted"), (20, 64, 2, 1, "mixed"),
+                                             (40, 48, 12, 4, "mixed")])
+def test_silu_and_mul_tiles(T, I, L, R, pattern, dtype):
+    _check_silu(T, I, L, R, dtype, pattern)
+
+
+def _check_silu(T, I, L, R, dtype, pattern):
+    gate_up, delta, slots = _fused_output(T, [I, I], L, R, dtype, seed=T + I + R, pattern=pattern)
     before = gate_up.clone()
     out = silu_and_mul(gate_up, lora=delta)
     ref = ref_silu_and_mul(delta.apply_reference(gate_up))
@@ -94,8 +140,8 @@ def test_silu_and_mul(T, I, L, R, dtype):
     _same_where_no_lora(out, silu_and_mul(gate_up), slots)
 
 
-def _check_rotary(T, Hq, Hkv, D, L, R, dtype, seed):
-    qkv, delta, slots = _fused_output(T, [Hq * D, Hkv * D, Hkv * D], L, R, dtype, seed)
+def _check_rotary(T, Hq, Hkv, D, L, R, dtype, seed, pattern="mixed"):
+    qkv, delta, slots = _fused_output(T, [Hq * D, Hkv * D, Hkv * D], L, R, dtype, seed, pattern)
     plain_qkv = qkv.clone()
     fixed = delta.apply_reference(qkv)
     q, k, v = (t.view(T, -1, D) for t in qkv.split([Hq * D, Hkv * D, Hkv * D], dim=-1))
@@ -119,6 +165,29 @@ def _check_rotary(T, Hq, Hkv, D, L, R, dtype, seed):
                                             (5, 6, 1, 80, 2, 8)])
 def test_rotary(T, Hq, Hkv, D, L, R, dtype):
     _check_rotary(T, Hq, Hkv, D, L, R, dtype, seed=T + Hq + D)
+
+
+# (T, Hq, Hkv, D, L, R, slot pattern): GQA and MHA over several row tiles; D = 80 pads the
+# half-head dims (40 of 64); D = 16 puts two heads in one tile of 16 columns
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+@pytest.mark.parametrize("T,Hq,Hkv,D,L,R,pattern", [(70, 4, 2, 64, 8, 16, "mixed"),
+                                                    (37, 6, 1, 80, 3, 5, "sorted"),
+                                                    (21, 3, 3, 16, 2, 20, "one"),
+                                                    (18, 4, 2, 32, 4, 3, "none")])
+def test_rotary_tiles(T, Hq, Hkv, D, L, R, pattern, dtype):
+    _check_rotary(T, Hq, Hkv, D, L, R, dtype, seed=T + Hq + D, pattern=pattern)
+
+
+def test_shrunk_and_b_of_different_dtypes_dot_in_fp32():
+    # fp32 shrunk values with fp16 B and y: both operands go to the dot as fp32
+    T, I, L, R = 20, 48, 3, 6
+    gate_up, delta, slots = _fused_output(T, [I, I], L, R, torch.float16, seed=5)
+    wide = LoRADelta(delta.shrunk.float(), delta.lora_b, delta.token_slots, delta.slice_offsets)
+    out = silu_and_mul(gate_up, lora=wide)
+    ref = ref_silu_and_mul(wide.apply_reference(gate_up))
+    scale = ref.float().abs().mean(-1, keepdim=True)
+    assert (out.float() - ref.float()).abs().le(_tol(ref, torch.float16, scale)).all()
+    _same_where_no_lora(out, silu_and_mul(gate_up), slots)
 
 
 def test_rotary_refuses_a_delta_of_another_layout():
