@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Sequence
 
 from batchrun.errors import ConfigError
-from batchrun.job import JobSpec, load_job, parse_job, parse_sampling
+from batchrun.job import JobSpec, check_max_tokens, load_job, parse_job, parse_sampling
 
 
 def run(job: str | os.PathLike | dict, task_id: int = 0, num_tasks: int = 1, restart: bool = False,
@@ -104,9 +104,7 @@ class LLM:
         if len(names) != len(prompts):
             raise ConfigError(f"generate: adapters has {len(names)} names for {len(prompts)} prompts")
         spec = replace(self.spec, sampling=parse_sampling(sampling or {}, self.spec.model))
-        if spec.sampling.max_tokens >= spec.engine.max_model_len:
-            raise ConfigError(f"sampling.max_tokens: must be smaller than engine.max_model_len "
-                              f"({spec.engine.max_model_len}) to leave room for the prompt")
+        check_max_tokens(spec.sampling, spec.engine)
         groups: dict[tuple, list[int]] = {}
         for i, p in enumerate(prompts):
             groups.setdefault((_kind(p), names[i] or None), []).append(i)

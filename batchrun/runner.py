@@ -86,15 +86,8 @@ class TaskStats:
 
 def load_engine(spec: JobSpec):
     """The real engine (imported late: planning and validation never need torch)."""
-    from batchrun.config import EngineConfig
     from batchrun.engine.engine import Engine
-    e = spec.engine
-    cfg = EngineConfig(model=spec.model, device=e.device, dtype=e.dtype, max_num_seqs=e.max_num_seqs,
-                       max_num_batched_tokens=e.max_num_batched_tokens, max_model_len=e.max_model_len,
-                       gpu_memory_utilization=e.gpu_memory_utilization, enable_lora=bool(spec.adapters),
-                       max_loras=e.max_loras, max_lora_rank=e.max_lora_rank, enforce_eager=e.enforce_eager,
-                       seed=spec.sampling.seed)
-    return Engine.from_config(cfg, adapters=dict(spec.adapters))
+    return Engine.from_config(spec.engine, adapters=dict(spec.adapters))
 
 
 class TaskRunner:
