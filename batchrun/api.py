@@ -13,6 +13,7 @@ the same tokens or the same error as in a job.
 """
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass, field, replace
 from typing import Any, Sequence
@@ -118,7 +119,7 @@ class LLM:
             unit = Unit(index, adapter, adapter is None or adapter in spec.adapters, 0, len(members))
             rows = {"id": members, col: [prompts[i] for i in members], "adapter": [adapter] * len(members)}
             works.append(build_unit(unit, rows, None, None, plan, replace(spec, input=inp), self.engine.tokenizer,
-                                    self.engine.max_model_len, self.engine.check_request))
+                                    functools.partial(self.engine.check_request, job=True)))
         requests = [r for w in works for r in w.requests]
         for res in self.engine.generate(requests):
             unit_index, slot = res.request_id

@@ -19,6 +19,7 @@ from batchrun.output_path import check_unowned_dir
 from batchrun.plan import Plan, assign_tasks, engine_groups, group_rows, make_plan
 from batchrun.prepare import token_counter, validate
 from batchrun.prompts import chat_messages
+from batchrun.request_check import too_long
 from batchrun.rows import _sampling
 
 
@@ -115,7 +116,8 @@ def _prompt_tokens(spec: JobSpec, plan: Plan) -> tuple[dict, dict]:
                         mt[i] = _sampling(spec, overrides, i, None, extra).max_tokens
                     except (ValueError, TypeError):
                         mt[i] = np.inf
-            is_bad = (lens <= 0) | (lens + mt > spec.engine.max_model_len)
+            # lens -1: refused before tokenizing; 0: "empty prompt" (request_check's first test)
+            is_bad = (lens <= 0) | too_long(lens, mt, spec.engine.max_model_len)
             bad += np.bincount(codes, weights=is_bad, minlength=len(shard_keys)).astype(np.int64)
             tokens += np.bincount(codes, weights=np.maximum(lens, 0), minlength=len(shard_keys)).astype(np.int64)
     return ({k: int(tokens[i]) for k, i in code_of.items()}, {k: int(bad[i]) for k, i in code_of.items()})

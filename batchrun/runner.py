@@ -10,6 +10,7 @@ writer; nothing visible is ever partial (``commit.py``).
 """
 from __future__ import annotations
 
+import functools
 import os
 import re
 import shutil
@@ -288,7 +289,7 @@ class TaskRunner:
         spec = self.spec
         _settle_tokenizer(engine.tokenizer)
         reader = RowReader(self.plan.files, input_columns(spec, self.plan), arrow_columns=arrow_columns(self.plan))
-        max_len = getattr(engine, "max_model_len", spec.engine.max_model_len)
+        check = functools.partial(engine.check_request, job=True)
 
         def build(unit: Unit) -> UnitWork:  # on the feeder thread
             rf, ri = self.plan.unit_rows(unit)
@@ -300,8 +301,7 @@ class TaskRunner:
                 pins.check(rf)  # a file that changed under the reader says so ...
                 raise  # ... anything else is a real failure
             pins.check(rf)
-            work = build_unit(unit, rows, rf, ri, self.plan, spec, engine.tokenizer, max_len,
-                              engine.check_request)
+            work = build_unit(unit, rows, rf, ri, self.plan, spec, engine.tokenizer, check)
             bad = work.first_error()
             if bad and spec.on_error == "fail":
                 raise RowFailure(self._fail_message(*bad))
