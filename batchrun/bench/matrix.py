@@ -15,7 +15,7 @@ of its timed iterations; a scenario whose block count or counts differ from its 
 flagged not comparable (comparable.py) and gets no target verdict. The table is printed by
 matrix_report.py.
 
-each with CUDA graphs and eagerly (latency.eager() for that iteration). Every round runs
+Each runs with CUDA graphs and eagerly (timing.eager() for that iteration). Every round runs
 one iteration of each scenario, in an order rotated by one per round, so slow drift (clocks,
 temperature) spreads over all scenarios instead of biasing the ones measured last.
 """
@@ -27,14 +27,13 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-
 from batchrun.bench.build import build_engine, make_requests, random_prompts, round_robin
-from batchrun.bench.flags import engine_config
 from batchrun.bench.engine_stats import graph_stats, memory_stats
+from batchrun.bench.flags import engine_config
 from batchrun.bench.kernel_check import compare_decode_kernels
 from batchrun.bench.latency import RANDOM_BANNER
-from batchrun.bench.record import environment, write_json
 from batchrun.bench.matrix_stats import DEFAULT_TARGETS, _summaries, _targets
+from batchrun.bench.record import environment, write_json
 from batchrun.bench.timing import eager, time_generate
 from batchrun.config import EngineConfig
 
