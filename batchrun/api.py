@@ -13,12 +13,13 @@ the same tokens or the same error as in a job.
 """
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass, field, replace
 from typing import Any, Sequence
 
 from batchrun.errors import ConfigError
-from batchrun.job.spec import JobSpec, load_job, parse_job, parse_sampling
+from batchrun.job.spec import JobSpec, check_max_tokens, load_job, parse_job, parse_sampling
 
 
 def run(job: str | os.PathLike | dict, task_id: int = 0, num_tasks: int = 1, restart: bool = False,
@@ -104,9 +105,7 @@ class LLM:
         if len(names) != len(prompts):
             raise ConfigError(f"generate: adapters has {len(names)} names for {len(prompts)} prompts")
         spec = replace(self.spec, sampling=parse_sampling(sampling or {}, self.spec.model))
-        if spec.sampling.max_tokens >= spec.engine.max_model_len:
-            raise ConfigError(f"sampling.max_tokens: must be smaller than engine.max_model_len "
-                              f"({spec.engine.max_model_len}) to leave room for the prompt")
+        check_max_tokens(spec.sampling, spec.engine)
         groups: dict[tuple, list[int]] = {}
         for i, p in enumerate(prompts):
             groups.setdefault((_kind(p), names[i] or None), []).append(i)
@@ -120,7 +119,7 @@ class LLM:
             unit = Unit(index, adapter, adapter is None or adapter in spec.adapters, 0, len(members))
             rows = {"id": members, col: [prompts[i] for i in members], "adapter": [adapter] * len(members)}
             works.append(build_unit(unit, rows, None, None, plan, replace(spec, input=inp), self.engine.tokenizer,
-                                    self.engine.max_model_len, self.engine.check_request))
+                                    functools.partial(self.engine.check_request, job=True)))
         requests = [r for w in works for r in w.requests]
         for res in self.engine.generate(requests):
             unit_index, slot = res.request_id

@@ -21,9 +21,9 @@ from pathlib import Path
 
 import torch
 
-from batchrun.bench.latency import build_engine, random_prompts, round_robin
-from batchrun.bench.matrix import (MatrixParams, decode_step_profile, decoding_batch,
-                                   probe_scheduler)
+from batchrun.bench.build import build_engine, random_prompts, round_robin
+from batchrun.bench.matrix import MatrixParams
+from benchmarks.step_probe import decode_step_profile, decoding_batch, probe_scheduler
 
 
 def graph_step_us(engine, prompts, adapters, n: int = 60) -> tuple[float, float]:
@@ -94,8 +94,8 @@ def main() -> None:
     p = MatrixParams(model=a.model, batch_size=a.batch_size, input_len=max(lens + [32]), output_len=8,
                      max_loras=a.max_loras, max_lora_rank=16, lora_rank=16)
     with tempfile.TemporaryDirectory() as tmp:
-        eng_a = build_engine(p.spec(False))
-        eng_b = build_engine(p.spec(True), Path(tmp) / "adapters")
+        eng_a = build_engine(p.engine_config(False))
+        eng_b = build_engine(p.engine_config(True), p.max_loras, p.lora_rank, Path(tmp) / "adapters")
         names = sorted(eng_b.adapters)
         prompts = random_prompts(a.batch_size, 32, eng_a.engine.model.config.vocab_size, seed=0)
         cases = {"A lora_disabled": (eng_a.engine, None),

@@ -7,7 +7,8 @@ import json
 import sys
 from pathlib import Path
 
-from batchrun.bench.matrix import add_paired, print_matrix
+from batchrun.bench.matrix_stats import add_paired
+from batchrun.bench.matrix_report import print_matrix
 
 if __name__ == "__main__":
     path = Path(sys.argv[1])

@@ -10,6 +10,7 @@ import sys
 
 import click
 
+from batchrun.engine.config import DEVICES, DTYPES
 from batchrun.errors import ConfigError
 
 _USAGE, _CONFIG = 2, 3
@@ -58,10 +59,10 @@ def _common(f):
                      help="Prompt tokens per request (random ids in [100, vocab))."),
         click.option("--output-len", type=int, default=128, show_default=True,
                      help="Generated tokens per request (fixed: EOS is ignored)."),
-        click.option("--dtype", type=click.Choice(["auto", "float32", "float16", "bfloat16"]),
+        click.option("--dtype", type=click.Choice(DTYPES),
                      default="auto", show_default=True,
                      help="auto = the config's torch_dtype on GPU, float32 on CPU."),
-        click.option("--device", type=click.Choice(["auto", "cuda", "cpu"]), default="auto",
+        click.option("--device", type=click.Choice(DEVICES), default="auto",
                      show_default=True),
         click.option("--max-lora-rank", type=int, default=16, show_default=True),
         click.option("--lora-rank", type=int, default=16, show_default=True,
@@ -120,10 +121,21 @@ def latency(**kw):
 @click.option("--num-kv-blocks", type=int, default=None,
               help="KV blocks of BOTH engines. Default: engine A sized from free memory, "
                    "engine B forced to A's count.")
+@click.option("--target-0-active-pct", type=float, default=0.5, show_default=True,
+              help="Budget: % slower than LoRA disabled with LoRA enabled and no active adapter.")
+@click.option("--target-1-active-pct", type=float, default=8.0, show_default=True,
+              help="Budget: % slower than LoRA disabled with every row on one adapter.")
+@click.option("--target-many-active-pct", type=float, default=15.0, show_default=True,
+              help="Budget: % slower than LoRA disabled with rows over --max-loras adapters.")
+@click.option("--target-memory-ratio", type=float, default=1.15, show_default=True,
+              help="Budget: the LoRA engine's graph pools (both sets) over the no-LoRA set's.")
+@click.option("--target-capture-s", type=float, default=20.0, show_default=True,
+              help="Budget: seconds to capture both graph sets of the LoRA engine.")
 def lora_matrix(**kw):
     """LoRA disabled vs enabled with 0 / 1 / max-loras active adapters, graphs and eager,
-    A/B interleaved in one process, with ratios against the issue's targets."""
-    from batchrun.bench.matrix import MatrixParams, apply_preset, print_matrix, run_matrix
+    A/B interleaved in one process, with each slowdown against its --target-* budget."""
+    from batchrun.bench.matrix import MatrixParams, apply_preset, run_matrix
+    from batchrun.bench.matrix_report import print_matrix
     ctx = click.get_current_context()
     explicit = {k for k in kw
                 if ctx.get_parameter_source(k) is not click.core.ParameterSource.DEFAULT}
@@ -161,9 +173,9 @@ def lora_matrix(**kw):
 @click.option("--engine-warmup-rows", type=int, default=32, show_default=True,
               help="Engine alone: an untimed generate of this many rows (4 tokens each) first, "
                    "so the timed call finds its kernels compiled; 0 = time a cold first call.")
-@click.option("--device", type=click.Choice(["auto", "cuda", "cpu"]), default="auto",
+@click.option("--device", type=click.Choice(DEVICES), default="auto",
               show_default=True)
-@click.option("--dtype", type=click.Choice(["auto", "float32", "float16", "bfloat16"]),
+@click.option("--dtype", type=click.Choice(DTYPES),
               default="auto", show_default=True)
 @click.option("--gpu-memory-utilization", type=float, default=0.90, show_default=True)
 @click.option("--enforce-eager", is_flag=True, help="No CUDA graphs.")

@@ -40,6 +40,7 @@ from pathlib import Path
 
 from batchrun.bench import workload
 from batchrun.bench.throughput_report import outputs_digest, summarize
+from batchrun.bench.flags import engine_config
 
 RANDOM_NOTE = ("RANDOM WEIGHTS: {preset}-shaped model with weights ~ N(0, 0.02) and random "
                "adapters (nothing can be downloaded here); the timings are real, the generated "
@@ -93,6 +94,7 @@ class ThroughputParams:
             raise ValueError(f"--engine-warmup-rows must be >= 0, got {self.engine_warmup_rows}")
         if self.max_loras is not None and self.max_loras < 1:
             raise ValueError(f"--max-loras must be >= 1, got {self.max_loras}")
+        engine_config(model=self.model_preset, **self.engine_section())  # EngineConfig's checks, named by flag
 
     @property
     def model_preset(self) -> str:
@@ -107,6 +109,7 @@ class ThroughputParams:
         return self.num_adapters > 0 and round(self.lora_fraction * self.num_prompts) > 0
 
     def engine_section(self) -> dict:
+        """The job file's engine: section (EngineConfig fields) these flags make."""
         e = {"device": self.device, "dtype": self.dtype, "max_num_seqs": self.max_num_seqs,
              "max_num_batched_tokens": self.max_num_batched_tokens,
              "max_model_len": self.prompt_len + self.output_len,
@@ -286,7 +289,7 @@ def check_output(output_dir: str, ids: list[int], output_len: int) -> dict:
 
 # ---- the benchmark ----------------------------------------------------------------------
 def run_throughput(p: ThroughputParams, log=print, command: str | None = None) -> dict:
-    from batchrun.bench.latency import environment, write_json
+    from batchrun.bench.record import environment, write_json
     p.check()
     tmp = None
     if p.workdir:

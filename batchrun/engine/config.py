@@ -1,7 +1,15 @@
 """Engine and sampling configuration (dataclasses, validated on construction)."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import functools
+import math
+import types
+import typing
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from batchrun.errors import ConfigError
+from batchrun.job.short_repr import short_repr
 
 
 @dataclass(frozen=True)
@@ -48,6 +56,13 @@ class SamplingParams:
         return self.temperature == 0 or self.top_k == 1
 
 
+# ---- the engine ---------------------------------------------------------------------------------
+DEVICES = ("auto", "cpu", "cuda")
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+# EngineConfig fields a job file does not set in its engine: section: the job's model path,
+# whether it has adapters (enable_lora) and sampling.seed (seed) decide them.
+JOB_DERIVED_FIELDS = ("model", "enable_lora", "seed")
+
 # max_num_seqs "auto": at most this many (engine/kv_sizing.py says why; fewer when the KV cache
 # holds fewer max_model_len sequences)
 AUTO_MAX_NUM_SEQS = {"cuda": 256, "cpu": 16}
@@ -55,19 +70,23 @@ AUTO_MAX_NUM_SEQS = {"cuda": 256, "cpu": 16}
 
 @dataclass
 class EngineConfig:
+    """How the engine is built and run: the one list of engine settings. job.yaml's ``engine:``
+    section, ``batchrun.LLM(**engine)`` and the bench flags all build this, and it checks its
+    values itself (``__post_init__``), with job-file field paths (``engine.max_num_seqs: ...``)."""
     model: str
     device: str = "auto"  # auto | cpu | cuda
     dtype: str = "auto"  # auto (config torch_dtype on GPU, float32 on CPU) | float32 | float16 | bfloat16
     max_num_seqs: int | str = 64  # "auto": sized from the KV cache when the engine starts (kv_sizing.py)
-    max_num_batched_tokens: int = 2048  # per step; long prompts are prefilled in chunks of this size
     max_model_len: int = 2048
-    block_size: int = 16
+    max_loras: int = 4  # GPU slots
+    max_lora_rank: int = 64
+    enforce_eager: bool = False
+    max_num_batched_tokens: int = 2048  # per step; long prompts are prefilled in chunks of this size
     gpu_memory_utilization: float = 0.90
+    block_size: int = 16
     cpu_kv_cache_gb: float = 1.0  # fixed KV budget on CPU
     num_kv_blocks: int | None = None  # explicit override (tests force preemption with a tiny budget)
     enable_lora: bool = False
-    max_loras: int = 4  # GPU slots
-    max_lora_rank: int = 64
     max_cpu_loras: int | None = None  # LRU CPU cache size; None = keep all loaded adapters
     # GPU steps of at most this many tokens add LoRA deltas inside the kernel after each
     # projection (no LoRA launches); bigger prefill steps run shrink + expand kernels. Decode
@@ -76,38 +95,95 @@ class EngineConfig:
     # the throughput preset's 8192 tokens; the fused GEMM also computes every slot's shrink
     # (S*L*R extra columns), which is what a much larger max_loras x rank would pay for.
     lora_fused_max_tokens: int = 8192
-    enforce_eager: bool = False
     # full KV blocks are shared by rows whose prompts start with the same tokens (same adapter);
     # outputs are the same either way, only the prefill work differs
     enable_prefix_caching: bool = True
     # one step carries the running rows' decode tokens and prompt chunks (vLLM's unified
-    # scheduling; scheduler.py); False: a step is prefill or decode, never both (A/B benchmarks)
-    enable_mixed_steps: bool = True
+    # scheduling; scheduler.py). Off by default: on the H200 (1024 x (256 -> 128), batch 256)
+    # it measured no faster (engine alone 16.91 s on vs 15.60 s off, job generation 15.88 vs
+    # 15.96 s; docs/benchmarks.md), the rows run in synchronised waves there
+    enable_mixed_steps: bool = False
     cuda_graph_sizes: list[int] | None = None  # None = 1, 2, 4, 8, 16, 24, ... up to max_num_seqs
     seed: int = 0
 
     def __post_init__(self):
-        if self.device not in ("auto", "cpu", "cuda"):
-            raise ValueError(f"engine.device must be auto, cpu or cuda, got {self.device!r}")
-        if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
-            raise ValueError(f"engine.dtype must be auto, float32, float16 or bfloat16, got {self.dtype!r}")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size",
-                     "max_loras", "max_lora_rank"):
-            v = getattr(self, name)
-            if name == "max_num_seqs" and v == "auto":
-                continue
-            if not isinstance(v, int) or v < 1:
-                raise ValueError(f"engine.{name} must be an integer >= 1, got {v!r}")
-        if not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError(f"engine.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
-        if not isinstance(self.lora_fused_max_tokens, int) or self.lora_fused_max_tokens < 0:
-            raise ValueError(f"engine.lora_fused_max_tokens must be an integer >= 0, got "
-                             f"{self.lora_fused_max_tokens!r}")
-        if not isinstance(self.enable_prefix_caching, bool):
-            raise ValueError(f"engine.enable_prefix_caching must be true or false, got "
-                             f"{self.enable_prefix_caching!r}")
-        if not isinstance(self.enable_mixed_steps, bool):
-            raise ValueError(f"engine.enable_mixed_steps must be true or false, got "
-                             f"{self.enable_mixed_steps!r}")
-        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
-            raise ValueError(f"engine.num_kv_blocks must be >= 1, got {self.num_kv_blocks!r}")
+        for name, message in engine_problems(self):
+            raise ConfigError(f"engine.{name}: {message}")
+
+
+# the smallest value of each integer field (a larger minimum than 1 or 0 has its own check)
+_ENGINE_MIN = {"max_num_seqs": 1, "max_model_len": 1, "max_loras": 1, "max_lora_rank": 1,
+               "max_num_batched_tokens": 1, "block_size": 1, "num_kv_blocks": 1,
+               "max_cpu_loras": 1, "lora_fused_max_tokens": 0, "seed": 0}
+_ENGINE_CHOICES = {"device": DEVICES, "dtype": DTYPES}
+TYPE_NAMES = {str: "a string", int: "an integer", float: "a number", bool: "true or false",
+              dict: "a mapping", list: "a list", object: "a value"}
+
+
+def type_ok(value: Any, typ: type) -> bool:
+    """YAML/JSON typing: bool is not an integer, an integer is a number."""
+    if typ is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if typ is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return isinstance(value, typ)
+
+
+def show(value: Any) -> str:
+    return f"{short_repr(value)} ({type(value).__name__})"
+
+
+@functools.cache
+def engine_field_types() -> dict[str, tuple[type, bool]]:
+    """{field: (type, nullable)} from EngineConfig's annotations (list[int] -> list)."""
+    out = {}
+    for name, hint in typing.get_type_hints(EngineConfig).items():
+        args = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+        base = [a for a in args if a is not type(None)][0]
+        out[name] = (typing.get_origin(base) or base, type(None) in args)
+    return out
+
+
+def job_engine_fields() -> tuple[str, ...]:
+    """The keys a job file's engine: section may have, in EngineConfig's order."""
+    return tuple(f.name for f in fields(EngineConfig) if f.name not in JOB_DERIVED_FIELDS)
+
+
+def engine_problems(cfg: EngineConfig):
+    """(field, message) for each bad EngineConfig value; integers given for number fields become
+    floats on the way (so asdict() and the fingerprint see one type)."""
+    for name, (typ, nullable) in engine_field_types().items():
+        v = getattr(cfg, name)
+        if v is None and nullable:
+            continue
+        if name == "max_num_seqs" and v == "auto":
+            continue  # resolved from the KV cache when the engine starts (kv_sizing.py)
+        if name == "max_num_seqs" and not type_ok(v, int):
+            yield name, (f"expected an integer, got {show(v)}; or auto (as many sequences as the KV "
+                         "cache holds at max_model_len, up to 256 on a GPU and 16 on CPU)")
+            return
+        if not type_ok(v, typ):
+            yield name, f"expected {TYPE_NAMES[typ]}{' or null' if nullable else ''}, got {show(v)}"
+            return
+        if typ is float:
+            try:
+                number = float(v)
+            except OverflowError:  # an integer too large for a float
+                number = math.inf
+            if not math.isfinite(number):
+                yield name, f"must be a finite number, got {show(v)}"
+                return
+            setattr(cfg, name, number)
+        if name in _ENGINE_CHOICES and v not in _ENGINE_CHOICES[name]:
+            yield name, f"expected one of {', '.join(_ENGINE_CHOICES[name])}, got {short_repr(v)}"
+            return
+        if name in _ENGINE_MIN and v < _ENGINE_MIN[name]:
+            yield name, f"must be >= {_ENGINE_MIN[name]}, got {v}"
+            return
+    if not 0 < cfg.gpu_memory_utilization <= 1:
+        yield "gpu_memory_utilization", f"must be in (0, 1], got {cfg.gpu_memory_utilization}"
+    if not cfg.cpu_kv_cache_gb > 0:
+        yield "cpu_kv_cache_gb", f"must be > 0, got {cfg.cpu_kv_cache_gb}"
+    sizes = cfg.cuda_graph_sizes
+    if sizes is not None and not all(type_ok(s, int) and s >= 1 for s in sizes):
+        yield "cuda_graph_sizes", f"expected a list of batch sizes (integers >= 1) or null, got {short_repr(sizes)}"

@@ -23,6 +23,7 @@ from batchrun.engine.scheduler import Scheduler
 from batchrun.engine.sequence import Sequence
 from batchrun.engine.source import ListSource, RequestSource, as_source
 from batchrun.errors import ConfigError
+from batchrun.engine.request_check import RequestLimits, request_problem
 from batchrun.engine.models.loader import load_model, resolve_dtype
 from batchrun.engine.models.config import ModelConfig, check_context_length
 from batchrun.job.token_count import load_tokenizer  # one loader, shared with the pre-run checks
@@ -78,6 +79,9 @@ class Engine:
         self.blocks = BlockManager(num_kv_blocks(mcfg, config, device, dtype), config.block_size,
                                    enable_caching=config.enable_prefix_caching)
         self.runner = ModelRunner(model, config, device, dtype, self.blocks, lora)
+        self.request_limits = RequestLimits(
+            config.max_model_len, mcfg.vocab_size, has_tokenizer=tokenizer is not None,
+            adapters=None if lora is None else lora.infos, format_problem=self._format_problem)
         # steps = prefill_steps + decode_steps + mixed_steps (decode rows + prefill chunks);
         # prefix_cache_*: prompt tokens looked up at admission and found cached (not computed)
         self.stats = {"steps": 0, "prefill_steps": 0, "decode_steps": 0, "mixed_steps": 0,
@@ -125,32 +129,16 @@ class Engine:
         self.runner.capture_graphs()
 
     # ---- requests -----------------------------------------------------------------------
-    def check_request(self, req: Request) -> str | None:
-        """Why this request cannot run, or None."""
-        ids, sp = req.prompt_token_ids, req.sampling
-        if not ids:
-            return "empty prompt (no tokens)"
-        vocab = self.model.config.vocab_size
-        if min(ids) < 0 or max(ids) >= vocab:
-            return f"prompt has token ids outside the vocabulary [0, {vocab})"
-        if len(ids) + sp.max_tokens > self.max_model_len:
-            return (f"prompt ({len(ids)} tokens) + max_tokens ({sp.max_tokens}) exceeds "
-                    f"max_model_len ({self.max_model_len})")
-        if sp.stop and self.tokenizer is None:
-            return "sampling.stop (stop strings) needs a tokenizer, and this model directory has none"
-        if sp.response_format is not None:
-            if self.tokenizer is None:
-                return "sampling.response_format needs a tokenizer, and this model directory has none"
-            try:
-                self._grammar_engine().compile(sp.response_format)
-            except ValueError as e:
-                return str(e)
-        if req.adapter:
-            if self.lora is None:
-                return f"adapter {req.adapter!r} requested but LoRA is not enabled in this engine"
-            if req.adapter not in self.lora.names:
-                known = ", ".join(sorted(self.lora.names)) or "none"
-                return f"unknown adapter {req.adapter!r} (known: {known})"
+    def check_request(self, req: Request, job: bool = False) -> str | None:
+        """Why this request cannot run on this engine, or None (request_check.py decides;
+        ``job``: name the limits as job.yaml does)."""
+        return request_problem(req.prompt_token_ids, req.sampling, req.adapter, self.request_limits, job)
+
+    def _format_problem(self, fmt: str) -> str | None:
+        try:
+            self._grammar_engine().compile(fmt)
+        except ValueError as e:
+            return str(e)
         return None
 
     def generate(self, requests: list[Request],
@@ -194,7 +182,7 @@ class Engine:
                         break  # nothing ready yet: keep stepping what is running
                     for req in got:
                         index, count = count, count + 1
-                        err = self.check_request(req)
+                        err = None if req.checked else self.check_request(req)
                         if err is not None:
                             emit(index, Result(req.request_id, req.adapter or None, len(req.prompt_token_ids),
                                                [], None, "error", err))

@@ -112,7 +112,7 @@ class ModelRunner:
                             self.context_lens[:rows])
         hidden = self.model(self.input_ids[:rows], self.positions[:rows], Step(attn, lora))
         # into a static buffer shared by every graph of both sets: captured graphs then keep no
-        # per-graph output alive in the pool (35 MiB per set for Llama-2's vocab at 1..64 rows)
+        # per-graph output alive in the pool (a [rows, vocab] fp32 tensor per graph otherwise)
         return self.model.compute_logits(hidden, out=self.logits[:rows])
 
     def _write_decode_inputs(self, seqs: list[Sequence], rows: int,

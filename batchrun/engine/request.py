@@ -13,6 +13,9 @@ class Request:
     prompt_token_ids: list[int]
     sampling: SamplingParams = field(default_factory=SamplingParams)
     adapter: str | None = None  # None or "" = base model
+    # True: the caller already ran this engine's check_request on it (rows.build_unit does), so
+    # the engine does not check it again; False (the Python API's own requests): it does.
+    checked: bool = False
 
 
 @dataclass

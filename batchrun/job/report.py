@@ -22,6 +22,7 @@ from batchrun.job.prompts import chat_messages
 from batchrun.job.rows import _sampling
 from batchrun.job.worker_progress import HEADER, worker_rows
 from batchrun.job.token_estimate import Estimate
+from batchrun.engine.request_check import too_long
 
 
 def _shard_name(adapter: str | None, known: bool) -> str:
@@ -143,7 +144,8 @@ def _prompt_tokens(spec: JobSpec, plan: Plan, estimate: bool = False) -> tuple[d
                 first_row += n
                 continue
             lens = row_lengths(tok, inp, batch.column(col))
-            is_bad = (lens <= 0) | (lens + mt > spec.engine.max_model_len)
+            # lens -1: refused before tokenizing; 0: "empty prompt" (request_check's first test)
+            is_bad = (lens <= 0) | too_long(lens, mt, spec.engine.max_model_len)
             bad += np.bincount(codes, weights=is_bad, minlength=len(shard_keys)).astype(np.int64)
             tokens += np.bincount(codes, weights=np.maximum(lens, 0), minlength=len(shard_keys)).astype(np.int64)
     bad_of = {k: int(bad[i]) for k, i in code_of.items()}

@@ -1,8 +1,8 @@
 """Input rows -> engine requests (or error results), and results -> an output table.
 
 A row that cannot run becomes an error result here, with a message a user can act on:
-null/empty prompt, prompt + max_tokens over engine.max_model_len, unknown adapter, bad
-per-row sampling override, or whatever the engine's own check_request says.
+null/empty prompt, unknown adapter, bad per-row sampling override, or what the engine's
+check_request (request_check.py: too long, token ids, response_format, ...) says.
 """
 from __future__ import annotations
 
@@ -134,7 +134,10 @@ def _sampling(spec: JobSpec, rows: dict[str, list], pos: int, row_id: Any,
 
 
 def build_unit(unit: Unit, rows: dict[str, list], row_file, row_index, plan: Plan, spec: JobSpec,
-               tokenizer, max_model_len: int, check_request: Callable[[Request], str | None]) -> UnitWork:
+               tokenizer, check_request: Callable[[Request], str | None]) -> UnitWork:
+    """The unit's requests, and an error result for each row that cannot run: what this module
+    finds (prompt, override, adapter) or what ``check_request`` says (the engine's
+    ``check_request(req, job=True)``: request_check.py, with job.yaml's field names)."""
     inp = spec.input
     n = unit.rows
     if inp.id_column:
@@ -209,15 +212,8 @@ def build_unit(unit: Unit, rows: dict[str, list], row_file, row_index, plan: Pla
 
     for pos in sorted(tokens):
         ids_, sp = tokens[pos], samplings[pos]
-        if not ids_:
-            fail(pos, "prompt tokenizes to no tokens")
-            continue
-        if len(ids_) + sp.max_tokens > max_model_len:
-            fail(pos, f"prompt has {len(ids_)} tokens; with max_tokens {sp.max_tokens} that exceeds "
-                      f"engine.max_model_len {max_model_len}", len(ids_))
-            continue
-        req = Request((unit.index, pos * k_n), ids_, sp, unit.adapter)
-        msg = check_request(req)
+        req = Request((unit.index, pos * k_n), ids_, sp, unit.adapter, checked=True)
+        msg = check_request(req)  # the engine's request_check.request_problem, job.yaml's names
         if msg:
             fail(pos, msg, len(ids_))
             continue
@@ -225,7 +221,8 @@ def build_unit(unit: Unit, rows: dict[str, list], row_file, row_index, plan: Pla
         seeded = "seed" in plan.override_columns and rows["seed"][pos] is not None
         for k in range(1, k_n):  # the other samples: same prompt, own seed from (seed, id, k)
             seed = sample_seed(sp.seed, k) if seeded else row_seed(spec.sampling.seed, ids[pos], k)
-            work.requests.append(Request((unit.index, pos * k_n + k), ids_, replace(sp, seed=seed), unit.adapter))
+            work.requests.append(Request((unit.index, pos * k_n + k), ids_, replace(sp, seed=seed), unit.adapter,
+                                         checked=True))
     return work
 
 

@@ -10,6 +10,7 @@ writer; nothing visible is ever partial (``commit.py``).
 """
 from __future__ import annotations
 
+import functools
 import os
 import re
 import shutil
@@ -92,16 +93,8 @@ def load_engine(spec: JobSpec):
     """The real engine (imported late: planning and validation never need torch; `batchrun run`
     has imported it on the preload thread meanwhile)."""
     preload.wait()
-    from batchrun.engine.config import EngineConfig
     from batchrun.engine.engine import Engine
-    e = spec.engine
-    cfg = EngineConfig(model=spec.model, device=e.device, dtype=e.dtype, max_num_seqs=e.max_num_seqs,
-                       max_num_batched_tokens=e.max_num_batched_tokens, max_model_len=e.max_model_len,
-                       gpu_memory_utilization=e.gpu_memory_utilization, enable_lora=bool(spec.adapters),
-                       max_loras=e.max_loras, max_lora_rank=e.max_lora_rank, enforce_eager=e.enforce_eager,
-                       enable_prefix_caching=e.enable_prefix_caching,
-                       enable_mixed_steps=e.enable_mixed_steps, seed=spec.sampling.seed)
-    return Engine.from_config(cfg, adapters=dict(spec.adapters))
+    return Engine.from_config(spec.engine, adapters=dict(spec.adapters))
 
 
 class TaskRunner:
@@ -328,7 +321,7 @@ class TaskRunner:
         spec = self.spec
         _settle_tokenizer(engine.tokenizer)
         reader = RowReader(self.plan.files, input_columns(spec, self.plan), arrow_columns=arrow_columns(self.plan))
-        max_len = getattr(engine, "max_model_len", spec.engine.max_model_len)
+        check = functools.partial(engine.check_request, job=True)
 
         def build(unit: Unit) -> UnitWork:  # on the feeder thread
             rf, ri = self.plan.unit_rows(unit)
@@ -340,8 +333,7 @@ class TaskRunner:
                 pins.check(rf)  # a file that changed under the reader says so ...
                 raise  # ... anything else is a real failure
             pins.check(rf)
-            work = build_unit(unit, rows, rf, ri, self.plan, spec, engine.tokenizer, max_len,
-                              engine.check_request)
+            work = build_unit(unit, rows, rf, ri, self.plan, spec, engine.tokenizer, check)
             bad = work.first_error()
             if bad and spec.on_error == "fail":
                 raise RowFailure(self._fail_message(*bad))

@@ -18,13 +18,13 @@ from typing import Any
 
 import yaml
 
+from batchrun.engine.config import TYPE_NAMES as _TYPE_NAMES, EngineConfig, job_engine_fields
+from batchrun.engine.config import show as _show, type_ok as _type_ok
 from batchrun.errors import ConfigError
 from batchrun.job.safe_yaml import load_yaml
 from batchrun.job.short_repr import short_repr as _short
 
 ON_ERROR = ("skip", "fail")
-DEVICES = ("auto", "cpu", "cuda")
-DTYPES = ("auto", "float32", "float16", "bfloat16")
 # A job file is a small mapping; anything that expands past this many values (counting every
 # use of a YAML alias) is refused before it is built, so an alias bomb cannot exhaust memory.
 # Input columns that, when present, override the job's sampling defaults row by row
@@ -86,29 +86,14 @@ class SamplingSpec:
 
 
 @dataclass(frozen=True)
-class EngineSpec:
-    device: str = "auto"
-    dtype: str = "auto"
-    max_num_seqs: int | str = "auto"  # auto: the engine sizes it from its KV cache (kv_sizing.py)
-    max_model_len: int = 2048
-    max_loras: int = 4
-    max_lora_rank: int = 64
-    enforce_eager: bool = False
-    max_num_batched_tokens: int = 2048
-    gpu_memory_utilization: float = 0.90
-    enable_prefix_caching: bool = True
-    enable_mixed_steps: bool = True
-
-
-@dataclass(frozen=True)
 class JobSpec:
     job_file: str  # absolute path of the YAML file ("" when built from a dict)
     model: str
     adapters: dict[str, str]
     input: InputSpec
     output: OutputSpec
+    engine: EngineConfig  # its model is the job's model (parse_job fills it)
     sampling: SamplingSpec = field(default_factory=SamplingSpec)
-    engine: EngineSpec = field(default_factory=EngineSpec)
     on_error: str = "skip"
 
     def to_dict(self) -> dict:
@@ -116,33 +101,6 @@ class JobSpec:
 
 
 # ---- field checking ---------------------------------------------------------------------------
-
-_TYPE_NAMES = {str: "a string", int: "an integer", float: "a number", bool: "true or false",
-               dict: "a mapping", list: "a list", object: "a value"}
-
-
-def _type_ok(value: Any, typ: type) -> bool:
-    if typ is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if typ is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    return isinstance(value, typ)
-
-
-def _auto_max_num_seqs(raw: Any) -> tuple[Any, bool]:
-    """(the engine mapping without an ``auto`` max_num_seqs, whether it is auto: unset or
-    "auto"). Any other non-integer names the field and both accepted forms."""
-    if not isinstance(raw, dict):
-        return raw, raw is None
-    value = raw.get("max_num_seqs", "auto")
-    if value == "auto":
-        return {k: v for k, v in raw.items() if k != "max_num_seqs"}, True
-    if not _type_ok(value, int):
-        raise ConfigError(f"engine.max_num_seqs: expected an integer, got {_show(value)}; or auto (the "
-                          "default: as many sequences as the KV cache holds at max_model_len, up to 256 "
-                          "on a GPU and 16 on CPU)")
-    return raw, False
-
 
 def _fields(raw: Any, where: str, schema: dict[str, tuple[type, bool, Any]]) -> dict[str, Any]:
     """Check a mapping against ``{key: (type, nullable, default)}``; return the filled-in values.
@@ -153,12 +111,8 @@ def _fields(raw: Any, where: str, schema: dict[str, tuple[type, bool, Any]]) -> 
         raw = {}
     if not isinstance(raw, dict):
         raise ConfigError(f"{where or 'job file'}: expected a mapping, got {_show(raw)}")
+    _known_keys(raw, where, schema)
     out = {}
-    unknown = [k for k in raw if k not in schema]
-    if unknown:
-        key = f"{where}.{_key(unknown[0])}" if where else _key(unknown[0])
-        allowed = ", ".join(schema)
-        raise ConfigError(f"{key}: unknown field (allowed under {where or 'the top level'}: {allowed})")
     for key, (typ, nullable, default) in schema.items():
         path = f"{where}.{key}" if where else key
         if key not in raw:
@@ -185,6 +139,13 @@ def _fields(raw: Any, where: str, schema: dict[str, tuple[type, bool, Any]]) -> 
     return out
 
 
+def _known_keys(raw: dict, where: str, allowed) -> None:
+    unknown = [k for k in raw if k not in allowed]
+    if unknown:
+        key = f"{where}.{_key(unknown[0])}" if where else _key(unknown[0])
+        raise ConfigError(f"{key}: unknown field (allowed under {where or 'the top level'}: {', '.join(allowed)})")
+
+
 class _Required:
     def __repr__(self):
         return "<required>"
@@ -193,10 +154,6 @@ class _Required:
 _REQUIRED = _Required()
 
 
-
-
-def _show(value: Any) -> str:
-    return f"{_short(value)} ({type(value).__name__})"
 
 
 def _key(key: Any) -> str:
@@ -321,30 +278,8 @@ def parse_job(raw: Any, base_dir: str | os.PathLike, job_file: str = "") -> JobS
 
     smp = parse_sampling(top["sampling"], model)
 
-    raw_eng, auto_seqs = _auto_max_num_seqs(top["engine"])
-    eng = _fields(raw_eng, "engine", {
-        "device": (str, False, "auto"),
-        "dtype": (str, False, "auto"),
-        "max_num_seqs": (int, False, 64),
-        "max_model_len": (int, False, 2048),
-        "max_loras": (int, False, 4),
-        "max_lora_rank": (int, False, 64),
-        "enforce_eager": (bool, False, False),
-        "max_num_batched_tokens": (int, False, 2048),
-        "gpu_memory_utilization": (float, False, 0.90),
-        "enable_prefix_caching": (bool, False, True),
-        "enable_mixed_steps": (bool, False, True),
-    })
-    _check(eng["device"] in DEVICES, "engine.device", f"expected one of {', '.join(DEVICES)}, got {_short(eng['device'])}")
-    _check(eng["dtype"] in DTYPES, "engine.dtype", f"expected one of {', '.join(DTYPES)}, got {_short(eng['dtype'])}")
-    for key in ("max_num_seqs", "max_model_len", "max_loras", "max_lora_rank", "max_num_batched_tokens"):
-        _check(eng[key] >= 1, f"engine.{key}", "must be >= 1")
-    if auto_seqs:
-        eng["max_num_seqs"] = "auto"
-    _check(0 < eng["gpu_memory_utilization"] <= 1, "engine.gpu_memory_utilization", "must be in (0, 1]")
-    _check(smp.max_tokens < eng["max_model_len"], "sampling.max_tokens",
-           ("(from the model's generation_config.json max_new_tokens) " if "max_tokens" in smp.from_generation_config else "") +
-           f"must be smaller than engine.max_model_len ({eng['max_model_len']}) to leave room for the prompt")
+    eng = parse_engine(top["engine"], model, bool(adapters), smp.seed)
+    check_max_tokens(smp, eng)
 
     _check(top["on_error"] in ON_ERROR, "on_error",
            f"expected skip (bad rows become error rows) or fail (stop the job), got {_short(top['on_error'])}")
@@ -352,8 +287,28 @@ def parse_job(raw: Any, base_dir: str | os.PathLike, job_file: str = "") -> JobS
     return JobSpec(
         job_file=job_file, model=model, adapters=adapters,
         input=InputSpec(**inp), output=OutputSpec(**out),
-        sampling=smp, engine=EngineSpec(**eng), on_error=top["on_error"],
+        sampling=smp, engine=eng, on_error=top["on_error"],
     )
+
+
+def parse_engine(raw: Any, model: str, enable_lora: bool, seed: int) -> EngineConfig:
+    """engine: -> EngineConfig (which checks the values); the job decides model, enable_lora
+    (adapters configured) and seed (sampling.seed)."""
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"engine: expected a mapping, got {_show(raw)}")
+    _known_keys(raw, "engine", job_engine_fields())
+    # a job's default max_num_seqs is auto (sized from the KV cache when the engine starts)
+    raw = {"max_num_seqs": "auto", **raw}
+    return EngineConfig(model=model, enable_lora=enable_lora, seed=seed, **raw)
+
+
+def check_max_tokens(smp: SamplingSpec, engine: EngineConfig) -> None:
+    """A job's max_tokens must leave room for a prompt in max_model_len."""
+    _check(smp.max_tokens < engine.max_model_len, "sampling.max_tokens",
+           ("(from the model's generation_config.json max_new_tokens) " if "max_tokens" in smp.from_generation_config else "") +
+           f"must be smaller than engine.max_model_len ({engine.max_model_len}) to leave room for the prompt")
 
 
 # ---- input.passthrough_columns and the sampling section ---------------------------------------

@@ -6,7 +6,8 @@ import torch
 from safetensors import safe_open
 
 from batchrun.bench.adapters import TARGETS, write_random_adapters
-from batchrun.bench.latency import EngineSpec, build_engine, make_requests, random_prompts
+from batchrun.bench.build import build_engine, make_requests, random_prompts
+from batchrun.engine.config import EngineConfig
 from batchrun.bench.presets import PRESETS, num_params, preset_config
 from batchrun.engine.lora.adapters import inspect_adapter
 
@@ -41,10 +42,10 @@ def test_random_adapter_files(tmp_path):
 
 
 def test_random_adapters_change_outputs_through_the_engine(tmp_path):
-    base = build_engine(EngineSpec(model="tiny", device="cpu", max_model_len=32, max_num_seqs=8))
-    lora = build_engine(EngineSpec(model="tiny", device="cpu", max_model_len=32, max_num_seqs=8,
-                                   enable_lora=True, max_loras=2, lora_rank=8, num_adapters=2),
-                        tmp_path)
+    base = build_engine(EngineConfig(model="tiny", device="cpu", max_model_len=32, max_num_seqs=8))
+    lora = build_engine(EngineConfig(model="tiny", device="cpu", max_model_len=32, max_num_seqs=8,
+                                     enable_lora=True, max_loras=2),
+                        num_adapters=2, lora_rank=8, adapter_root=tmp_path)
     assert lora.weights == "random" and sorted(lora.adapters) == ["lora0", "lora1"]
     prompts = random_prompts(4, 8, 512, seed=3)
     rows = ["lora0", "lora1", None, None]

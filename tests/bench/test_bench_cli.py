@@ -4,7 +4,7 @@ import json
 
 from click.testing import CliRunner
 
-from batchrun.bench.latency import percentile
+from batchrun.bench.timing import percentile
 from batchrun.bench.matrix import MatrixParams, scenarios
 from batchrun.cli import main
 
@@ -74,7 +74,7 @@ def test_lora_matrix_tiny_eager(tmp_path):
 
 
 def test_paired_slowdown():
-    from batchrun.bench.matrix import paired_slowdown
+    from batchrun.bench.timing import paired_slowdown
     base = [1.0, 2.0, 1.0, 2.0, 1.0]  # drift between rounds that pairing cancels
     r = paired_slowdown(base, [b * 1.05 for b in base])
     assert abs(r["paired_slowdown_pct_median"] - 5.0) < 1e-9

@@ -6,9 +6,11 @@ import json
 from click.testing import CliRunner
 
 from batchrun.bench import comparable
-from batchrun.bench.latency import EngineSpec, build_engine
+from batchrun.bench.build import build_engine
+from batchrun.engine.config import EngineConfig
 from batchrun.bench.lora_memory import format_lora_memory, lora_memory
-from batchrun.bench.matrix import PRESETS, _targets, apply_preset
+from batchrun.bench.matrix import PRESETS, apply_preset
+from batchrun.bench.matrix_stats import _targets
 from batchrun.bench.presets import preset_config
 from batchrun.cli import main
 
@@ -102,10 +104,9 @@ def test_matrix_throughput_preset_on_cpu(tmp_path):
 
 def test_lora_memory_breakdown_matches_the_shape(tmp_path):
     cfg = preset_config("tiny")
-    built = build_engine(EngineSpec(model="tiny", device="cpu", enable_lora=True, max_loras=3,
-                                    lora_rank=4, max_lora_rank=8, num_adapters=2,
-                                    max_num_seqs=8, max_model_len=32),
-                         adapter_root=tmp_path)
+    built = build_engine(EngineConfig(model="tiny", device="cpu", enable_lora=True, max_loras=3,
+                                      max_lora_rank=8, max_num_seqs=8, max_model_len=32),
+                         num_adapters=2, lora_rank=4, adapter_root=tmp_path)
     mem = lora_memory(built.engine)
     h, i, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     q, kv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
@@ -118,16 +119,16 @@ def test_lora_memory_breakdown_matches_the_shape(tmp_path):
     assert mem["workspace"] > 0 and mem["fused_buffers"] > 0 and mem["hooked_linears"] == 4 * n
     assert mem["total_extra"] == a + b + mem["fused_buffers"] + mem["workspace"]
     assert "slots A" in format_lora_memory(mem) and lora_memory(build_engine(
-        EngineSpec(model="tiny", device="cpu", max_model_len=32)).engine) is None
+        EngineConfig(model="tiny", device="cpu", max_model_len=32)).engine) is None
 
 
 def test_recomputed_tokens_counter(tmp_path):
     """engine.stats["recomputed_tokens"] (scheduler.num_recomputed_tokens, added for #16):
     every prefilled token is a prompt token, a recomputed one, or the one token each preempted
     decode row had sampled but not yet cached (computed by its re-prefill instead of a decode)."""
-    from batchrun.bench.latency import make_requests, random_prompts
-    eng = build_engine(EngineSpec(model="tiny", device="cpu", max_num_seqs=8, max_model_len=32,
-                                  num_kv_blocks=6)).engine
+    from batchrun.bench.build import make_requests, random_prompts
+    eng = build_engine(EngineConfig(model="tiny", device="cpu", max_num_seqs=8, max_model_len=32,
+                                    num_kv_blocks=6)).engine
     prefilled = []
     real = eng.runner.prefill
     eng.runner.prefill = lambda seqs, counts: (prefilled.append(sum(counts)), real(seqs, counts))[1]

@@ -138,7 +138,7 @@ def test_fused_lora_decode_is_as_accurate_as_shrink_expand(tmp_path, monkeypatch
     measured against the same engine in fp32. Logits, not greedy tokens: a tiny random model's
     logits are nearly flat, so token match rates are mostly noise."""
     import batchrun.engine.model_runner as model_runner
-    from batchrun.bench.matrix import decoding_batch
+    from benchmarks.step_probe import decoding_batch
     bf16, adapters = _tiny_lora_engine(tmp_path / "b", False, dtype="bfloat16")
     fp32, _ = _tiny_lora_engine(tmp_path / "f", True)
     names = [None, "qv", "all", "mlp1", None, "o", "all", "qv"]

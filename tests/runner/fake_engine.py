@@ -13,6 +13,7 @@ import os
 import time
 
 from batchrun.engine.request import Result
+from batchrun.engine.request_check import RequestLimits, request_problem
 
 TRANSFORMS = {None: lambda s: s, "reverse": lambda s: s[::-1], "upper": lambda s: s.upper()}
 
@@ -25,19 +26,14 @@ class FakeEngine:
         self.tokenizer = AutoTokenizer.from_pretrained(spec.model)
         self.max_model_len = spec.engine.max_model_len
         self.adapters = set(spec.adapters)
+        self.request_limits = RequestLimits(self.max_model_len, adapters=self.adapters)
 
     @classmethod
     def from_spec(cls, spec):
         return cls(spec)
 
-    def check_request(self, req) -> str | None:
-        if not req.prompt_token_ids:
-            return "empty prompt (no tokens)"
-        if len(req.prompt_token_ids) + req.sampling.max_tokens > self.max_model_len:
-            return "too long"
-        if req.adapter and req.adapter not in self.adapters:
-            return f"unknown adapter {req.adapter!r}"
-        return None
+    def check_request(self, req, job: bool = False) -> str | None:
+        return request_problem(req.prompt_token_ids, req.sampling, req.adapter, self.request_limits, job)
 
     def generate(self, requests, on_result=None):
         if os.environ.get("FAKE_ENGINE_LOG"):
@@ -47,7 +43,7 @@ class FakeEngine:
         sleep = float(os.environ.get("FAKE_ENGINE_SLEEP", "0"))
         out = []
         for req in requests:
-            err = self.check_request(req)
+            err = None if req.checked else self.check_request(req)
             if err:
                 res = Result(req.request_id, req.adapter, len(req.prompt_token_ids), [], None, "error", err)
             else:
