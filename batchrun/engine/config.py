@@ -90,11 +90,10 @@ class EngineConfig:
     max_cpu_loras: int | None = None  # LRU CPU cache size; None = keep all loaded adapters
     # GPU steps of at most this many tokens add LoRA deltas inside the kernel after each
     # projection (no LoRA launches); bigger prefill steps run shrink + expand kernels. Decode
-    # steps are always fused. Same math either way; it only moves the cost. The consumers
-    # work on row tiles (B read once per tile), so the fused path covers prefill steps up to
-    # the throughput preset's 8192 tokens; the fused GEMM also computes every slot's shrink
-    # (S*L*R extra columns), which is what a much larger max_loras x rank would pay for.
-    lora_fused_max_tokens: int = 8192
+    # steps are always fused. Same math either way; it only moves the cost. 1024: where the
+    # per-row consumers stopped paying (H200, 8192-token prefill: fused 247 ms vs shrink+expand
+    # 217 ms); the row-tiled consumers may move it up, which is not measured yet.
+    lora_fused_max_tokens: int = 1024
     # full KV blocks are shared by rows whose prompts start with the same tokens (same adapter);
     # outputs are the same either way, only the prefill work differs
     enable_prefix_caching: bool = True

@@ -1,9 +1,13 @@
-"""Prefix caching on the GPU: greedy tokens bit-identical with caching on and off on a ~1B-shaped
-random bf16 model (GQA), base and LoRA rows sharing prefixes (one ending mid-block, one on a
-block edge), chunked prefill, CUDA graphs on, and four rows with one prompt (sampling.n's case).
+"""Prefix caching on the GPU: greedy tokens with caching on and off on a ~1B-shaped random
+model (GQA), base and LoRA rows sharing prefixes (one ending mid-block, one on a block edge),
+chunked prefill, CUDA graphs on, and four rows with one prompt (sampling.n's case).
 
-Random weights leave near-ties in the logits, so any rounding difference in the shared K/V
-would show up as a different token: the test asks for the same bits, not merely close ones."""
+In float32. With caching a row's uncached tail is computed in a different batch shape than
+without, so the last bits differ; in bf16 on random weights (near-flat logits) that flips
+tokens at near-ties in most rows and proves nothing (it did on the H200). In float32 the runs
+agree to ~1e-6, so a row may diverge only where both runs' top tokens tie within TIE_NATS; reused
+K/V that is wrong (another adapter's, a stale block, an off-by-one position) diverges at a
+clear gap (~0.3 nats on average here)."""
 import gc
 
 import pytest
@@ -22,6 +26,7 @@ SHAPE = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=
              rms_norm_eps=1e-5, rope_theta=10000.0, torch_dtype="bfloat16", bos_token_id=1,
              eos_token_id=2)
 NEW = 32
+TIE_NATS = 1e-3
 
 
 def _requests():
@@ -30,7 +35,7 @@ def _requests():
     p300, p512 = rand(300), rand(512)  # 300 = 18 blocks + 12 tokens; 512 = 32 blocks
     tails = [0, 7, 16, 33, 64, 100]
     names = [None, "lora0", None, "lora1", None, "lora0"]
-    sp = SamplingParams(max_tokens=NEW, ignore_eos=True)
+    sp = SamplingParams(max_tokens=NEW, ignore_eos=True, logprobs=5)
     reqs = [Request(i, (p300 if i % 2 else p512) + rand(tails[i % len(tails)]), sp,
                     adapter=names[(i // 2) % len(names)]) for i in range(24)]
     same = rand(200)
@@ -39,13 +44,13 @@ def _requests():
 
 
 def _run(model, adapters, caching: bool):
-    cfg = EngineConfig(model="random-1b", device="cuda", dtype="bfloat16", max_model_len=1024,
+    cfg = EngineConfig(model="random-1b", device="cuda", dtype="float32", max_model_len=1024,
                        max_num_seqs=16, max_num_batched_tokens=1024, num_kv_blocks=2048,
                        enable_lora=True, max_loras=2, max_lora_rank=16,
                        enable_prefix_caching=caching)
     engine = Engine.from_model(cfg, model, None, adapters)
     try:
-        out = [r.output_token_ids for r in engine.generate(_requests())]
+        out = engine.generate(_requests())
         return out, dict(engine.stats)
     finally:
         del engine  # the next engine binds the model's attention layers to its own KV cache
@@ -57,7 +62,7 @@ def test_greedy_tokens_identical_with_and_without_prefix_caching(tmp_path):
     from batchrun.bench.adapters import write_random_adapters
     from batchrun.engine.models.loader import random_model
     mcfg = ModelConfig.from_dict(dict(SHAPE))
-    model = random_model(mcfg, torch.device("cuda"), torch.bfloat16, 2048, seed=0)
+    model = random_model(mcfg, torch.device("cuda"), torch.float32, 2048, seed=0)
     adapters = write_random_adapters(tmp_path, mcfg, 2, 16, seed=0, base_model="random-1b")
     assert sorted(adapters) == ["lora0", "lora1"]
     off, off_stats = _run(model, adapters, caching=False)
@@ -67,5 +72,18 @@ def test_greedy_tokens_identical_with_and_without_prefix_caching(tmp_path):
           f"prefill steps on {on_stats['prefill_steps']} / off {off_stats['prefill_steps']}")
     assert on_stats["prefix_cache_hit_tokens"] > 0 and off_stats["prefix_cache_hit_tokens"] == 0
     reqs = _requests()
-    bad = [(reqs[i].request_id, reqs[i].adapter) for i in range(len(reqs)) if on[i] != off[i]]
-    assert not bad, f"rows whose greedy tokens differ with caching on (id, adapter): {bad}"
+    same, bad = 0, []
+    for req, a, b in zip(reqs, on, off):
+        ta, tb = a.output_token_ids, b.output_token_ids
+        j = next((k for k, (x, y) in enumerate(zip(ta, tb)) if x != y), None)
+        if j is None:
+            same += 1
+            continue
+        gaps = []
+        for r in (a, b):  # both tokens in this run's top 5, and how far apart
+            top = dict(r.top_logprobs[j])
+            gaps.append(abs(top[ta[j]] - top[tb[j]]) if ta[j] in top and tb[j] in top else None)
+        if any(g is None or g > TIE_NATS for g in gaps):
+            bad.append((req.request_id, req.adapter, j, gaps))
+    print(f"prefix cache on vs off: {same}/{len(reqs)} rows identical")
+    assert not bad, f"rows diverging at a clear gap with caching on (id, adapter, position, gaps): {bad}"
