@@ -1,5 +1,9 @@
 """`batchrun bench throughput`: the engine alone vs the real job path, on the same rows.
 
+Size (~330 lines): the run's parameters (one dataclass mirroring the CLI flags), the two
+measured subprocesses and the output check belong to one procedure; the workload writer, the
+engine-alone child, the summary and the printout are already their own modules.
+
 1. Writes (workload.py) a random-weight model directory of the preset's shape, a word-level
    tokenizer, --num-adapters random PEFT adapters, Parquet inputs and a job.yaml.
 2. (a) engine alone: `python -m batchrun.bench.engine_alone job.yaml` (the job's engine, all

@@ -1,5 +1,9 @@
 """Input Parquet files: find them, check their schemas, read selected rows.
 
+Size (~390 lines): discovery, schema checks and the row reader share the schema description
+(InputSchema) and the per-file Arrow handling; each is short, and the checks must agree exactly
+with what the reader later reads.
+
 Checks happen before any model is loaded, and each failure names the file and the column.
 """
 from __future__ import annotations

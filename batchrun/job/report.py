@@ -1,4 +1,8 @@
-"""What `plan`, `status` and `show` print. Reads only metadata, inputs and tokenizers: no weights."""
+"""What `plan`, `status` and `show` print. Reads only metadata, inputs and tokenizers: no weights.
+
+Size (~360 lines): three reports over the same plan and output-directory readers; the plan's
+token counting lives here because only the report needs per-shard totals (token_count.py does
+the tokenizing, token_estimate.py the sampled estimate)."""
 from __future__ import annotations
 
 import json

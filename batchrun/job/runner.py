@@ -7,6 +7,10 @@ the engine thread (this one, which also takes the signals) streams their request
 drains at a unit or shard boundary; the writer (``writer.py``) writes and commits each unit the
 moment its last row finishes. A crash loses at most the units still in flight or queued for the
 writer; nothing visible is ever partial (``commit.py``).
+
+Size (~490 lines): the worker's whole life (resume check, claims, the three threads, commits,
+failure handling) is one state machine whose invariants (exactly-once commits, what a signal may
+interrupt) are easier to check in one place; the threads' bodies are feeder.py and writer.py.
 """
 from __future__ import annotations
 

@@ -1,5 +1,10 @@
 """job.yaml -> JobSpec: parse and validate.
 
+Size (~500 lines): every section of job.yaml (model, adapters, input, output, sampling, engine)
+is parsed with the same field checker so that every message has one form; the engine section
+itself is EngineConfig's (engine/config.py). It is long because the job file is wide, not
+because it does several jobs.
+
 Every error names the field path (``engine.max_num_seqs``) and what was expected, because the
 person reading it is looking at the YAML file, not at this code. Relative paths resolve against
 the job file's directory; ``$VARS`` and ``~`` are expanded (handy for ``$SCRATCH`` on clusters),
