@@ -60,3 +60,23 @@ def hf_greedy(model, prompt: list[int], max_new: int) -> list[int]:
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new,
                              do_sample=False, eos_token_id=None, pad_token_id=0)
     return out[0, len(prompt):].tolist()
+
+
+def save_peft_adapters(root: Path, names: list[str], variant: str = "llama3_gqa", seed: int = 0,
+                       rank: int = 4, targets=("q_proj", "v_proj"), scale: float = 0.15) -> dict[str, str]:
+    """Random PEFT LoRA adapters (non-zero A and B: init_lora_weights=False, then N(0, scale)
+    from seed + i) for the tiny `variant`, saved under root/<name>. Returns {name: path}."""
+    from peft import LoraConfig, get_peft_model
+    adapters = {}
+    for i, name in enumerate(names):
+        model = get_peft_model(make_hf_model(variant),
+                               LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=list(targets),
+                                          init_lora_weights=False))
+        g = torch.Generator().manual_seed(seed + i)
+        with torch.no_grad():
+            for pname, p in model.named_parameters():
+                if "lora_" in pname:
+                    p.copy_(torch.randn(p.shape, generator=g) * scale)
+        model.save_pretrained(str(root / name))
+        adapters[name] = str(root / name)
+    return adapters

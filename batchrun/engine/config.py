@@ -5,7 +5,7 @@ import functools
 import math
 import types
 import typing
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from typing import Any
 
 from batchrun.errors import ConfigError
@@ -128,6 +128,16 @@ def type_ok(value: Any, typ: type) -> bool:
     return isinstance(value, typ)
 
 
+def finite_float(value: int | float) -> float | None:
+    """A YAML/JSON number as a float, None when it is not finite (nan, inf, an integer too
+    large for a float): job-file fields and EngineConfig refuse those alike."""
+    try:
+        number = float(value)
+    except OverflowError:
+        return None
+    return number if math.isfinite(number) else None
+
+
 def show(value: Any) -> str:
     return f"{short_repr(value)} ({type(value).__name__})"
 
@@ -165,11 +175,8 @@ def engine_problems(cfg: EngineConfig):
             yield name, f"expected {TYPE_NAMES[typ]}{' or null' if nullable else ''}, got {show(v)}"
             return
         if typ is float:
-            try:
-                number = float(v)
-            except OverflowError:  # an integer too large for a float
-                number = math.inf
-            if not math.isfinite(number):
+            number = finite_float(v)
+            if number is None:
                 yield name, f"must be a finite number, got {show(v)}"
                 return
             setattr(cfg, name, number)

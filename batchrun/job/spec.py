@@ -24,7 +24,7 @@ from typing import Any
 import yaml
 
 from batchrun.engine.config import TYPE_NAMES as _TYPE_NAMES, EngineConfig, job_engine_fields
-from batchrun.engine.config import show as _show, type_ok as _type_ok
+from batchrun.engine.config import finite_float, show as _show, type_ok as _type_ok
 from batchrun.errors import ConfigError
 from batchrun.job.safe_yaml import load_yaml
 from batchrun.job.short_repr import short_repr as _short
@@ -132,11 +132,8 @@ def _fields(raw: Any, where: str, schema: dict[str, tuple[type, bool, Any]]) -> 
             expected = _TYPE_NAMES[typ] + (" or null" if nullable else "")
             raise ConfigError(f"{path}: expected {expected}, got {_show(value)}")
         elif typ is float:
-            try:
-                number = float(value)
-            except OverflowError:  # an integer too large for a float
-                number = math.inf
-            if not math.isfinite(number):
+            number = finite_float(value)
+            if number is None:
                 raise ConfigError(f"{path}: must be a finite number, got {_show(value)}")
             out[key] = number
         else:

@@ -3,12 +3,11 @@ sharing a prefix (base and LoRA rows, chunked prefill, prefixes ending mid-block
 edge, preemption), adapter isolation seen in the hit counter, and the n samples of a row sharing
 its prompt's blocks."""
 import pytest
-import torch
 
 from batchrun.engine.config import EngineConfig, SamplingParams
 from batchrun.engine.engine import Engine
 from batchrun.engine.request import Request
-from tests.tiny_models import make_hf_model, random_prompts, save_hf_model
+from tests.tiny_models import random_prompts, save_hf_model, save_peft_adapters
 
 NEW = 8
 BS = 16
@@ -17,21 +16,9 @@ NAMES = ["a", "b"]
 
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory):
-    from peft import LoraConfig, get_peft_model
     root = tmp_path_factory.mktemp("prefix")
     save_hf_model("llama3_gqa", root / "base", seed=3)
-    adapters = {}
-    for i, name in enumerate(NAMES):
-        model = get_peft_model(make_hf_model("llama3_gqa"),
-                               LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
-                                          init_lora_weights=False))
-        g = torch.Generator().manual_seed(20 + i)
-        with torch.no_grad():
-            for pname, p in model.named_parameters():
-                if "lora_" in pname:
-                    p.copy_(torch.randn(p.shape, generator=g) * 0.15)
-        model.save_pretrained(str(root / name))
-        adapters[name] = str(root / name)
+    adapters = save_peft_adapters(root, NAMES, seed=20)
     return str(root / "base"), adapters
 
 

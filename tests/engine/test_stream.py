@@ -2,12 +2,11 @@
 LoRA slots, base and adapter rows interleaved) give the same tokens as generate(list), every step
 holds at most max_loras adapters, and nothing deadlocks."""
 import pytest
-import torch
 
 from batchrun.engine.config import EngineConfig, SamplingParams
 from batchrun.engine.engine import Engine
 from batchrun.engine.request import Request
-from tests.tiny_models import make_hf_model, random_prompts, save_hf_model
+from tests.tiny_models import random_prompts, save_hf_model, save_peft_adapters
 
 NEW = 6
 NAMES = ["a", "b", "c"]
@@ -35,21 +34,9 @@ class Trickle:
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
-    from peft import LoraConfig, get_peft_model
     root = tmp_path_factory.mktemp("stream")
     save_hf_model("llama3_gqa", root / "base", seed=3)
-    adapters = {}
-    for i, name in enumerate(NAMES):
-        model = get_peft_model(make_hf_model("llama3_gqa"),
-                               LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
-                                          init_lora_weights=False))
-        g = torch.Generator().manual_seed(10 + i)
-        with torch.no_grad():
-            for pname, p in model.named_parameters():
-                if "lora_" in pname:
-                    p.copy_(torch.randn(p.shape, generator=g) * 0.15)
-        model.save_pretrained(str(root / name))
-        adapters[name] = str(root / name)
+    adapters = save_peft_adapters(root, NAMES, seed=10)
     return Engine.from_config(EngineConfig(model=str(root / "base"), device="cpu", max_model_len=128,
                                            max_num_seqs=4, max_num_batched_tokens=64, enable_lora=True,
                                            max_loras=2, max_lora_rank=4), adapters=adapters)

@@ -4,7 +4,7 @@ import os
 import subprocess
 import sys
 
-from runner_helpers import REPO, demo_rows
+from runner_helpers import REPO, demo_rows, run_cli_without
 
 WRAPPER = ("import sys\nfrom batchrun.__main__ import entry\n"
            "try:\n    entry(sys.argv[1:])\nexcept SystemExit as e:\n    code = e.code\nelse:\n    code = 0\n"
@@ -31,21 +31,8 @@ def test_demo_plan_does_not_import_torch():
     assert line == "IMPORTED [] 0", (line, r.stderr)
 
 
-BLOCKER = ("import sys\n"
-           "class Block:\n"
-           "    def find_spec(self, name, path=None, target=None):\n"
-           "        if name.split('.')[0] in BLOCKED:\n"
-           "            raise ImportError(f'{name} is blocked in this test')\n"
-           "sys.meta_path.insert(0, Block())\n"
-           "from batchrun.__main__ import entry\n"
-           "entry(sys.argv[1:])\n")
-
-
 def _plan_without(blocked: tuple, job, *flags):
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    code = f"BLOCKED = {blocked!r}\n" + BLOCKER
-    return subprocess.run([sys.executable, "-c", code, "plan", str(job), *flags], capture_output=True, text=True,
-                          env=env, timeout=120)
+    return run_cli_without(blocked, "plan", job, *flags, timeout=120)
 
 
 def test_plan_works_where_import_torch_fails(make_job):

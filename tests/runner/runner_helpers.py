@@ -89,3 +89,21 @@ def fork_cli(args: list, crash_at: str = "", env: dict | None = None):
     proc = multiprocessing.get_context("fork").Process(target=cli, args=([str(a) for a in args], crash_at, env))
     proc.start()
     return proc
+
+
+# the CLI in a fresh interpreter where importing the named top-level packages raises ImportError
+_BLOCKER = ("import sys\n"
+            "BLOCKED = tuple(sys.argv[1].split(','))\n"
+            "class Block:\n"
+            "    def find_spec(self, name, path=None, target=None):\n"
+            "        if name.split('.')[0] in BLOCKED:\n"
+            "            raise ImportError(f'{name} is blocked in this test')\n"
+            "sys.meta_path.insert(0, Block())\n"
+            "from batchrun.__main__ import entry\n"
+            "entry(sys.argv[2:])\n")
+
+
+def run_cli_without(blocked: tuple[str, ...], *args, timeout: float = 180):
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.run([sys.executable, "-c", _BLOCKER, ",".join(blocked), *map(str, args)],
+                          capture_output=True, text=True, env=env, timeout=timeout)

@@ -20,8 +20,9 @@ def _job(tmp_path, **engine):
 def test_engine_section_is_the_engine_config(tmp_path):
     spec = parse_job(_job(tmp_path, device="cpu", max_model_len=128, gpu_memory_utilization=1), "/")
     assert isinstance(spec.engine, EngineConfig)
+    # a job's max_num_seqs defaults to auto (EngineConfig's Python default stays 64)
     assert spec.engine == EngineConfig(model=spec.model, device="cpu", max_model_len=128,
-                                       gpu_memory_utilization=1.0, seed=0)
+                                       gpu_memory_utilization=1.0, seed=0, max_num_seqs="auto")
     assert isinstance(spec.engine.gpu_memory_utilization, float)
     raw = _job(tmp_path)
     raw["adapters"], raw["input"]["adapter_column"] = {"a": "/ads/a"}, "adapter"

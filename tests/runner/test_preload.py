@@ -2,26 +2,13 @@
 errors there reach the main thread with their own type when it needs the module, a job that
 fails its checks exits without waiting for the imports, and the run itself is unchanged."""
 import importlib
-import os
 import shutil
-import subprocess
-import sys
 import threading
 
 import pytest
 
 from batchrun.job import preload
-from runner_helpers import REPO, demo_rows, read_output, run_cli
-
-BLOCKER = ("import sys\n"
-           "BLOCKED = tuple(sys.argv[1].split(','))\n"
-           "class Block:\n"
-           "    def find_spec(self, name, path=None, target=None):\n"
-           "        if name.split('.')[0] in BLOCKED:\n"
-           "            raise ImportError(f'{name} is blocked in this test')\n"
-           "sys.meta_path.insert(0, Block())\n"
-           "from batchrun.__main__ import entry\n"
-           "entry(sys.argv[2:])\n")
+from runner_helpers import demo_rows, read_output, run_cli, run_cli_without
 
 
 @pytest.fixture
@@ -63,9 +50,7 @@ def test_wait_without_start_does_nothing(fresh_preload, monkeypatch):
 
 
 def _blocked_run(blocked: str, job, timeout=180):
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    return subprocess.run([sys.executable, "-c", BLOCKER, blocked, "run", str(job), "--progress", "none"],
-                          capture_output=True, text=True, env=env, timeout=timeout)
+    return run_cli_without(tuple(blocked.split(",")), "run", job, "--progress", "none", timeout=timeout)
 
 
 def test_a_failing_torch_import_surfaces_before_anything_is_written(make_job, tmp_path):
