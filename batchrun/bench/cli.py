@@ -181,7 +181,7 @@ def lora_matrix(**kw):
 @click.option("--enforce-eager", is_flag=True, help="No CUDA graphs.")
 @click.option("--enable-prefix-caching/--no-enable-prefix-caching", default=True, show_default=True,
               help="Job engine.enable_prefix_caching (both runs).")
-@click.option("--enable-mixed-steps/--no-enable-mixed-steps", default=True, show_default=True,
+@click.option("--enable-mixed-steps/--no-enable-mixed-steps", default=False, show_default=True,
               help="Job engine.enable_mixed_steps: decode tokens and prompt chunks in one step.")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--workdir", type=click.Path(file_okay=False), default=None,

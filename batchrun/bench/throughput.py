@@ -73,7 +73,7 @@ class ThroughputParams:
     gpu_memory_utilization: float = 0.90
     enforce_eager: bool = False
     enable_prefix_caching: bool = True
-    enable_mixed_steps: bool = True
+    enable_mixed_steps: bool = False
     seed: int = 0
     workdir: str | None = None  # None: a temporary directory, removed afterwards
     output_json: str | None = None

@@ -55,7 +55,7 @@ def print_throughput(r: dict, echo=print) -> None:
          f"{' (dirty)' if r.get('git_dirty') else ''}; {a['num_prompts']} prompts x "
          f"({_prompt(a)} in + {a['output_len']} out), max_num_seqs {a['max_num_seqs']}, "
          f"max_num_batched_tokens {a['max_num_batched_tokens']}, mixed steps "
-         f"{'on' if a.get('enable_mixed_steps', True) else 'off'}; "
+         f"{'on' if a.get('enable_mixed_steps', False) else 'off'}; "
          f"{r['workload']['lora_rows']} rows over {a['num_adapters']} rank-{a['lora_rank']} adapters")
     rows = [("engine alone: generate (one call)", r["engine_alone"]["generate_s"], t["engine_alone"]),
             ("  (its load: weights, KV, graphs)", r["engine_alone"]["load_s"], None),

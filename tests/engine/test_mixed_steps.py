@@ -41,6 +41,7 @@ def batches(monkeypatch):
 
 
 def generate(model_dir, prompts, max_tokens, adapters=None, names=None, **cfg):
+    cfg.setdefault("enable_mixed_steps", True)  # opt-in (EngineConfig's default is off)
     cfg = dict(dict(device="cpu", max_model_len=256), **cfg)
     engine = Engine.from_config(EngineConfig(model=model_dir, enable_lora=bool(adapters), **cfg),
                                 adapters=adapters)
@@ -132,7 +133,7 @@ def _run_step(batch):
 
 def test_decode_rows_room_first_preempts_no_row_already_in_the_step():
     blocks = BlockManager(num_blocks=7, block_size=4)  # 6 usable blocks = 24 tokens
-    sched = Scheduler(EngineConfig(model="m", max_num_seqs=8, max_num_batched_tokens=32), blocks)
+    sched = Scheduler(EngineConfig(model="m", max_num_seqs=8, max_num_batched_tokens=32, enable_mixed_steps=True), blocks)
     for i, n in enumerate((8, 7, 7)):  # 2 + 2 + 2 blocks: the cache is full
         sched.add(_seq(i, n))
     first = sched.schedule()
@@ -156,7 +157,7 @@ def test_decode_rows_room_first_preempts_no_row_already_in_the_step():
 
 def test_more_decode_rows_than_the_budget_fall_back_to_a_prefill_step():
     blocks = BlockManager(num_blocks=64, block_size=4)
-    sched = Scheduler(EngineConfig(model="m", max_num_seqs=8, max_num_batched_tokens=4), blocks)
+    sched = Scheduler(EngineConfig(model="m", max_num_seqs=8, max_num_batched_tokens=4, enable_mixed_steps=True), blocks)
     for i in range(4):
         sched.add(_seq(i, 1))
     _run_step(sched.schedule())
@@ -166,13 +167,13 @@ def test_more_decode_rows_than_the_budget_fall_back_to_a_prefill_step():
 
 
 def test_config_switch():
-    assert EngineConfig(model="m").enable_mixed_steps is True
-    with pytest.raises(ValueError, match="enable_mixed_steps must be true or false"):
+    assert EngineConfig(model="m").enable_mixed_steps is False  # opt-in: measured no faster yet
+    with pytest.raises(ValueError, match="enable_mixed_steps: expected true or false"):
         EngineConfig(model="m", enable_mixed_steps="yes")
     raw = {"model": "m", "input": {"path": "in.parquet"}, "output": {"path": "out"}}
-    assert parse_job(raw, base_dir="/jobs").engine.enable_mixed_steps is True
-    raw["engine"] = {"enable_mixed_steps": False}
     assert parse_job(raw, base_dir="/jobs").engine.enable_mixed_steps is False
+    raw["engine"] = {"enable_mixed_steps": True}
+    assert parse_job(raw, base_dir="/jobs").engine.enable_mixed_steps is True
     raw["engine"] = {"enable_mixed_steps": "no"}
     with pytest.raises(ConfigError, match="engine.enable_mixed_steps: expected true or false"):
         parse_job(raw, base_dir="/jobs")
@@ -184,8 +185,8 @@ def test_bench_throughput_flag():
     from batchrun.bench import throughput
     from batchrun.bench.throughput import ThroughputParams
     from batchrun.cli import main
-    assert ThroughputParams().engine_section()["enable_mixed_steps"] is True
-    assert ThroughputParams(enable_mixed_steps=False).engine_section()["enable_mixed_steps"] is False
+    assert ThroughputParams().engine_section()["enable_mixed_steps"] is False
+    assert ThroughputParams(enable_mixed_steps=True).engine_section()["enable_mixed_steps"] is True
     got = {}
 
     def fake_run(p, log, command):
@@ -193,6 +194,6 @@ def test_bench_throughput_flag():
         raise SystemExit(0)
     with mock.patch.object(throughput, "run_throughput", fake_run):
         res = CliRunner().invoke(main, ["bench", "throughput", "--preset", "tiny",
-                                        "--no-enable-mixed-steps"])
+                                        "--enable-mixed-steps"])
     assert res.exit_code == 0, res.output
-    assert got["p"].enable_mixed_steps is False
+    assert got["p"].enable_mixed_steps is True
