@@ -31,6 +31,19 @@ _error: BaseException | None = None
 waited_s = 0.0  # how long the main thread blocked in wait() (the imports it could not overlap)
 
 
+def _forget_in_forked_child() -> None:
+    """fork copies only the calling thread: a child of a process that had started the preload
+    has its queue and counters but no thread to run them, so its own start() would be skipped
+    and its wait() would block forever (this hung the fork-based crash tests). Start over."""
+    global _steps, _thread, _cond, _queued, _done, _error, waited_s
+    _steps, _thread, _cond, _error = None, None, threading.Condition(), None
+    _queued = _done = 0
+    waited_s = 0.0
+
+
+os.register_at_fork(after_in_child=_forget_in_forked_child)
+
+
 def _worker() -> None:
     global _done, _error
     while True:

@@ -84,3 +84,20 @@ def test_runs_with_and_without_the_preload_write_the_same_rows(make_job, tmp_pat
         assert "waiting for imports" in r.stderr
         tables.append(sorted((row["id"], row["output_text"]) for row in read_output(tmp_path / "out").to_pylist()))
     assert tables[0] == tables[1]
+
+
+def test_a_forked_child_starts_its_own_preload(fresh_preload):
+    """The parent's preload thread does not exist in a fork: the child starts afresh instead of
+    waiting on the parent's queue forever."""
+    import multiprocessing
+    fresh_preload.start(modules=("json",))
+    fresh_preload.wait()
+
+    def child():
+        fresh_preload.start(modules=("json",))
+        fresh_preload.then(lambda: None)
+        fresh_preload.wait()
+    p = multiprocessing.get_context("fork").Process(target=child)
+    p.start()
+    p.join(30)
+    assert p.exitcode == 0, "the forked child's preload hung" if p.exitcode is None else p.exitcode
