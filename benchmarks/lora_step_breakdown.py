@@ -88,11 +88,16 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--prefill-lens", default="32,128",
                     help="prompt lengths for the prefill-step timings (comma separated)")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None,
+                    help="engine budget per step (default: batch-size x the longest prefill length, "
+                         "so each prefill case fits one step)")
     ap.add_argument("--output-json")
     a = ap.parse_args()
     lens = [int(x) for x in a.prefill_lens.split(",") if x]
     p = MatrixParams(model=a.model, batch_size=a.batch_size, input_len=max(lens + [32]), output_len=8,
-                     max_loras=a.max_loras, max_lora_rank=16, lora_rank=16)
+                     max_loras=a.max_loras, max_lora_rank=16, lora_rank=16,
+                     max_num_batched_tokens=a.max_num_batched_tokens or max(2048, a.batch_size * max(lens + [32])),
+                     max_num_seqs=max(64, a.batch_size))
     with tempfile.TemporaryDirectory() as tmp:
         eng_a = build_engine(p.engine_config(False))
         eng_b = build_engine(p.engine_config(True), p.max_loras, p.lora_rank, Path(tmp) / "adapters")
