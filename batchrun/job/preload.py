@@ -80,6 +80,11 @@ def start(modules=ENGINE_MODULES) -> None:
     _thread.start()
 
 
+def busy() -> bool:
+    """Steps are still running on the preload thread (an import may be half done)."""
+    return _thread is not None and _thread.is_alive() and _done < _queued
+
+
 def wait() -> None:
     """Block until every queued step ran; raise the first one's error. A no-op on the preload
     thread itself and when nothing was started."""
