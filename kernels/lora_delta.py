@@ -31,7 +31,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from torch import Tensor
 
 from batchrun.kernels.lora_meta import LoRADelta
 from batchrun.kernels.utils import FLOAT_DTYPES, check, dot_block

@@ -170,13 +170,9 @@ class Scheduler:
         return None
 
     def _schedule_decode(self) -> ScheduledBatch:
-        scheduled = []
-        for seq in list(self.running):
-            if seq.status is not SeqStatus.RUNNING:
-                continue  # preempted while making room for an earlier sequence
-            if self._make_room(seq, seq.num_tokens):
-                scheduled.append(seq)
-        return ScheduledBatch(False, scheduled, [1] * len(scheduled))
+        # reached only when no running sequence is mid-prompt (_schedule_prefill takes those)
+        rows, _ = self._schedule_decode_rows()
+        return ScheduledBatch(False, rows, [1] * len(rows))
 
     def _make_room(self, seq: Sequence, num_tokens: int) -> bool:
         """Allocate blocks for seq's first num_tokens tokens, preempting the newest sequences."""
