@@ -1,14 +1,13 @@
 """Console entry (`batchrun ...`, `python -m batchrun ...`).
 
 Signal handlers come first, before click/pyarrow/torch are imported, so SIGTERM/SIGINT at any
-moment of start-up exits 130 with one line instead of 143 (no message) or click's "Aborted!".
+moment of start-up exits 130 with one line instead of 143 (no message) or click's "Aborted!"
+(job/interrupt.py: at once while nothing is written, then as Interrupted).
 """
 import os
 import sys
 
-from batchrun.job.interrupt import Interrupted, install_early
-
-INTERRUPTED = 130  # ExitCode.INTERRUPTED (not imported from cli: that would import click first)
+from batchrun.job.interrupt import EXIT_CODE as INTERRUPTED, Interrupted, install_early, message
 
 
 def entry(args=None) -> None:
@@ -18,8 +17,7 @@ def entry(args=None) -> None:
         main(args)
         code = 0
     except Interrupted as e:
-        sys.stderr.write(f"batchrun: error: interrupted ({e}); no partial file was left. Rerun the same "
-                         "command (a run resumes after its committed units).\n")
+        sys.stderr.write(message(str(e)))
         code = INTERRUPTED
     except SystemExit as e:
         code = e.code

@@ -56,8 +56,12 @@ def worker_name(task_id: int) -> str:
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]}, epilog=EXIT_CODES_HELP)
 @click.version_option(package_name="batchrun")
-def main():
+@click.pass_context
+def main(ctx):
     """Offline batch inference: Parquet prompts + a local HF model + LoRA adapters -> Parquet outputs."""
+    if ctx.invoked_subcommand != "run":  # `run` ends its start-up itself, before its first write
+        from batchrun.job.interrupt import start_up_over
+        start_up_over()
 
 
 @main.command(epilog=EXIT_CODES_HELP)
@@ -111,6 +115,8 @@ def run(job, task_id, num_tasks, restart, restart_token, progress, log_interval,
     except ValueError as e:
         _fail(ExitCode.USAGE, str(e))
     if workers is not None or gpus is not None:
+        from batchrun.job.interrupt import start_up_over
+        start_up_over()  # the parent forwards signals to its workers (workers.py)
         _run_workers(job, workers, gpus, restart, restart_token, log_interval, claim_lease)
     try:
         from batchrun.job.workers import GPU_ENV, check_worker_device

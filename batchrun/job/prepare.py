@@ -18,7 +18,9 @@ from batchrun import __version__
 from batchrun.job.commit import write_json_atomic
 from batchrun.errors import ConfigError, JobChanged, OutputIOError, io_message
 from batchrun.job.fingerprint import PART_NAMES, combine, job_fingerprint
+from batchrun.job import preload
 from batchrun.job.inputs import check_schemas, find_input_files
+from batchrun.job.interrupt import start_up_over
 from batchrun.job.spec import JobSpec
 from batchrun.job.lock import LockBusy, TaskLock
 from batchrun.engine.lora.adapters import inspect_adapter
@@ -95,7 +97,6 @@ def check_output_writable(out: OutputDir) -> None:
 def check_structured(spec: JobSpec, model_config) -> None:
     """response_format: xgrammar is installed, and the job-level format compiles (imports torch:
     only jobs that ask for structured output pay for it here)."""
-    from batchrun.job import preload
     preload.wait()  # grammar.py imports torch: not while the preload thread does
     from batchrun.engine.grammar import _xgrammar, check_response_format
     _xgrammar()
@@ -145,6 +146,8 @@ def prepare(spec: JobSpec, restart: bool = False, log=None, restart_token: str |
     parts = job_fingerprint(spec, files, names, list(schema.override_columns), digests=[p.digest for p in pins])
     fp = combine(parts)
     check_tokenizer(spec, for_run=True)  # waits for the preload thread's imports and tokenizer
+    preload.wait()  # (token-id prompts load no tokenizer) the preload thread is idle from here on,
+    start_up_over()  # and the first write follows: a signal now raises Interrupted (interrupt.py)
     token = restart_token or os.environ.get("SLURM_ARRAY_JOB_ID")  # restart once per token
     restart = restart or bool(restart_token)
     if not os.path.lexists(out.manifest) and not pending_wipe(out):

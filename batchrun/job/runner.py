@@ -183,6 +183,7 @@ class TaskRunner:
 
     def _on_result(self, pending: dict[int, UnitWork], done: Callable[[UnitWork], None]) -> Callable[[Result], None]:
         def on_result(res: Result) -> None:
+            self.signals.check()  # a signal whose Interrupted was swallowed (interrupt.py) ends the run here
             unit_index, pos = res.request_id
             work = pending.get(unit_index)
             if work is None or work.results[pos] is not None:
