@@ -118,9 +118,6 @@ class LoRAKernelMeta:
         self.flat.copy_(self.staging, non_blocking=True)
 
 
-MAX_NORM_CHUNKS = 32  # programs per row of the LoRA RMSNorm kernel (sizes its scratch)
-
-
 @dataclass
 class LoRADelta:
     """A projection's LoRA delta, left for the kernel that consumes the projection's output.
@@ -133,25 +130,6 @@ class LoRADelta:
     lora_b: Tensor            # [L, N, R] fused output layout, scaling folded in
     token_slots: Tensor       # int32 [>= T] slot per token, -1 = no LoRA (also padding)
     slice_offsets: tuple[int, ...]  # S + 1 column offsets into N
-    # Scratch of the RMSNorm consumer (one per engine: layers run one after another):
-    # int32 [>= T] zeros, left zero by every launch, then fp32 [>= T * MAX_NORM_CHUNKS].
-    norm_counters: Tensor | None = None
-    norm_partials: Tensor | None = None
-
-    @staticmethod
-    def allocate_norm_scratch(max_tokens: int, device) -> tuple[Tensor, Tensor]:
-        return (torch.zeros(max_tokens, dtype=torch.int32, device=device),
-                torch.zeros(max_tokens * MAX_NORM_CHUNKS, dtype=torch.float32, device=device))
-
-    def norm_scratch(self, T: int, chunks: int) -> tuple[Tensor, Tensor]:
-        """(partials [T * chunks] fp32, counters [T] int32) for an RMSNorm consuming this delta."""
-        c, p = self.norm_counters, self.norm_partials
-        if (c is None or p is None or c.dtype != torch.int32 or c.numel() < T
-                or p.dtype != torch.float32 or p.numel() < T * chunks):
-            raise ValueError(f"an RMSNorm with a LoRA delta needs norm_counters (int32 zeros, "
-                             f">= {T}) and norm_partials (fp32, >= {T * chunks}): see "
-                             f"LoRADelta.allocate_norm_scratch")
-        return p, c
 
     @property
     def num_slices(self) -> int:

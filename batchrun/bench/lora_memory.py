@@ -38,8 +38,7 @@ def lora_memory(engine) -> dict | None:
         if hook.bias_full is not None:
             n = hook.slice_offsets[-1]
             out["bias_extra"] += (hook.bias_full.numel() - n) * hook.bias_full.element_size()
-    out["fused_buffers"] = _nbytes(getattr(m.meta, "flat", None)) + sum(
-        _nbytes(t) for t in m.norm_scratch)
+    out["fused_buffers"] = _nbytes(getattr(m.meta, "flat", None))
     out["workspace"] = _nbytes(m.shrink_buffer)
     out["total_extra"] = sum(v for k, v in out.items() if k != "stacked_base")
     out.update(hooked_linears=len(m.hooks), max_loras=m.max_loras, rank=m.rank)

@@ -85,7 +85,6 @@ def test_consumers_replay_from_a_graph(T):
         want_s = ref_silu_and_mul(ds.apply_reference(gu))
         graph.replay()
         torch.cuda.synchronize()
-        assert not dn.norm_counters.any()
         for got, want in ((res, want_res), (out_n, want_n), (out_s, want_s)):
             scale = want.float().abs().mean(-1, keepdim=True)
             assert (got.float() - want.float()).abs().le(_tol(want, BF16, scale)).all(), trial

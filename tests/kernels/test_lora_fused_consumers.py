@@ -43,8 +43,7 @@ def _fused_output(T, sizes, L, R, dtype, seed, pattern="mixed"):
     offs = [0]
     for n in sizes:
         offs.append(offs[-1] + n)
-    delta = LoRADelta(full[:, N:N + S * L * R], lora_b, slots, tuple(offs),
-                      *LoRADelta.allocate_norm_scratch(T, DEVICE))
+    delta = LoRADelta(full[:, N:N + S * L * R], lora_b, slots, tuple(offs))
     return full[:, :N], delta, slots[:T]
 
 
@@ -100,13 +99,14 @@ def _check_norm(T, H, L, R, dtype, fused_add, pattern):
         ref, ref_res = ref_fused_add_rms_norm(fixed, res_before, w, 1e-6)
         plain, _ = fused_add_rms_norm(x, res_plain, w, 1e-6)
         assert res_out is res
-        assert (res.float() - ref_res.float()).abs().le(_tol(ref_res, dtype, 0)).all()
+        # rnd(x + delta) may be an ulp apart (see _tol): an ulp of that sum, not of the
+        # residual, which can be far smaller where the two cancel
+        assert (res.float() - ref_res.float()).abs().le(_tol(ref_res, dtype, fixed.float().abs())).all()
         _same_where_no_lora(res, res_plain, slots)
     else:
         out = rms_norm(x, w, 1e-6, lora=delta)
         ref, plain = ref_rms_norm(fixed, w, 1e-6), rms_norm(x, w, 1e-6)
-        assert torch.equal(rms_norm(x, w, 1e-6, lora=delta), out)  # scratch reusable, same order
-    assert not delta.norm_counters.any()  # every launch leaves its counters at zero
+        assert torch.equal(rms_norm(x, w, 1e-6, lora=delta), out)  # deterministic: the same result twice
     assert torch.equal(x, x_before)  # the projection output itself is not written
     scale = ref.float().abs().mean(-1, keepdim=True)
     assert (out.float() - ref.float()).abs().le(_tol(ref, dtype, scale)).all()
@@ -207,13 +207,6 @@ def test_norm_refuses_a_delta_of_another_size():
     w = torch.ones(80, device=DEVICE)
     with pytest.raises(ValueError, match="does not fit"):
         rms_norm(x, w, 1e-6, lora=delta)  # a 2-slice delta on a norm
-
-
-def test_norm_needs_its_scratch():
-    x, delta, _ = _fused_output(3, [40], 2, 4, torch.float32, seed=3)
-    bare = LoRADelta(delta.shrunk, delta.lora_b, delta.token_slots, delta.slice_offsets)
-    with pytest.raises(ValueError, match="norm_counters"):
-        rms_norm(x, torch.ones(40, device=DEVICE), 1e-6, lora=bare)
 
 
 @pytest.mark.gpu

@@ -28,7 +28,7 @@ from batchrun.engine.lora import punica
 
 class LoRALinear:
     def __init__(self, manager, linear, max_loras: int, max_rank: int):
-        self.manager = manager  # owns the scratch shared by all hooks (shrink_buffer, norm_scratch)
+        self.manager = manager  # owns the scratch shared by all hooks (shrink_buffer)
         self.output_sizes = list(linear.output_sizes)
         S, N, K = len(self.output_sizes), linear.out_features, linear.in_features
         offs = [0]
@@ -77,7 +77,7 @@ class LoRALinear:
             full = F.linear(x, self.weight_full, self.bias_full)  # [T, N + S*L*R]
             N = linear.out_features
             return full[:, :N], LoRADelta(full[:, N:], self.lora_b, step.token_slots,
-                                          self.slice_offsets, *m.norm_scratch)
+                                          self.slice_offsets)
         y = F.linear(x, linear.weight, linear.bias)
         # m.shrink_buffer: flat fp32 scratch shared by all layers; add_lora views its split-K
         # partials [splits, S, T, R] out of it.

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from batchrun.kernels.lora_meta import LoRADelta, LoRAKernelMeta
+from batchrun.kernels.lora_meta import LoRAKernelMeta
 from batchrun.engine.layers.linear import Linear
 from batchrun.engine.layers.step import LoRAStep
 from batchrun.engine.lora.adapters import AdapterInfo, LoRAWeights, inspect_adapter, load_adapter
@@ -58,8 +58,6 @@ class LoRAManager:
         # Static buffers, allocated once (captured graphs hold their addresses). What a step
         # runs is not kept here: lora_step() returns it as a frozen LoRAStep (layers/step.py).
         self.meta = LoRAKernelMeta.allocate(max_num_tokens, max_loras, device)
-        # scratch of the RMSNorms that add a fused delta (shared: layers run one at a time)
-        self.norm_scratch = LoRADelta.allocate_norm_scratch(max_num_tokens, device)
         self.hooks: dict[tuple[int, str], LoRALinear] = {}
         for mod_name, mod in model.named_modules():
             m = _LINEAR.match(mod_name)
