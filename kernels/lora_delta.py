@@ -61,6 +61,11 @@ def tile_shrunk(s_ptr, stride_s, rows, slot, slice_idx, L, R,
 
 
 @triton.jit
+def _bit_or(a, b):
+    return a | b
+
+
+@triton.jit
 def lora_delta_tile(
     s,            # [BLOCK_M, BLOCK_R] from tile_shrunk
     b_ptr,        # lora_b [L, N, R] contiguous
@@ -82,10 +87,15 @@ def lora_delta_tile(
     # Unrolled groups without branches: the B loads of a group are independent, so they are
     # in flight together; a slot no row uses (or past hi) has its load predicated off, so it
     # reads nothing, and its dot adds zeros.
+    # Which slots of a group the tile's rows use comes from ONE bitwise-or reduction over the
+    # rows per group (a cross-warp reduction per slot was most of a small program's time).
     for l0 in range(lo, hi + 1, SLOT_UNROLL):
+        rel = slot - l0
+        in_group = (rel >= 0) & (rel < SLOT_UNROLL)
+        present = tl.reduce(tl.where(in_group, 1 << tl.where(in_group, rel, 0), 0), 0, _bit_or)
         for u in tl.static_range(SLOT_UNROLL):
             sel = slot == l0 + u
-            r_used = R * tl.max(sel.to(tl.int32), axis=0)   # R if some row uses the slot, else 0
+            r_used = R * ((present >> u) & 1)   # R if some row uses the slot, else 0
             b_mask = (offs_r < r_used)[:, None] & col_mask[None, :]
             b = tl.load(b_tile + tl.cast(l0 + u, tl.int64) * N * R, mask=b_mask, other=0.0)
             s_l = tl.where(sel[:, None], s, tl.zeros_like(s))
