@@ -24,7 +24,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from batchrun.kernels.lora_delta import delta_args, lora_delta_tile, tile_shrunk, tile_slots
+from batchrun.kernels.lora_delta import (delta_args, lora_delta_tile, row_block, tile_shrunk,
+                                        tile_slots)
 from batchrun.kernels.lora_meta import LoRADelta
 from batchrun.kernels.utils import FLOAT_DTYPES, check
 
@@ -67,10 +68,10 @@ def _add_lora_delta_kernel(
     s_ptr, stride_s, b_ptr, slot_ptr, LN, LL, LR,   # the LoRA delta of x
     FUSED_ADD: tl.constexpr,
     BLOCK_M: tl.constexpr, CHUNK: tl.constexpr,
-    BLOCK_R: tl.constexpr, DOT_IEEE: tl.constexpr, SLOT_UNROLL: tl.constexpr,
+    BLOCK_R: tl.constexpr, DOT_IEEE: tl.constexpr,
 ):
     # Grid (row tiles, column chunks), every program independent: B is read once per tile and
-    # slot present, and the tile's delta is one tensor-core dot per slot.
+    # slot of its rows' range, and the tile's delta is one tensor-core dot per slot.
     tile = tl.program_id(0)
     c = tl.program_id(1)
     xdt = x_ptr.dtype.element_ty
@@ -83,8 +84,8 @@ def _add_lora_delta_kernel(
     x = tl.load(x_ptr + rows64[:, None] * stride_x + offs[None, :], mask=mask, other=0.0)
     slot, lo, hi = tile_slots(slot_ptr, rows, row_mask)
     s = tile_shrunk(s_ptr, stride_s, rows, slot, 0, LL, LR, BLOCK_R, DOT_IEEE)
-    d = lora_delta_tile(s, b_ptr, slot, lo, hi, offs, col_mask, LN, LR,
-                        BLOCK_M, CHUNK, BLOCK_R, SLOT_UNROLL, DOT_IEEE)
+    d, _ = lora_delta_tile(s, s, b_ptr, slot, lo, hi, offs, offs, col_mask, LN, LR,
+                           BLOCK_M, CHUNK, BLOCK_R, DOT_IEEE, PAIR=False)
     h = (x.to(tl.float32) + d).to(xdt)                    # the x a separate expand would leave
     if FUSED_ADD:
         r_ptrs = res_ptr + rows64[:, None] * stride_r + offs[None, :]
@@ -122,11 +123,11 @@ def _launch(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float,
             x, res, weight, out, H, eps, x.stride(0), res.stride(0), out.stride(0),
             FUSED_ADD=residual is not None, BLOCK_N=block, num_warps=num_warps)
         return out
-    # Two launches: the delta (and residual add) on 16-row x CHUNK tiles, in parallel over the
+    # Two launches: the delta (and residual add) on 16-32-row x CHUNK tiles, in parallel over the
     # whole [T, H], then the plain row norm of the result. One launch that normalised each tile
     # in its last program (an atomic ticket) serialised H columns x 16 rows per program: 20 µs
     # a norm at 256 rows on the H200, against ~3 µs for the plain kernel.
-    bm = 16
+    bm = row_block(T)
     chunk = max(128, triton.next_power_of_2(triton.cdiv(H, DELTA_CHUNKS)))
     if residual is not None:
         h = residual                                            # becomes res + rnd(x + delta)
@@ -136,7 +137,8 @@ def _launch(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float,
         h = torch.empty((T, H), dtype=x.dtype, device=x.device)  # n rounds to x's dtype (HF)
     _add_lora_delta_kernel[(triton.cdiv(T, bm), triton.cdiv(H, chunk))](
         x, res, h, T, H, x.stride(0), res.stride(0), h.stride(0), *largs,
-        FUSED_ADD=residual is not None, BLOCK_M=bm, CHUNK=chunk, **consts, num_warps=4)
+        FUSED_ADD=residual is not None, BLOCK_M=bm, CHUNK=chunk, **consts, num_warps=4,
+        num_stages=1)
     _rms_norm_kernel[(T,)](
         h, h, weight, out, H, eps, h.stride(0), h.stride(0), out.stride(0),
         FUSED_ADD=False, BLOCK_N=block, num_warps=num_warps)

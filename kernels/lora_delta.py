@@ -16,11 +16,16 @@ expand kernel writing y would have produced.
 
 Why tiles: a program owns BLOCK_M rows x BLOCK_N columns. It gathers each row's own slot's
 shrunk values s [M, R] once (tile_shrunk) and then, for each slot l of the tile's [min, max]
-slot range, does one tensor-core dot `where(slot == l, s, 0) [M, R] @ B_l[cols].T [R, N]`,
-loading B_l only if some row uses l. So B is read once per tile and slot instead of once per
-token row (at 256 rows the per-row form read B 256 times a step). Rows need not be sorted by
-slot: rows of other slots (and slot -1) enter each dot as zeros, so the masked sum is exact
-(for finite B: a non-finite B of one adapter would reach the tile's other rows as 0 * inf).
+slot range, does one tensor-core dot `where(slot == l, s, 0) [M, R] @ B_l[cols].T [R, N]`.
+So B is read once per tile and slot instead of once per token row (at 256 rows the per-row
+form read B 256 times a step). Rows need not be sorted by slot: rows of other slots (and slot
+-1) enter each dot as zeros, so the masked sum is exact (for finite B: a non-finite B of one
+adapter would reach the tile's other rows as 0 * inf). But the loop is shortest when they are:
+prompt rows come in runs of one sequence, and the engine orders a LoRA decode step's rows by
+slot (engine.py), so most tiles run one or two iterations.
+
+The consumers launch with num_stages=1: the slot loop is short, and software pipelining only
+added shared memory and registers (H200, 256 and 8192 rows: 10-30 % slower with 2-3 stages).
 
 Precision: 16-bit s and B of the same dtype are dotted as they are (their products are exact in
 fp32, accumulated in fp32); any other pair is dotted in fp32 with "ieee" precision (no tf32).
@@ -61,49 +66,50 @@ def tile_shrunk(s_ptr, stride_s, rows, slot, slice_idx, L, R,
 
 
 @triton.jit
-def _bit_or(a, b):
-    return a | b
+def _slot_dot(acc, s, sel, b, DOT_IEEE: tl.constexpr):
+    s_l = tl.where(sel[:, None], s, tl.zeros_like(s))
+    if DOT_IEEE:
+        return tl.dot(s_l, b.to(tl.float32), acc, input_precision="ieee")
+    return tl.dot(s_l, b, acc)
 
 
 @triton.jit
 def lora_delta_tile(
     s,            # [BLOCK_M, BLOCK_R] from tile_shrunk
+    s2,           # PAIR: the second slice's [BLOCK_M, BLOCK_R] (else unused: pass s)
     b_ptr,        # lora_b [L, N, R] contiguous
     slot,         # int32 [BLOCK_M]: the rows' slots (-1 = none), from tile_slots
     lo, hi,       # slot range present among them, from tile_slots
     cols,         # int [BLOCK_N]: output columns (indices into N); masked ones may be anything
+    cols2,        # PAIR: the second slice's columns (same mask)
     col_mask,     # bool [BLOCK_N]
     N, R,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr,      # >= max(R, 16), a power of two (tl.dot's minimum K is 16)
-    SLOT_UNROLL: tl.constexpr,  # slots per unrolled group
     DOT_IEEE: tl.constexpr,     # dot in fp32 (see the module docstring)
+    PAIR: tl.constexpr,         # also the delta of (s2, cols2), in the same slot loop
 ):
-    """fp32 [BLOCK_M, BLOCK_N]: the delta of every (row, column) of the tile."""
+    """fp32 [BLOCK_M, BLOCK_N] delta of every (row, column) of the tile, and with PAIR the
+    second one (else zeros)."""
     offs_r = tl.arange(0, BLOCK_R)
-    safe_cols = tl.where(col_mask, cols, 0).to(tl.int64)
-    b_tile = b_ptr + safe_cols[None, :] * R + offs_r[:, None]                     # [BR, BN]
+    b_mask = (offs_r < R)[:, None] & col_mask[None, :]
+    b_tile = b_ptr + tl.where(col_mask, cols, 0).to(tl.int64)[None, :] * R + offs_r[:, None]
+    b_tile2 = b_ptr + tl.where(col_mask, cols2, 0).to(tl.int64)[None, :] * R + offs_r[:, None]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    # Unrolled groups without branches: the B loads of a group are independent, so they are
-    # in flight together; a slot no row uses (or past hi) has its load predicated off, so it
-    # reads nothing, and its dot adds zeros.
-    # Which slots of a group the tile's rows use comes from ONE bitwise-or reduction over the
-    # rows per group (a cross-warp reduction per slot was most of a small program's time).
-    for l0 in range(lo, hi + 1, SLOT_UNROLL):
-        rel = slot - l0
-        in_group = (rel >= 0) & (rel < SLOT_UNROLL)
-        present = tl.reduce(tl.where(in_group, 1 << tl.where(in_group, rel, 0), 0), 0, _bit_or)
-        for u in tl.static_range(SLOT_UNROLL):
-            sel = slot == l0 + u
-            r_used = R * ((present >> u) & 1)   # R if some row uses the slot, else 0
-            b_mask = (offs_r < r_used)[:, None] & col_mask[None, :]
-            b = tl.load(b_tile + tl.cast(l0 + u, tl.int64) * N * R, mask=b_mask, other=0.0)
-            s_l = tl.where(sel[:, None], s, tl.zeros_like(s))
-            if DOT_IEEE:
-                acc = tl.dot(s_l, b.to(tl.float32), acc, input_precision="ieee")
-            else:
-                acc = tl.dot(s_l, b, acc)
-    return acc
+    acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    # One B tile (two with PAIR) and one dot per slot of [lo, hi]: a tile of prompt rows or of
+    # slot-sorted decode rows has one or two slots, so this is one or two iterations; a slot
+    # of the range that no row uses costs a wasted load of B (its dot adds zeros). An unrolled
+    # group of 8 predicated slots instead held 8 B tiles in registers (occupancy) and cost
+    # 2-4x the plain kernel's time at one adapter.
+    for l in range(lo, hi + 1):
+        sel = slot == l
+        b_off = tl.cast(l, tl.int64) * N * R
+        acc = _slot_dot(acc, s, sel, tl.load(b_tile + b_off, mask=b_mask, other=0.0), DOT_IEEE)
+        if PAIR:
+            acc2 = _slot_dot(acc2, s2, sel, tl.load(b_tile2 + b_off, mask=b_mask, other=0.0),
+                             DOT_IEEE)
+    return acc, acc2
 
 
 def row_block(T: int, cap: int = 32) -> int:
@@ -116,8 +122,7 @@ def row_block(T: int, cap: int = 32) -> int:
 
 def delta_args(lora: LoRADelta, T: int, N: int, num_slices: int, device) -> tuple[tuple, dict]:
     """(kernel args, constexprs) for the LoRA parameters of a consumer kernel:
-    args = (s_ptr, stride_s, b_ptr, slot_ptr, N, L, R), constexprs = BLOCK_R, DOT_IEEE,
-    SLOT_UNROLL."""
+    args = (s_ptr, stride_s, b_ptr, slot_ptr, N, L, R), constexprs = BLOCK_R, DOT_IEEE."""
     lora.validate(T, N, num_slices, device)
     L, _, R = lora.lora_b.shape
     sd, bd = lora.shrunk.dtype, lora.lora_b.dtype
@@ -125,6 +130,4 @@ def delta_args(lora: LoRADelta, T: int, N: int, num_slices: int, device) -> tupl
           "LoRA shrunk values and lora_b must be float tensors")
     args = (lora.shrunk, lora.shrunk.stride(0), lora.lora_b, lora.token_slots, N, L, R)
     ieee = not (sd == bd and sd in (torch.float16, torch.bfloat16))
-    # All of a typical max_loras (<= 8) in one unrolled group; more slots loop over groups.
-    return args, dict(BLOCK_R=dot_block(R, triton.next_power_of_2(R)), DOT_IEEE=ieee,
-                      SLOT_UNROLL=min(8, triton.next_power_of_2(L)))
+    return args, dict(BLOCK_R=dot_block(R, triton.next_power_of_2(R)), DOT_IEEE=ieee)

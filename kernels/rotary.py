@@ -88,8 +88,7 @@ def _rope_lora_tile(x_ptr, stride_t, stride_h, rows, row_mask, h0, H, jh, jd, jd
                     cs_ptr, pos_ptr, stride_cs,
                     s_ptr, stride_s, b_ptr, slot, lo, hi, LN, LL, LR, slice_idx, col0,
                     HALF: tl.constexpr, ROTATE: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, DOT_IEEE: tl.constexpr,
-                    SLOT_UNROLL: tl.constexpr):
+                    BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, DOT_IEEE: tl.constexpr):
     # Tile: BLOCK_M rows x (BLOCK_H heads x BLOCK_HALF dims) flattened into BLOCK_N columns;
     # column j is dim jd[j] of head h0 + jh[j] (first half; the second half is + HALF).
     heads = h0 + jh
@@ -102,10 +101,8 @@ def _rope_lora_tile(x_ptr, stride_t, stride_h, rows, row_mask, h0, H, jh, jd, jd
     dt = x1.dtype
     cols = col0 + heads * (2 * HALF) + jd       # head h of the slice: columns h*D .. h*D + D
     s_own = tile_shrunk(s_ptr, stride_s, rows, slot, slice_idx, LL, LR, BLOCK_R, DOT_IEEE)
-    d1 = lora_delta_tile(s_own, b_ptr, slot, lo, hi, cols, col_mask, LN, LR,
-                         BLOCK_M, BLOCK_N, BLOCK_R, SLOT_UNROLL, DOT_IEEE)
-    d2 = lora_delta_tile(s_own, b_ptr, slot, lo, hi, cols + HALF, col_mask, LN, LR,
-                         BLOCK_M, BLOCK_N, BLOCK_R, SLOT_UNROLL, DOT_IEEE)
+    d1, d2 = lora_delta_tile(s_own, s_own, b_ptr, slot, lo, hi, cols, cols + HALF, col_mask,
+                             LN, LR, BLOCK_M, BLOCK_N, BLOCK_R, DOT_IEEE, PAIR=True)
     x1 = (x1.to(tl.float32) + d1).to(dt)
     x2 = (x2.to(tl.float32) + d2).to(dt)
     if ROTATE:
@@ -131,7 +128,6 @@ def _rotary_lora_kernel(
     HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
     BLOCK_N: tl.constexpr,    # BLOCK_H * BLOCK_HALF
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, DOT_IEEE: tl.constexpr,
-    SLOT_UNROLL: tl.constexpr,
 ):
     # Grid (row tiles, head blocks of q | k | v): B[the block's columns] is read once per
     # slot the tile's rows use.
@@ -145,19 +141,17 @@ def _rotary_lora_kernel(
     if hb < Q_BLOCKS:
         _rope_lora_tile(q_ptr, stride_qt, stride_qh, rows, row_mask, hb * BLOCK_H, Hq, jh, jd,
                         jd_mask, cs_ptr, pos_ptr, stride_cs, s_ptr, stride_s, b_ptr, slot, lo, hi,
-                        LN, LL, LR, 0, 0, HALF, True, BLOCK_M, BLOCK_N, BLOCK_R, DOT_IEEE,
-                        SLOT_UNROLL)
+                        LN, LL, LR, 0, 0, HALF, True, BLOCK_M, BLOCK_N, BLOCK_R, DOT_IEEE)
     elif hb < Q_BLOCKS + K_BLOCKS:
         _rope_lora_tile(k_ptr, stride_kt, stride_kh, rows, row_mask, (hb - Q_BLOCKS) * BLOCK_H,
                         Hkv, jh, jd, jd_mask, cs_ptr, pos_ptr, stride_cs, s_ptr, stride_s, b_ptr,
                         slot, lo, hi, LN, LL, LR, 1, OFF_K, HALF, True, BLOCK_M, BLOCK_N,
-                        BLOCK_R, DOT_IEEE, SLOT_UNROLL)
+                        BLOCK_R, DOT_IEEE)
     else:  # v: only the LoRA delta
         _rope_lora_tile(v_ptr, stride_vt, stride_vh, rows, row_mask,
                         (hb - Q_BLOCKS - K_BLOCKS) * BLOCK_H, Hkv, jh, jd, jd_mask, cs_ptr,
                         pos_ptr, stride_cs, s_ptr, stride_s, b_ptr, slot, lo, hi, LN, LL, LR,
-                        2, OFF_V, HALF, False, BLOCK_M, BLOCK_N, BLOCK_R, DOT_IEEE,
-                        SLOT_UNROLL)
+                        2, OFF_V, HALF, False, BLOCK_M, BLOCK_N, BLOCK_R, DOT_IEEE)
 
 
 def apply_rotary(q: Tensor, k: Tensor, cos_sin: Tensor, positions: Tensor,
@@ -207,5 +201,5 @@ def apply_rotary(q: Tensor, k: Tensor, cos_sin: Tensor, positions: Tensor,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         cos_sin.stride(0), q_blocks, k_blocks, *largs, Hq * D, (Hq + Hkv) * D,
         HALF=D // 2, BLOCK_H=block_h, BLOCK_HALF=block_half, BLOCK_N=block_h * block_half,
-        BLOCK_M=bm, **consts, num_warps=4)
+        BLOCK_M=bm, **consts, num_warps=4, num_stages=1)
     return q, k

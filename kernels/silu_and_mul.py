@@ -54,10 +54,10 @@ def _silu_and_mul_lora_kernel(
     x_ptr, out_ptr, T, I, stride_x, stride_o,        # as above, T rows
     s_ptr, stride_s, b_ptr, slot_ptr, LN, LL, LR,   # LoRA delta of x (gate | up slices)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_R: tl.constexpr, DOT_IEEE: tl.constexpr, SLOT_UNROLL: tl.constexpr,
+    BLOCK_R: tl.constexpr, DOT_IEEE: tl.constexpr,
 ):
     # Grid (row tiles, column tiles): each program reads B[gate cols] and B[up cols] once per
-    # slot its rows use.
+    # slot of its rows' range, in one slot loop.
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask, col_mask = rows < T, cols < I
@@ -69,10 +69,8 @@ def _silu_and_mul_lora_kernel(
     slot, lo, hi = tile_slots(slot_ptr, rows, row_mask)
     sg = tile_shrunk(s_ptr, stride_s, rows, slot, 0, LL, LR, BLOCK_R, DOT_IEEE)
     su = tile_shrunk(s_ptr, stride_s, rows, slot, 1, LL, LR, BLOCK_R, DOT_IEEE)
-    dg = lora_delta_tile(sg, b_ptr, slot, lo, hi, cols, col_mask, LN, LR,
-                         BLOCK_M, BLOCK_N, BLOCK_R, SLOT_UNROLL, DOT_IEEE)
-    du = lora_delta_tile(su, b_ptr, slot, lo, hi, cols + I, col_mask, LN, LR,
-                         BLOCK_M, BLOCK_N, BLOCK_R, SLOT_UNROLL, DOT_IEEE)
+    dg, du = lora_delta_tile(sg, su, b_ptr, slot, lo, hi, cols, cols + I, col_mask, LN, LR,
+                             BLOCK_M, BLOCK_N, BLOCK_R, DOT_IEEE, PAIR=True)
     g = (g.to(tl.float32) + dg).to(g.dtype)
     u = (u.to(tl.float32) + du).to(g.dtype)
     tl.store(out_ptr + rows64[:, None] * stride_o + cols[None, :],
@@ -106,5 +104,5 @@ def silu_and_mul(gate_up: Tensor, out: Tensor | None = None,
     bm, bn = row_block(T), min(64, max(16, triton.next_power_of_2(I)))
     _silu_and_mul_lora_kernel[(triton.cdiv(T, bm), triton.cdiv(I, bn))](
         gate_up, out, T, I, gate_up.stride(0), out.stride(0), *largs,
-        BLOCK_M=bm, BLOCK_N=bn, **consts, num_warps=4)
+        BLOCK_M=bm, BLOCK_N=bn, **consts, num_warps=4, num_stages=1)
     return out

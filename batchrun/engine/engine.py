@@ -226,8 +226,12 @@ class Engine:
             seqs = [batch.seqs[i] for i in done]
         else:
             self.stats["decode_steps"] += 1
-            logits = self.runner.decode(batch.seqs)
             seqs = batch.seqs
+            if self.lora is not None and any(s.lora_slot >= 0 for s in seqs):
+                # an adapter's rows side by side: each row tile of the LoRA kernels then holds
+                # one or two slots, so their slot loop runs once or twice (kernels/lora_delta.py)
+                seqs = sorted(seqs, key=lambda s: s.lora_slot)
+            logits = self.runner.decode(seqs)
         if not seqs:
             return []
         constrained = [i for i, s in enumerate(seqs) if s.sampling.response_format is not None]

@@ -3,10 +3,10 @@ against the torch reference: op(apply_reference(x)). Inputs are laid out like a 
 step: y and `shrunk` are column ranges of one GEMM output (strided rows), slots mix -1 with
 every slot, ranks are odd and small. Rows with slot -1 must equal the plain kernel bit for bit.
 
-The kernels work on tiles of token rows (kernels/lora_delta.py: 16 rows for RMSNorm, up to 32
-for the others), so the shapes also cover several tiles, a last tile cut short, tiles whose
-rows all share one slot (the highest, so the slot range does not start at 0), rows sorted by
-slot, and ranks below, at and above the 16-rank dot minimum.
+The kernels work on tiles of token rows (kernels/lora_delta.py: 16 to 32 rows), so the shapes
+also cover several tiles, a last tile cut short, tiles whose rows all share one slot (the
+highest, so the slot range does not start at 0), rows sorted by slot, and ranks below, at and
+above the 16-rank dot minimum.
 """
 import pytest
 import torch
@@ -23,7 +23,11 @@ from test_rotary import cos_sin_cache
 
 def _slots(T, L, gen, pattern):
     # int32 [T]: "mixed" (-1 and every slot, shuffled), "sorted" (the same, grouped by slot),
-    # "one" (every row the highest slot), "none" (every row -1)
+    # "one" (every row the highest slot), "none" (every row -1), "gaps" (-1, the lowest and the
+    # highest slot only: the slot loop passes slots no row uses)
+    if pattern == "gaps":
+        return torch.tensor([-1, 0, L - 1], dtype=torch.int32)[
+            torch.randint(0, 3, (T,), generator=gen)]
     if pattern == "one":
         return torch.full((T,), L - 1, dtype=torch.int32)
     if pattern == "none":
@@ -67,9 +71,9 @@ def _same_where_no_lora(got, plain, slots):
         assert torch.equal(got[none], plain[none])
 
 
-# (T, H, L, R, slot pattern): several 16-row tiles, the last one short
+# (T, H, L, R, slot pattern): several row tiles, the last one short
 NORM_TILES = [(37, 96, 3, 5, "mixed"), (50, 200, 8, 16, "mixed"), (33, 128, 4, 20, "one"),
-              (40, 64, 2, 3, "sorted"), (17, 130, 2, 4, "none")]
+              (40, 64, 2, 3, "sorted"), (17, 130, 2, 4, "none"), (45, 96, 6, 8, "gaps")]
 
 
 @pytest.mark.parametrize("dtype", CPU_DTYPES)
@@ -120,11 +124,11 @@ def test_silu_and_mul(T, I, L, R, dtype, pattern="mixed"):
 
 
 # (T, I, L, R, slot pattern): several row tiles of 32, the last one short; column tiles of
-# 64, the last one short; 12 slots: two unrolled groups of 8
+# 64, the last one short; 12 slots
 @pytest.mark.parametrize("dtype", CPU_DTYPES)
 @pytest.mark.parametrize("T,I,L,R,pattern", [(70, 100, 8, 16, "mixed"), (29, 72, 3, 5, "one"),
                                              (66, 40, 4, 20, "sorted"), (20, 64, 2, 1, "mixed"),
-                                             (40, 48, 12, 4, "mixed")])
+                                             (40, 48, 12, 4, "mixed"), (50, 70, 5, 8, "gaps")])
 def test_silu_and_mul_tiles(T, I, L, R, pattern, dtype):
     _check_silu(T, I, L, R, dtype, pattern)
 
@@ -173,7 +177,8 @@ def test_rotary(T, Hq, Hkv, D, L, R, dtype):
 @pytest.mark.parametrize("T,Hq,Hkv,D,L,R,pattern", [(70, 4, 2, 64, 8, 16, "mixed"),
                                                     (37, 6, 1, 80, 3, 5, "sorted"),
                                                     (21, 3, 3, 16, 2, 20, "one"),
-                                                    (18, 4, 2, 32, 4, 3, "none")])
+                                                    (18, 4, 2, 32, 4, 3, "none"),
+                                                    (40, 4, 2, 32, 6, 8, "gaps")])
 def test_rotary_tiles(T, Hq, Hkv, D, L, R, pattern, dtype):
     _check_rotary(T, Hq, Hkv, D, L, R, dtype, seed=T + Hq + D, pattern=pattern)
 

@@ -66,8 +66,14 @@ def test_engine_matches_peft(tmp_path, variant, path, monkeypatch):
                      max_num_batched_tokens=32, enable_lora=True, max_loras=2, max_lora_rank=8,
                      max_cpu_loras=1), adapters={n: str(p) for n, p in paths.items()})
     sp = SamplingParams(max_tokens=NEW, ignore_eos=True)
+    decode_slots = []  # the engine hands LoRA decode steps their rows in slot order
+    orig_decode = engine.runner.decode
+    monkeypatch.setattr(engine.runner, "decode", lambda seqs: (
+        decode_slots.append([s.lora_slot for s in seqs]), orig_decode(seqs))[1])
     results = engine.generate([Request(i, p, sp, adapter=n)
                                for i, (p, n) in enumerate(zip(prompts, names))])
+    assert any(len(set(d)) > 1 for d in decode_slots)
+    assert all(d == sorted(d) for d in decode_slots if max(d) >= 0)
 
     refs = {None: base}
     for name, adapter_dir in paths.items():
