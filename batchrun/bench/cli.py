@@ -117,7 +117,7 @@ def latency(**kw):
 @click.option("--preset", type=click.Choice(["latency", "throughput"]), default=None,
               help="Workload: latency = batch 8, in 32, out 128 (the defaults); throughput = "
                    "batch 256, in 256, out 128, --max-num-seqs 256, --max-num-batched-tokens "
-                   "8192. Flags given explicitly win over the preset.")
+                   "8192, --target-many-active-pct 10. Flags given explicitly win over the preset.")
 @click.option("--num-kv-blocks", type=int, default=None,
               help="KV blocks of BOTH engines. Default: engine A sized from free memory, "
                    "engine B forced to A's count.")

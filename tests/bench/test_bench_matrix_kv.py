@@ -60,6 +60,9 @@ def test_apply_preset_keeps_explicit_flags():
     out = apply_preset(kw, explicit={"input_len"})
     assert out["batch_size"] == 256 and out["max_num_seqs"] == 256
     assert out["max_num_batched_tokens"] == 8192 and out["input_len"] == 32
+    assert out["target_many_active_pct"] == 10.0  # issue #16's budget at throughput batches
+    kw["target_many_active_pct"] = 12.0
+    assert apply_preset(kw, explicit={"target_many_active_pct"})["target_many_active_pct"] == 12.0
     assert apply_preset({**kw, "preset": None}, set()) == {**kw, "preset": None}
     assert PRESETS["latency"]["batch_size"] == 8
 
