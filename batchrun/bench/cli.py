@@ -73,6 +73,10 @@ def _common(f):
                      help="Engine max_num_seqs (also the largest CUDA-graph size). "
                           "Default: max(64, batch size)."),
         click.option("--max-num-batched-tokens", type=int, default=2048, show_default=True),
+        click.option("--lora-fused-max-tokens", type=int, default=None,
+                     help="Engine lora_fused_max_tokens: steps of at most this many tokens add "
+                          "LoRA inside the consumer kernels, bigger ones run shrink + expand. "
+                          "Default: the engine's."),
         click.option("--output-json", type=click.Path(dir_okay=False), default=None,
                      help="Write the results (command, commit, device, all numbers) here."),
     ]

@@ -17,3 +17,8 @@ def engine_config(**values) -> EngineConfig:
             name, rest = msg[len("engine."):].split(":", 1)
             msg = f"--{name.replace('_', '-')}:{rest}"
         raise ValueError(msg) from None
+
+
+def fused_max_tokens(flag: int | None) -> int:
+    """--lora-fused-max-tokens, or the engine's default when the flag is not given."""
+    return EngineConfig.lora_fused_max_tokens if flag is None else flag

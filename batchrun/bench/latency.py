@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from batchrun.bench.build import build_engine, make_requests, random_prompts, round_robin
-from batchrun.bench.flags import engine_config
+from batchrun.bench.flags import engine_config, fused_max_tokens
 from batchrun.bench.engine_stats import MIB, graph_stats, memory_stats
 from batchrun.bench.lora_memory import format_lora_memory
 from batchrun.bench.record import environment, write_json
@@ -41,6 +41,7 @@ class LatencyParams:
     seed: int = 0
     max_num_seqs: int | None = None  # None = max(64, batch_size)
     max_num_batched_tokens: int = 2048
+    lora_fused_max_tokens: int | None = None  # None = the engine's default
     output_json: str | None = None
 
     def check(self) -> None:
@@ -78,6 +79,7 @@ class LatencyParams:
             max_num_seqs=self.max_num_seqs if self.max_num_seqs is not None else max(64, self.batch_size),
             max_model_len=self.input_len + self.output_len,
             max_num_batched_tokens=self.max_num_batched_tokens,
+            lora_fused_max_tokens=fused_max_tokens(self.lora_fused_max_tokens),
             # every iteration repeats the same prompts: a prefix cache would skip their prefill
             # after the first and make the figures incomparable with a cold engine's
             enable_prefix_caching=False)

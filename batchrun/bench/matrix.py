@@ -29,7 +29,7 @@ from pathlib import Path
 
 from batchrun.bench.build import build_engine, make_requests, random_prompts, round_robin
 from batchrun.bench.engine_stats import graph_stats, memory_stats
-from batchrun.bench.flags import engine_config
+from batchrun.bench.flags import engine_config, fused_max_tokens
 from batchrun.bench.kernel_check import compare_decode_kernels
 from batchrun.bench.latency import RANDOM_BANNER
 from batchrun.bench.matrix_stats import DEFAULT_TARGETS, _summaries, _targets
@@ -75,6 +75,7 @@ class MatrixParams:
     seed: int = 0
     max_num_seqs: int | None = None
     max_num_batched_tokens: int = 2048
+    lora_fused_max_tokens: int | None = None  # None = the engine's default
     num_kv_blocks: int | None = None  # both engines; None: A sized from free memory, B = A's
     preset: str | None = None  # recorded; the CLI applies it (apply_preset)
     target_0_active_pct: float = DEFAULT_TARGETS["lora_enabled_0_active"]
@@ -111,6 +112,7 @@ class MatrixParams:
                              max_num_seqs=self.max_num_seqs if self.max_num_seqs is not None else max(64, self.batch_size),
                              max_model_len=self.input_len + self.output_len,
                              max_num_batched_tokens=self.max_num_batched_tokens,
+                             lora_fused_max_tokens=fused_max_tokens(self.lora_fused_max_tokens),
                              num_kv_blocks=num_kv_blocks or self.num_kv_blocks,
                              # every iteration repeats the same prompts: a prefix cache would skip their prefill
                              # after the first and make the figures incomparable with a cold engine's

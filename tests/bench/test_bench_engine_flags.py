@@ -14,7 +14,9 @@ from batchrun.cli import main
 def test_engine_flags_get_engine_config_checks_under_the_flag_name():
     for args, message in [(["latency", "--max-num-batched-tokens", "0"], "--max-num-batched-tokens: must be >= 1, got 0"),
                           (["latency", "--max-lora-rank", "0"], "--max-lora-rank: must be >= 1, got 0"),
-                          (["lora-matrix", "--max-num-seqs", "0"], "--max-num-seqs: must be >= 1, got 0")]:
+                          (["lora-matrix", "--max-num-seqs", "0"], "--max-num-seqs: must be >= 1, got 0"),
+                          (["lora-matrix", "--lora-fused-max-tokens", "-1"],
+                           "--lora-fused-max-tokens: must be >= 0, got -1")]:
         res = CliRunner().invoke(main, ["bench", *args, "--model", "tiny", "--device", "cpu"])
         assert res.exit_code == 2 and message in res.output, res.output
     p = ThroughputParams(preset="tiny", gpu_memory_utilization=1.5)
@@ -23,6 +25,17 @@ def test_engine_flags_get_engine_config_checks_under_the_flag_name():
         raise AssertionError("not refused")
     except ValueError as e:
         assert str(e).startswith("--gpu-memory-utilization: must be in (0, 1]")
+
+
+def test_fused_max_tokens_flag_reaches_both_engines_or_leaves_the_default():
+    from batchrun.bench.latency import LatencyParams
+    from batchrun.engine.config import EngineConfig
+    default = EngineConfig(model="tiny").lora_fused_max_tokens
+    assert MatrixParams(model="tiny").engine_config(True).lora_fused_max_tokens == default
+    p = MatrixParams(model="tiny", lora_fused_max_tokens=default + 7)
+    assert {p.engine_config(e).lora_fused_max_tokens for e in (False, True)} == {default + 7}
+    assert p.engine_record(True)["lora_fused_max_tokens"] == default + 7  # in the result JSON
+    assert LatencyParams(model="tiny", lora_fused_max_tokens=0).engine_config().lora_fused_max_tokens == 0
 
 
 def test_matrix_targets_are_flags():
