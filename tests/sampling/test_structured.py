@@ -60,12 +60,12 @@ def json_model(tmp_path_factory):
     return str(d)
 
 
-def _job(tmp_path, model, rows, name, **sampling):
+def _job(tmp_path, model, rows, name, device="cpu", **sampling):
     write_rows(tmp_path / name / "in.parquet", rows)
     return write_job(tmp_path / f"{name}.yaml", {
         "model": model, "input": {"path": f"{name}/in.parquet", "id_column": "id", "rows_per_unit": 4},
         "output": {"path": f"{name}-out"}, "sampling": {"max_tokens": 60, "temperature": 1.0, **sampling},
-        "engine": {"device": "cpu", "max_model_len": 128, "max_num_seqs": 8}})
+        "engine": {"device": device, "dtype": "float32", "max_model_len": 128, "max_num_seqs": 8}})
 
 
 def _run(job):
@@ -73,13 +73,24 @@ def _run(job):
 
 
 def test_constrained_rows_validate_and_others_are_unchanged(json_model, tmp_path):
+    _check_constrained_job(json_model, tmp_path, "cpu")
+
+
+@pytest.mark.gpu
+def test_constrained_rows_on_cuda(json_model, tmp_path):
+    """The same job on CUDA (float32 of the saved model; decode steps from the graph sets): the
+    mask is applied to the GPU logits of constrained rows only."""
+    _check_constrained_job(json_model, tmp_path, "cuda")
+
+
+def _check_constrained_job(json_model, tmp_path, device):
     jsonschema = pytest.importorskip("jsonschema")
     fmt = json.dumps({"type": "json_schema", "schema": SCHEMA})
     regex = json.dumps({"type": "regex", "pattern": "[a-c]{3}-[0-9]{2}"})
     rows = [{"id": i, "prompt": f"row {i}", "response_format": [fmt, None, regex][i % 3]} for i in range(12)]
-    _run(_job(tmp_path, json_model, rows, "mixed"))
+    _run(_job(tmp_path, json_model, rows, "mixed", device))
     plain = [{"id": r["id"], "prompt": r["prompt"]} for r in rows]
-    _run(_job(tmp_path, json_model, plain, "plain"))
+    _run(_job(tmp_path, json_model, plain, "plain", device))
     got = {r["id"]: r for r in read_output(tmp_path / "mixed-out").to_pylist()}
     ref = {r["id"]: r for r in read_output(tmp_path / "plain-out").to_pylist()}
     for i in range(12):
