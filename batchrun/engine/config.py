@@ -90,10 +90,11 @@ class EngineConfig:
     max_cpu_loras: int | None = None  # LRU CPU cache size; None = keep all loaded adapters
     # GPU steps of at most this many tokens add LoRA deltas inside the kernel after each
     # projection (no LoRA launches); bigger prefill steps run shrink + expand kernels. Decode
-    # steps are always fused. Same math either way; it only moves the cost. 1024: where the
-    # per-row consumers stopped paying (H200, 8192-token prefill: fused 247 ms vs shrink+expand
-    # 217 ms); the row-tiled consumers may move it up, which is not measured yet.
-    lora_fused_max_tokens: int = 1024
+    # steps are always fused. Same math either way; it only moves the cost. 8192: the row-tiled
+    # consumers win at every size measured (H200, 7b shapes, 1 adapter: 256, 1024 and 8192-token
+    # prefill steps; at 8192 fused 194.7 ms vs shrink+expand 209.7 ms, base 177.4 ms); larger
+    # steps are not measured and keep shrink + expand.
+    lora_fused_max_tokens: int = 8192
     # full KV blocks are shared by rows whose prompts start with the same tokens (same adapter);
     # outputs are the same either way, only the prefill work differs
     enable_prefix_caching: bool = True
