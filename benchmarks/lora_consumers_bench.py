@@ -91,7 +91,13 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tokens", type=int, nargs="+", default=[256, 8192])
     p.add_argument("--json", help="also write the rows (and command, commit, device) here")
+    p.add_argument("--gather-max-rows", type=int, default=None,
+                   help="steps of at most this many rows gather each row's B instead of the "
+                        "slot loop (kernels/lora_delta.py GATHER_MAX_ROWS; default: the kernels')")
     args = p.parse_args()
+    if args.gather_max_rows is not None:
+        from batchrun.kernels import lora_delta
+        lora_delta.GATHER_MAX_ROWS = args.gather_max_rows
     torch.manual_seed(0)
     rows = [r for T in args.tokens for pat in ("1 adapter", "8 sorted", "8 mixed")
             for r in rows_for(T, pat)]
@@ -103,8 +109,10 @@ def main():
         commit = os.environ.get("BATCHRUN_COMMIT") or subprocess.run(
             ["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip() or "unknown"
         with open(args.json, "w") as f:
+            from batchrun.kernels import lora_delta
             json.dump(dict(command="python benchmarks/lora_consumers_bench.py --tokens "
                            + " ".join(map(str, args.tokens)), commit=commit,
+                           gather_max_rows=lora_delta.GATHER_MAX_ROWS,
                            device=torch.cuda.get_device_name(),
                            dtype="bfloat16 (random data)", rows=rows), f, indent=1)
 

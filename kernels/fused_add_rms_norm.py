@@ -24,8 +24,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from batchrun.kernels.lora_delta import (delta_args, lora_delta_tile, row_block, tile_shrunk,
-                                        tile_slots)
+from batchrun.kernels.lora_delta import (delta_args, gather_consts, lora_delta_rows,
+                                        lora_delta_tile, row_block, tile_shrunk, tile_slots)
 from batchrun.kernels.lora_meta import LoRADelta
 from batchrun.kernels.utils import FLOAT_DTYPES, check
 
@@ -68,7 +68,7 @@ def _add_lora_delta_kernel(
     s_ptr, stride_s, b_ptr, slot_ptr, LN, LL, LR,   # the LoRA delta of x
     FUSED_ADD: tl.constexpr,
     BLOCK_M: tl.constexpr, CHUNK: tl.constexpr,
-    BLOCK_R: tl.constexpr, DOT_IEEE: tl.constexpr,
+    BLOCK_R: tl.constexpr, DOT_IEEE: tl.constexpr, GATHER: tl.constexpr, R_CHUNK: tl.constexpr,
 ):
     # Grid (row tiles, column chunks), every program independent: B is read once per tile and
     # slot of its rows' range, and the tile's delta is one tensor-core dot per slot.
@@ -83,9 +83,13 @@ def _add_lora_delta_kernel(
     mask = row_mask[:, None] & col_mask[None, :]
     x = tl.load(x_ptr + rows64[:, None] * stride_x + offs[None, :], mask=mask, other=0.0)
     slot, lo, hi = tile_slots(slot_ptr, rows, row_mask)
-    s = tile_shrunk(s_ptr, stride_s, rows, slot, 0, LL, LR, BLOCK_R, DOT_IEEE)
-    d, _ = lora_delta_tile(s, s, b_ptr, slot, lo, hi, offs, offs, col_mask, LN, LR,
-                           BLOCK_M, CHUNK, BLOCK_R, DOT_IEEE, PAIR=False)
+    if GATHER:
+        d, _ = lora_delta_rows(s_ptr, stride_s, b_ptr, rows, slot, 0, 0, offs, offs, col_mask,
+                               LN, LL, LR, BLOCK_M, CHUNK, BLOCK_R, R_CHUNK, PAIR=False)
+    else:
+        s = tile_shrunk(s_ptr, stride_s, rows, slot, 0, LL, LR, BLOCK_R, DOT_IEEE)
+        d, _ = lora_delta_tile(s, s, b_ptr, slot, lo, hi, offs, offs, col_mask, LN, LR,
+                               BLOCK_M, CHUNK, BLOCK_R, DOT_IEEE, PAIR=False)
     h = (x.to(tl.float32) + d).to(xdt)                    # the x a separate expand would leave
     if FUSED_ADD:
         r_ptrs = res_ptr + rows64[:, None] * stride_r + offs[None, :]
@@ -137,8 +141,8 @@ def _launch(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float,
         h = torch.empty((T, H), dtype=x.dtype, device=x.device)  # n rounds to x's dtype (HF)
     _add_lora_delta_kernel[(triton.cdiv(T, bm), triton.cdiv(H, chunk))](
         x, res, h, T, H, x.stride(0), res.stride(0), h.stride(0), *largs,
-        FUSED_ADD=residual is not None, BLOCK_M=bm, CHUNK=chunk, **consts, num_warps=4,
-        num_stages=1)
+        FUSED_ADD=residual is not None, BLOCK_M=bm, CHUNK=chunk, **consts,
+        **gather_consts(T, bm, chunk, consts["BLOCK_R"]), num_warps=4, num_stages=1)
     _rms_norm_kernel[(T,)](
         h, h, weight, out, H, eps, h.stride(0), h.stride(0), out.stride(0),
         FUSED_ADD=False, BLOCK_N=block, num_warps=num_warps)

@@ -24,6 +24,14 @@ adapter would reach the tile's other rows as 0 * inf). But the loop is shortest 
 prompt rows come in runs of one sequence, and the engine orders a LoRA decode step's rows by
 slot (engine.py), so most tiles run one or two iterations.
 
+Small steps gather instead (GATHER, steps of at most GATHER_MAX_ROWS rows: the latency workload's
+decode of 8 rows): a tile of 8 rows with 8 adapters would walk 8 slots one after another, each
+a dependent B load and a mostly-empty 16-row dot. lora_delta_rows loads every row's own slot's
+B columns at once ([rows, cols, rank chunk] gathers, no loop-carried dependency between them)
+and reduces over the rank in fp32 registers, as the per-row consumers before the tiles did; rows
+of one slot share those B lines in L1. Tile rows then need not be 16 (no tl.dot), so a step of
+T <= GATHER_MAX_ROWS rows is one tile of next_power_of_2(T) rows.
+
 The consumers launch with num_stages=1: the slot loop is short, and software pipelining only
 added shared memory and registers (H200, 256 and 8192 rows: 10-30 % slower with 2-3 stages).
 
@@ -112,12 +120,69 @@ def lora_delta_tile(
     return acc, acc2
 
 
+@triton.jit
+def lora_delta_rows(
+    s_ptr, stride_s,  # shrunk [T, S*L*R]
+    b_ptr,            # lora_b [L, N, R] contiguous
+    rows, slot,       # int [BLOCK_M]: the tile's rows and their slots (-1 = none), from tile_slots
+    slice_idx, slice_idx2,   # slices of cols and (PAIR) cols2
+    cols, cols2, col_mask,   # as in lora_delta_tile
+    N, L, R,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr,   # >= R, a power of two
+    R_CHUNK: tl.constexpr,   # ranks per gather (bounds registers: BLOCK_M * BLOCK_N * R_CHUNK)
+    PAIR: tl.constexpr,
+):
+    """The same fp32 [BLOCK_M, BLOCK_N] delta(s) as lora_delta_tile, by gathering each row's own
+    slot's B columns (GATHER mode, small steps: see the module docstring)."""
+    valid = slot >= 0
+    slot64 = tl.maximum(slot, 0).to(tl.int64)
+    s_row = s_ptr + rows.to(tl.int64) * stride_s
+    b_row = b_ptr + slot64 * N * R
+    c3 = tl.where(col_mask, cols, 0).to(tl.int64)[None, :, None] * R
+    c3b = tl.where(col_mask, cols2, 0).to(tl.int64)[None, :, None] * R
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for r0 in tl.static_range(0, BLOCK_R, R_CHUNK):
+        offs_r = r0 + tl.arange(0, R_CHUNK)
+        s_mask = valid[:, None] & (offs_r < R)[None, :]
+        b_mask = s_mask[:, None, :] & col_mask[None, :, None]
+        b_at = b_row[:, None, None] + offs_r[None, None, :]
+        s = tl.load(s_row[:, None] + ((slice_idx * L + slot64) * R)[:, None] + offs_r[None, :],
+                    mask=s_mask, other=0.0).to(tl.float32)
+        b = tl.load(b_at + c3, mask=b_mask, other=0.0).to(tl.float32)
+        acc += tl.sum(b * s[:, None, :], axis=2)
+        if PAIR:
+            s2 = tl.load(s_row[:, None] + ((slice_idx2 * L + slot64) * R)[:, None] + offs_r[None, :],
+                         mask=s_mask, other=0.0).to(tl.float32)
+            b2 = tl.load(b_at + c3b, mask=b_mask, other=0.0).to(tl.float32)
+            acc2 += tl.sum(b2 * s2[:, None, :], axis=2)
+    return acc, acc2
+
+
+# Steps of at most this many token rows add the delta with lora_delta_rows (GATHER) instead of
+# the slot loop. Read at launch time (the row count is static per CUDA graph), so a benchmark
+# can set it to compare the two forms.
+GATHER_MAX_ROWS = 16
+
+
 def row_block(T: int, cap: int = 32) -> int:
     # Token rows per tile: B is read once per tile and slot, so more rows read it less often;
     # a small step keeps 16 (tl.dot's minimum) so its few rows are not spread over padding.
     # The cap of 32 (with 64 columns and 4 warps) keeps the consumers near 100-170 registers
     # on sm_90 (ptxas), several programs per SM; 64-row tiles need ~200-250 (one per SM).
+    # A GATHER step (no tl.dot) is one tile of exactly next_power_of_2(T) rows.
+    if T <= GATHER_MAX_ROWS:
+        return triton.next_power_of_2(max(T, 1))
     return max(16, min(cap, triton.next_power_of_2(T)))
+
+
+def gather_consts(T: int, block_m: int, block_n: int, block_r: int, pairs: int = 1) -> dict:
+    """GATHER and R_CHUNK constexprs of a consumer launch over T rows in [block_m, block_n]
+    tiles; ``pairs`` = 2 when the kernel gathers two B tiles per chunk (PAIR)."""
+    budget = 4096 // pairs  # gathered B values per chunk: ~32 fp32 registers a thread at 4 warps
+    chunk = max(1, min(block_r, budget // (block_m * block_n)))
+    return dict(GATHER=T <= GATHER_MAX_ROWS, R_CHUNK=1 << (chunk.bit_length() - 1))
 
 
 def delta_args(lora: LoRADelta, T: int, N: int, num_slices: int, device) -> tuple[tuple, dict]:

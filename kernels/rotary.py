@@ -23,8 +23,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from batchrun.kernels.lora_delta import (delta_args, lora_delta_tile, row_block, tile_shrunk,
-                                        tile_slots)
+from batchrun.kernels.lora_delta import (delta_args, gather_consts, lora_delta_rows,
+                                        lora_delta_tile, row_block, tile_shrunk, tile_slots)
 from batchrun.kernels.lora_meta import LoRADelta
 from batchrun.kernels.utils import FLOAT_DTYPES, check
 
@@ -88,7 +88,8 @@ def _rope_lora_tile(x_ptr, stride_t, stride_h, rows, row_mask, h0, H, jh, jd, jd
                     cs_ptr, pos_ptr, stride_cs,
                     s_ptr, stride_s, b_ptr, slot, lo, hi, LN, LL, LR, slice_idx, col0,
                     HALF: tl.constexpr, ROTATE: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, DOT_IEEE: tl.constexpr):
+                    BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, DOT_IEEE: tl.constexpr,
+                    GATHER: tl.constexpr, R_CHUNK: tl.constexpr):
     # Tile: BLOCK_M rows x (BLOCK_H heads x BLOCK_HALF dims) flattened into BLOCK_N columns;
     # column j is dim jd[j] of head h0 + jh[j] (first half; the second half is + HALF).
     heads = h0 + jh
@@ -100,9 +101,14 @@ def _rope_lora_tile(x_ptr, stride_t, stride_h, rows, row_mask, h0, H, jh, jd, jd
     x2 = tl.load(p1 + HALF, mask=mask, other=0.0)
     dt = x1.dtype
     cols = col0 + heads * (2 * HALF) + jd       # head h of the slice: columns h*D .. h*D + D
-    s_own = tile_shrunk(s_ptr, stride_s, rows, slot, slice_idx, LL, LR, BLOCK_R, DOT_IEEE)
-    d1, d2 = lora_delta_tile(s_own, s_own, b_ptr, slot, lo, hi, cols, cols + HALF, col_mask,
-                             LN, LR, BLOCK_M, BLOCK_N, BLOCK_R, DOT_IEEE, PAIR=True)
+    if GATHER:
+        d1, d2 = lora_delta_rows(s_ptr, stride_s, b_ptr, rows, slot, slice_idx, slice_idx, cols,
+                                 cols + HALF, col_mask, LN, LL, LR, BLOCK_M, BLOCK_N, BLOCK_R,
+                                 R_CHUNK, PAIR=True)
+    else:
+        s_own = tile_shrunk(s_ptr, stride_s, rows, slot, slice_idx, LL, LR, BLOCK_R, DOT_IEEE)
+        d1, d2 = lora_delta_tile(s_own, s_own, b_ptr, slot, lo, hi, cols, cols + HALF, col_mask,
+                                 LN, LR, BLOCK_M, BLOCK_N, BLOCK_R, DOT_IEEE, PAIR=True)
     x1 = (x1.to(tl.float32) + d1).to(dt)
     x2 = (x2.to(tl.float32) + d2).to(dt)
     if ROTATE:
@@ -128,6 +134,7 @@ def _rotary_lora_kernel(
     HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
     BLOCK_N: tl.constexpr,    # BLOCK_H * BLOCK_HALF
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, DOT_IEEE: tl.constexpr,
+    GATHER: tl.constexpr, R_CHUNK: tl.constexpr,
 ):
     # Grid (row tiles, head blocks of q | k | v): B[the block's columns] is read once per
     # slot the tile's rows use.
@@ -141,17 +148,19 @@ def _rotary_lora_kernel(
     if hb < Q_BLOCKS:
         _rope_lora_tile(q_ptr, stride_qt, stride_qh, rows, row_mask, hb * BLOCK_H, Hq, jh, jd,
                         jd_mask, cs_ptr, pos_ptr, stride_cs, s_ptr, stride_s, b_ptr, slot, lo, hi,
-                        LN, LL, LR, 0, 0, HALF, True, BLOCK_M, BLOCK_N, BLOCK_R, DOT_IEEE)
+                        LN, LL, LR, 0, 0, HALF, True, BLOCK_M, BLOCK_N, BLOCK_R, DOT_IEEE,
+                        GATHER, R_CHUNK)
     elif hb < Q_BLOCKS + K_BLOCKS:
         _rope_lora_tile(k_ptr, stride_kt, stride_kh, rows, row_mask, (hb - Q_BLOCKS) * BLOCK_H,
                         Hkv, jh, jd, jd_mask, cs_ptr, pos_ptr, stride_cs, s_ptr, stride_s, b_ptr,
                         slot, lo, hi, LN, LL, LR, 1, OFF_K, HALF, True, BLOCK_M, BLOCK_N,
-                        BLOCK_R, DOT_IEEE)
+                        BLOCK_R, DOT_IEEE, GATHER, R_CHUNK)
     else:  # v: only the LoRA delta
         _rope_lora_tile(v_ptr, stride_vt, stride_vh, rows, row_mask,
                         (hb - Q_BLOCKS - K_BLOCKS) * BLOCK_H, Hkv, jh, jd, jd_mask, cs_ptr,
                         pos_ptr, stride_cs, s_ptr, stride_s, b_ptr, slot, lo, hi, LN, LL, LR,
-                        2, OFF_V, HALF, False, BLOCK_M, BLOCK_N, BLOCK_R, DOT_IEEE)
+                        2, OFF_V, HALF, False, BLOCK_M, BLOCK_N, BLOCK_R, DOT_IEEE, GATHER,
+                        R_CHUNK)
 
 
 def apply_rotary(q: Tensor, k: Tensor, cos_sin: Tensor, positions: Tensor,
@@ -201,5 +210,6 @@ def apply_rotary(q: Tensor, k: Tensor, cos_sin: Tensor, positions: Tensor,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         cos_sin.stride(0), q_blocks, k_blocks, *largs, Hq * D, (Hq + Hkv) * D,
         HALF=D // 2, BLOCK_H=block_h, BLOCK_HALF=block_half, BLOCK_N=block_h * block_half,
-        BLOCK_M=bm, **consts, num_warps=4, num_stages=1)
+        BLOCK_M=bm, **consts, **gather_consts(T, bm, block_h * block_half, consts["BLOCK_R"], pairs=2),
+        num_warps=4, num_stages=1)
     return q, k

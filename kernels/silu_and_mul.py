@@ -17,8 +17,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from batchrun.kernels.lora_delta import (delta_args, lora_delta_tile, row_block, tile_shrunk,
-                                        tile_slots)
+from batchrun.kernels.lora_delta import (delta_args, gather_consts, lora_delta_rows,
+                                        lora_delta_tile, row_block, tile_shrunk, tile_slots)
 from batchrun.kernels.lora_meta import LoRADelta
 from batchrun.kernels.utils import FLOAT_DTYPES, check
 
@@ -54,10 +54,10 @@ def _silu_and_mul_lora_kernel(
     x_ptr, out_ptr, T, I, stride_x, stride_o,        # as above, T rows
     s_ptr, stride_s, b_ptr, slot_ptr, LN, LL, LR,   # LoRA delta of x (gate | up slices)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_R: tl.constexpr, DOT_IEEE: tl.constexpr,
+    BLOCK_R: tl.constexpr, DOT_IEEE: tl.constexpr, GATHER: tl.constexpr, R_CHUNK: tl.constexpr,
 ):
     # Grid (row tiles, column tiles): each program reads B[gate cols] and B[up cols] once per
-    # slot of its rows' range, in one slot loop.
+    # slot of its rows' range, in one slot loop (GATHER: each row's own, all at once).
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask, col_mask = rows < T, cols < I
@@ -67,10 +67,14 @@ def _silu_and_mul_lora_kernel(
     g = tl.load(g_ptrs, mask=mask, other=0.0)
     u = tl.load(g_ptrs + I, mask=mask, other=0.0)
     slot, lo, hi = tile_slots(slot_ptr, rows, row_mask)
-    sg = tile_shrunk(s_ptr, stride_s, rows, slot, 0, LL, LR, BLOCK_R, DOT_IEEE)
-    su = tile_shrunk(s_ptr, stride_s, rows, slot, 1, LL, LR, BLOCK_R, DOT_IEEE)
-    dg, du = lora_delta_tile(sg, su, b_ptr, slot, lo, hi, cols, cols + I, col_mask, LN, LR,
-                             BLOCK_M, BLOCK_N, BLOCK_R, DOT_IEEE, PAIR=True)
+    if GATHER:
+        dg, du = lora_delta_rows(s_ptr, stride_s, b_ptr, rows, slot, 0, 1, cols, cols + I,
+                                 col_mask, LN, LL, LR, BLOCK_M, BLOCK_N, BLOCK_R, R_CHUNK, PAIR=True)
+    else:
+        sg = tile_shrunk(s_ptr, stride_s, rows, slot, 0, LL, LR, BLOCK_R, DOT_IEEE)
+        su = tile_shrunk(s_ptr, stride_s, rows, slot, 1, LL, LR, BLOCK_R, DOT_IEEE)
+        dg, du = lora_delta_tile(sg, su, b_ptr, slot, lo, hi, cols, cols + I, col_mask, LN, LR,
+                                 BLOCK_M, BLOCK_N, BLOCK_R, DOT_IEEE, PAIR=True)
     g = (g.to(tl.float32) + dg).to(g.dtype)
     u = (u.to(tl.float32) + du).to(g.dtype)
     tl.store(out_ptr + rows64[:, None] * stride_o + cols[None, :],
@@ -104,5 +108,6 @@ def silu_and_mul(gate_up: Tensor, out: Tensor | None = None,
     bm, bn = row_block(T), min(64, max(16, triton.next_power_of_2(I)))
     _silu_and_mul_lora_kernel[(triton.cdiv(T, bm), triton.cdiv(I, bn))](
         gate_up, out, T, I, gate_up.stride(0), out.stride(0), *largs,
-        BLOCK_M=bm, BLOCK_N=bn, **consts, num_warps=4, num_stages=1)
+        BLOCK_M=bm, BLOCK_N=bn, **consts, **gather_consts(T, bm, bn, consts["BLOCK_R"], pairs=2),
+        num_warps=4, num_stages=1)
     return out

@@ -3,7 +3,8 @@ against the torch reference: op(apply_reference(x)). Inputs are laid out like a 
 step: y and `shrunk` are column ranges of one GEMM output (strided rows), slots mix -1 with
 every slot, ranks are odd and small. Rows with slot -1 must equal the plain kernel bit for bit.
 
-The kernels work on tiles of token rows (kernels/lora_delta.py: 16 to 32 rows), so the shapes
+The kernels work on tiles of token rows (kernels/lora_delta.py: 16 to 32 rows; steps of at most
+GATHER_MAX_ROWS rows gather each row's B instead, test_both_delta_forms runs both), so the shapes
 also cover several tiles, a last tile cut short, tiles whose rows all share one slot (the
 highest, so the slot range does not start at 0), rows sorted by slot, and ranks below, at and
 above the 16-rank dot minimum.
@@ -181,6 +182,23 @@ def test_rotary(T, Hq, Hkv, D, L, R, dtype):
                                                     (40, 4, 2, 32, 6, 8, "gaps")])
 def test_rotary_tiles(T, Hq, Hkv, D, L, R, pattern, dtype):
     _check_rotary(T, Hq, Hkv, D, L, R, dtype, seed=T + Hq + D, pattern=pattern)
+
+
+# Both ways of adding the delta over the same shapes: the slot loop over 16-32-row tiles
+# (GATHER_MAX_ROWS = 0) and the per-row B gathers (every step a GATHER step), whatever size
+# the engine would pick for them; small and tiled row counts, one and many slots, rank chunks.
+BOTH_FORMS = [(3, "mixed", 5), (8, "mixed", 16), (8, "one", 3), (20, "sorted", 20), (37, "gaps", 8)]
+
+
+@pytest.mark.parametrize("gather_max_rows", [0, 10 ** 6], ids=["slot-loop", "gather"])
+@pytest.mark.parametrize("T,pattern,R", BOTH_FORMS)
+def test_both_delta_forms(T, pattern, R, gather_max_rows, monkeypatch):
+    from batchrun.kernels import lora_delta
+    monkeypatch.setattr(lora_delta, "GATHER_MAX_ROWS", gather_max_rows)
+    dtype = CPU_DTYPES[0]
+    _check_norm(T, 96, 8, R, dtype, fused_add=True, pattern=pattern)
+    _check_silu(T, 72, 8, R, dtype, pattern)
+    _check_rotary(T, 4, 2, 32, 8, R, dtype, seed=T + R, pattern=pattern)
 
 
 def test_shrunk_and_b_of_different_dtypes_dot_in_fp32():
