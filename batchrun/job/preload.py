@@ -1,4 +1,4 @@
-"""Import the engine side (torch, transformers' tokenizer, batchrun.engine) on a background thread
+"""Import the engine side (torch, transformers, batchrun.engine) on a background thread
 while `batchrun run` validates the job, digests the inputs and fingerprints it, so those seconds
 overlap instead of adding up.
 
@@ -20,8 +20,10 @@ import queue
 import threading
 import time
 
-ENGINE_MODULES = ("torch", "transformers.models.auto.tokenization_auto", "batchrun.engine.engine",
-                  "batchrun.engine.models.loader")
+# "transformers", not its AutoTokenizer module: a tokenizer.json that names its class loads
+# without transformers' auto machinery (token_count.load_tokenizer), which imports torch._dynamo
+# and torch.distributed (~2-3 s); when it is needed, the queued tokenizer step imports it.
+ENGINE_MODULES = ("torch", "transformers", "batchrun.engine.engine", "batchrun.engine.models.loader")
 
 _steps: queue.Queue | None = None
 _thread: threading.Thread | None = None

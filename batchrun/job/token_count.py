@@ -70,13 +70,33 @@ def load_tokenizer(model_dir: str):
     preload.wait()  # transformers may be importing on the preload thread (or loading this tokenizer)
 
     def load():
-        from transformers import AutoTokenizer
+        if _config_class(model_dir) in _FAST_CLASS_NAMES:
+            # the class AutoTokenizer would resolve that name to, without importing its auto
+            # machinery (torch._dynamo, torch.distributed: 2-3 s of a run's start-up)
+            from transformers import PreTrainedTokenizerFast as cls
+        else:
+            from transformers import AutoTokenizer as cls
         try:
-            return AutoTokenizer.from_pretrained(model_dir, trust_remote_code=False)
+            return cls.from_pretrained(model_dir, trust_remote_code=False)
         except Exception as e:  # transformers raises many types for a broken/missing tokenizer
             raise ConfigError(f"model: cannot load the tokenizer from {model_dir}: {e}") from None
 
     return _cached("hf", model_dir, load)
+
+
+# tokenizer_config.json classes that AutoTokenizer maps to transformers' generic fast tokenizer
+# (PreTrainedTokenizerFast; TokenizersBackend is its 5.x name) as it is, in 4.x and 5.x alike
+_FAST_CLASS_NAMES = {"PreTrainedTokenizerFast", "TokenizersBackend"}
+
+
+def _config_class(model_dir: str) -> str | None:
+    """tokenizer_config.json's tokenizer_class, or None (absent, unreadable: AutoTokenizer decides)."""
+    try:
+        with open(os.path.join(model_dir, "tokenizer_config.json")) as f:
+            cfg = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return cfg.get("tokenizer_class") if isinstance(cfg, dict) else None
 
 
 def _counting_copy(tok):
