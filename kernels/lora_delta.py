@@ -24,9 +24,9 @@ adapter would reach the tile's other rows as 0 * inf). But the loop is shortest 
 prompt rows come in runs of one sequence, and the engine orders a LoRA decode step's rows by
 slot (engine.py), so most tiles run one or two iterations.
 
-Small steps gather instead (GATHER, steps of at most GATHER_MAX_ROWS rows: the latency workload's
-decode of 8 rows): a tile of 8 rows with 8 adapters would walk 8 slots one after another, each
-a dependent B load and a mostly-empty 16-row dot. lora_delta_rows loads every row's own slot's
+Small steps gather instead (GATHER, steps of at most GATHER_MAX_ROWS = 8 rows: the latency
+workload's decode of 8 rows): a tile of 8 rows with 8 adapters would walk 8 slots one after
+another, each a dependent B load and a mostly-empty 16-row dot. lora_delta_rows loads every row's own slot's
 B columns at once ([rows, cols, rank chunk] gathers, no loop-carried dependency between them)
 and reduces over the rank in fp32 registers, as the per-row consumers before the tiles did; rows
 of one slot share those B lines in L1. Tile rows then need not be 16 (no tl.dot), so a step of
@@ -162,8 +162,11 @@ def lora_delta_rows(
 
 # Steps of at most this many token rows add the delta with lora_delta_rows (GATHER) instead of
 # the slot loop. Read at launch time (the row count is static per CUDA graph), so a benchmark
-# can set it to compare the two forms.
-GATHER_MAX_ROWS = 16
+# can set it to compare the two forms. 8: benchmarks/lora_consumers_bench.py on an H100 (bf16,
+# 7b shapes), gather vs slot loop in us: at 8 rows with 8 adapters 4.9/4.6/3.5 vs 5.7/5.9/6.0
+# (norm/silu/rotary), with 1 adapter within 0.5 us; at 16 rows with 1 adapter the slot loop
+# wins (silu 2.6 vs 4.8, norm 3.9 vs 5.0), at 1 row the gather (silu 1.8 vs 2.5).
+GATHER_MAX_ROWS = 8
 
 
 def row_block(T: int, cap: int = 32) -> int:
