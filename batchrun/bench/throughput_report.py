@@ -44,6 +44,10 @@ def _prompt(a: dict) -> str:
     return f"{a['prefix_len']} shared + {a['input_len']}" if a.get("prefix_len") else str(a["input_len"])
 
 
+def _sum(*parts):
+    return None if None in parts else sum(parts)
+
+
 def _f(v, spec=".2f", unit="") -> str:
     return "n/a" if v is None else format(v, spec) + unit
 
@@ -64,6 +68,7 @@ def print_throughput(r: dict, echo=print) -> None:
             ("    imports + CLI + job file", ph.get("imports_cli_s"), None),
             ("    checks, plan, manifest", ph.get("checks_plan_s"), None),
             ("  engine load (imports, weights, KV, graphs)", ph.get("weight_load_s"), None),
+            ("  start -> engine ready (the two above)", _sum(ph.get("before_task_s"), ph.get("weight_load_s")), None),
             ("  generation", ph.get("generation_s"), t["job_generation"]),
             ("  writing part files", ph.get("writing_s"), None)]
     echo(f"{'what':<44}{'seconds':>10}{'tok/s':>12}")
