@@ -11,7 +11,8 @@
 #              sets PYTHONDONTWRITEBYTECODE, so every process would compile torch/transformers)
 #
 # Wheels carried in .whl/ (structured-output tests: xgrammar and its needs) are installed into
-# /tmp/site first. Extra steps are plain shell: STEP may also be "cmd:<shell command>".
+# /tmp/site first. Extra steps are plain shell: STEP may also be "cmd:<shell command>" (its log:
+# $OUT/cmd-<position>.log).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/out}"
@@ -23,29 +24,20 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 export BATCHRUN_COMMIT="${BATCHRUN_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}"
 summary=()
+n=0
 for step in "$@"; do
+  n=$((n + 1))
   log="$OUT/${step%%:*}.log"
+  [[ $step == cmd:* ]] && log="$OUT/cmd-$n.log"
   t0=$(date +%s%N)
   case "$step" in
     env) { nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv
            python3 -c 'import sys, torch, triton; print(sys.version); print(torch.__version__, triton.__version__)'
            env | grep -E '^PYTHON' ; } > "$log" 2>&1 ;;
-    pyc) python3 - > "$log" 2>&1 <<'EOF'
-import compileall, os, site, sys, time
-t = time.time()
-for name in ("torch", "transformers", "triton", "tokenizers", "safetensors", "pyarrow", "numpy", "peft",
-             "huggingface_hub", "jinja2", "yaml", "click", "tqdm", "sympy", "networkx", "filelock",
-             "fsspec", "regex", "packaging", "sklearn", "scipy"):
-    try:
-        mod = __import__(name)
-    except Exception as e:
-        print(name, "not importable:", e); continue
-    path = os.path.dirname(mod.__file__)
-    ok = compileall.compile_dir(path, quiet=1, workers=os.cpu_count(), legacy=False)
-    print(f"{name}: {path} ok={ok}")
-print(f"compiled in {time.time() - t:.1f} s")
-EOF
-         ;;
+    pyc) sp=$(python3 -c 'import os, torch; print(os.path.dirname(os.path.dirname(torch.__file__)))')
+         (cd "$sp" && python3 -m compileall -q -j 0 torch transformers triton tokenizers safetensors \
+            pyarrow numpy huggingface_hub jinja2 yaml click tqdm sympy networkx filelock fsspec regex \
+            packaging) > "$log" 2>&1 ;;
     gputests) python3 -m pytest -m gpu -q -p no:cacheprovider tests > "$log" 2>&1 ;;
     latency) python3 -m batchrun.cli bench latency --model llama-2-7b \
                --output-json "$OUT/latency.json" > "$log" 2>&1 ;;
