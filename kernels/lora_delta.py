@@ -26,11 +26,11 @@ slot (engine.py), so most tiles run one or two iterations.
 
 Small steps gather instead (GATHER, steps of at most GATHER_MAX_ROWS = 8 rows: the latency
 workload's decode of 8 rows): a tile of 8 rows with 8 adapters would walk 8 slots one after
-another, each a dependent B load and a mostly-empty 16-row dot. lora_delta_rows loads every row's own slot's
-B columns at once ([rows, cols, rank chunk] gathers, no loop-carried dependency between them)
-and reduces over the rank in fp32 registers, as the per-row consumers before the tiles did; rows
-of one slot share those B lines in L1. Tile rows then need not be 16 (no tl.dot), so a step of
-T <= GATHER_MAX_ROWS rows is one tile of next_power_of_2(T) rows.
+another, each a dependent B load and a mostly-empty 16-row dot. lora_delta_rows loads every
+row's own slot's B columns at once ([rows, cols, rank chunk] gathers, no loop-carried
+dependency between them) and reduces over the rank in fp32 registers, as the per-row consumers
+before the tiles did; rows of one slot share those B lines in L1. Tile rows then need not be
+16 (no tl.dot), so a step of T <= GATHER_MAX_ROWS rows is one tile of next_power_of_2(T) rows.
 
 The consumers launch with num_stages=1: the slot loop is short, and software pipelining only
 added shared memory and registers (H200, 256 and 8192 rows: 10-30 % slower with 2-3 stages).

@@ -210,6 +210,7 @@ def apply_rotary(q: Tensor, k: Tensor, cos_sin: Tensor, positions: Tensor,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         cos_sin.stride(0), q_blocks, k_blocks, *largs, Hq * D, (Hq + Hkv) * D,
         HALF=D // 2, BLOCK_H=block_h, BLOCK_HALF=block_half, BLOCK_N=block_h * block_half,
-        BLOCK_M=bm, **consts, **gather_consts(T, bm, block_h * block_half, consts["BLOCK_R"], pairs=2),
+        BLOCK_M=bm, **consts,
+        **gather_consts(T, bm, block_h * block_half, consts["BLOCK_R"], pairs=2),
         num_warps=4, num_stages=1)
     return q, k

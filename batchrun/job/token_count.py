@@ -89,14 +89,22 @@ def load_tokenizer(model_dir: str):
 _FAST_CLASS_NAMES = {"PreTrainedTokenizerFast", "TokenizersBackend"}
 
 
-def _config_class(model_dir: str) -> str | None:
-    """tokenizer_config.json's tokenizer_class, or None (absent, unreadable: AutoTokenizer decides)."""
+def _tokenizer_config(model_dir: str) -> dict | None:
+    """tokenizer_config.json as a dict: {} when the file is absent, None when it is unreadable or
+    not an object (transformers reports, or copes with, a damaged config)."""
     try:
         with open(os.path.join(model_dir, "tokenizer_config.json")) as f:
             cfg = json.load(f)
+    except FileNotFoundError:
+        return {}
     except (OSError, ValueError):
         return None
-    return cfg.get("tokenizer_class") if isinstance(cfg, dict) else None
+    return cfg if isinstance(cfg, dict) else None
+
+
+def _config_class(model_dir: str) -> str | None:
+    """tokenizer_config.json's tokenizer_class, or None (absent, unreadable: AutoTokenizer decides)."""
+    return (_tokenizer_config(model_dir) or {}).get("tokenizer_class")
 
 
 def _counting_copy(tok):
@@ -179,14 +187,8 @@ def _text_safe(model_dir: str) -> str | None:
     path = os.path.join(model_dir, "tokenizer.json")
     if not os.path.isfile(path):
         return None
-    try:
-        with open(os.path.join(model_dir, "tokenizer_config.json")) as f:
-            cfg = json.load(f)
-    except FileNotFoundError:
-        cfg = {}
-    except (OSError, ValueError):
-        return None  # let transformers report (or cope with) a damaged config
-    if not isinstance(cfg, dict) or cfg.get("tokenizer_class") not in TEXT_SAFE_CLASSES:
+    cfg = _tokenizer_config(model_dir)
+    if cfg is None or cfg.get("tokenizer_class") not in TEXT_SAFE_CLASSES:
         return None
     if any(k in cfg for k in _REWRITING_OPTIONS):
         return None

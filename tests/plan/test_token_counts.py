@@ -130,9 +130,9 @@ def _tokenizer_parity(a, b):
 
 def test_a_named_fast_tokenizer_loads_without_the_auto_machinery(tiny_model, monkeypatch):
     """tokenizer_class PreTrainedTokenizerFast (5.x saves it as TokenizersBackend): load_tokenizer
-    builds that class directly, the
-    tokenizer AutoTokenizer gives (same encodes, decodes, special ids, template), in a process
-    that never imports transformers' auto modules (they pull in torch._dynamo: seconds)."""
+    builds that class directly, the tokenizer AutoTokenizer gives (same encodes, decodes, special
+    ids, template), in a process that never imports transformers' auto modules (they pull in
+    torch._dynamo: seconds)."""
     import subprocess
     import sys
 
