@@ -15,6 +15,12 @@ One program handles BLOCK_H heads of one token; program_id(1) walks q's head blo
 With a LoRA delta of the qkv projection a second kernel runs instead, on tiles of token rows x
 heads (kernels/lora_delta.py): program_id(1) walks q's, k's, then v's head blocks, the delta is
 added to q, k (before rotating) and v, each rounded once. The no-LoRA kernel is the plain one.
+
+With `kv_cache` (apply_rotary_into_cache) both kernels also write this step's K/V into the
+paged cache: rotated k (and v, plus its delta) go straight to their cache slots, flat slot
+`slot_mapping[t]` of k_cache / v_cache [num_blocks, block_size, Hkv, D], instead of back into
+the qkv output. This replaces the two index_copy launches per layer that wrote the cache
+after the rotary (64 launches of a Llama-2-7b decode step); q is still rotated in place.
 """
 from __future__ import annotations
 
@@ -44,28 +50,38 @@ def _rotate(x1, x2, c, s):
 
 @triton.jit
 def _rope_heads(x_ptr, stride_t, stride_h, t, h0, H, c, s, offs_h, offs_d, d_mask,
-                HALF: tl.constexpr):
+                dst_ptr, dst_stride_h, HALF: tl.constexpr, ROTATE: tl.constexpr):
+    # heads h0.. of token t: x (rotated when ROTATE) to dst_ptr + head * dst_stride_h, which is
+    # x's own row (in place) or the token's cache slot
     heads = h0 + offs_h
     mask = (heads < H)[:, None] & d_mask[None, :]
-    p1 = x_ptr + t * stride_t + heads[:, None].to(tl.int64) * stride_h + offs_d[None, :]
+    heads64 = heads[:, None].to(tl.int64)
+    p1 = x_ptr + t * stride_t + heads64 * stride_h + offs_d[None, :]
     x1 = tl.load(p1, mask=mask, other=0.0)
     x2 = tl.load(p1 + HALF, mask=mask, other=0.0)
-    o1, o2 = _rotate(x1, x2, c[None, :], s[None, :])
-    tl.store(p1, o1, mask=mask)
-    tl.store(p1 + HALF, o2, mask=mask)
+    if ROTATE:
+        x1, x2 = _rotate(x1, x2, c[None, :], s[None, :])
+    d1 = dst_ptr + heads64 * dst_stride_h + offs_d[None, :]
+    tl.store(d1, x1, mask=mask)
+    tl.store(d1 + HALF, x2, mask=mask)
 
 
 @triton.jit
 def _rotary_kernel(
     q_ptr,            # [T, Hq, D]   rotated in place
-    k_ptr,            # [T, Hkv, D]  rotated in place
+    k_ptr,            # [T, Hkv, D]  rotated in place, or into k_cache (TO_CACHE)
+    v_ptr,            # [T, Hkv, D]  copied into v_cache (TO_CACHE only)
+    kc_ptr, vc_ptr,   # caches [num_blocks * block_size, Hkv, D] (TO_CACHE only)
+    slot_ptr,         # int64 [T]: each token's flat cache slot (TO_CACHE only)
     cs_ptr,           # fp32 [P, D]  cat(cos, sin)
     pos_ptr,          # int [T]
     Hq, Hkv,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_cs,
-    Q_BLOCKS,         # cdiv(Hq, BLOCK_H): head blocks of q come first on axis 1, then k
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cs,
+    stride_cslot, stride_ch,   # cache strides of a slot and a head
+    Q_BLOCKS,         # cdiv(Hq, BLOCK_H): head blocks of q come first on axis 1, then k (then v)
+    KV_BLOCKS,        # cdiv(Hkv, BLOCK_H)
     HALF: tl.constexpr,       # D / 2
-    BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, TO_CACHE: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     hb = tl.program_id(1)
@@ -77,21 +93,34 @@ def _rotary_kernel(
     s = tl.load(cs_ptr + pos * stride_cs + HALF + offs_d, mask=d_mask, other=0.0)
     if hb < Q_BLOCKS:
         _rope_heads(q_ptr, stride_qt, stride_qh, t, hb * BLOCK_H, Hq, c, s,
-                    offs_h, offs_d, d_mask, HALF)
+                    offs_h, offs_d, d_mask, q_ptr + t * stride_qt, stride_qh, HALF, True)
+    elif TO_CACHE:
+        slot = tl.load(slot_ptr + t).to(tl.int64)
+        if hb < Q_BLOCKS + KV_BLOCKS:
+            _rope_heads(k_ptr, stride_kt, stride_kh, t, (hb - Q_BLOCKS) * BLOCK_H, Hkv, c, s,
+                        offs_h, offs_d, d_mask, kc_ptr + slot * stride_cslot, stride_ch,
+                        HALF, True)
+        else:
+            _rope_heads(v_ptr, stride_vt, stride_vh, t, (hb - Q_BLOCKS - KV_BLOCKS) * BLOCK_H,
+                        Hkv, c, s, offs_h, offs_d, d_mask, vc_ptr + slot * stride_cslot,
+                        stride_ch, HALF, False)
     else:
         _rope_heads(k_ptr, stride_kt, stride_kh, t, (hb - Q_BLOCKS) * BLOCK_H, Hkv, c, s,
-                    offs_h, offs_d, d_mask, HALF)
+                    offs_h, offs_d, d_mask, k_ptr + t * stride_kt, stride_kh, HALF, True)
 
 
 @triton.jit
 def _rope_lora_tile(x_ptr, stride_t, stride_h, rows, row_mask, h0, H, jh, jd, jd_mask,
                     cs_ptr, pos_ptr, stride_cs,
                     s_ptr, stride_s, b_ptr, slot, lo, hi, LN, LL, LR, slice_idx, col0,
+                    dst_ptr, dst_rows, dst_stride_t, dst_stride_h,
                     HALF: tl.constexpr, ROTATE: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, DOT_IEEE: tl.constexpr,
                     GATHER: tl.constexpr, R_CHUNK: tl.constexpr):
     # Tile: BLOCK_M rows x (BLOCK_H heads x BLOCK_HALF dims) flattened into BLOCK_N columns;
     # column j is dim jd[j] of head h0 + jh[j] (first half; the second half is + HALF).
+    # The result goes to dst_ptr + dst_rows * dst_stride_t + head * dst_stride_h: x's own rows
+    # (in place) or the rows' cache slots.
     heads = h0 + jh
     col_mask = (heads < H) & jd_mask
     mask = row_mask[:, None] & col_mask[None, :]
@@ -118,28 +147,32 @@ def _rope_lora_tile(x_ptr, stride_t, stride_h, rows, row_mask, h0, H, jh, jd, jd
         c = tl.load(cs, mask=cs_mask, other=0.0)
         s = tl.load(cs + HALF, mask=cs_mask, other=0.0)
         x1, x2 = _rotate(x1, x2, c, s)
-    tl.store(p1, x1, mask=mask)
-    tl.store(p1 + HALF, x2, mask=mask)
+    d = dst_ptr + dst_rows[:, None] * dst_stride_t + (heads.to(tl.int64) * dst_stride_h + jd)[None, :]
+    tl.store(d, x1, mask=mask)
+    tl.store(d + HALF, x2, mask=mask)
 
 
 @triton.jit
 def _rotary_lora_kernel(
     q_ptr, k_ptr,     # as in _rotary_kernel
-    v_ptr,            # [T, Hkv, D]  LoRA delta added in place
+    v_ptr,            # [T, Hkv, D]  LoRA delta added in place, or into v_cache (TO_CACHE)
+    kc_ptr, vc_ptr, slot_map_ptr,   # as in _rotary_kernel (TO_CACHE only)
     cs_ptr, pos_ptr, T, Hq, Hkv,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cs,
+    stride_cslot, stride_ch,
     Q_BLOCKS, K_BLOCKS,   # head blocks of q, then k, then v on axis 1
     s_ptr, stride_s, b_ptr, slot_ptr, LN, LL, LR,   # LoRA delta of q|k|v
     OFF_K, OFF_V,     # first fused-output column of k and of v
     HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
     BLOCK_N: tl.constexpr,    # BLOCK_H * BLOCK_HALF
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, DOT_IEEE: tl.constexpr,
-    GATHER: tl.constexpr, R_CHUNK: tl.constexpr,
+    GATHER: tl.constexpr, R_CHUNK: tl.constexpr, TO_CACHE: tl.constexpr,
 ):
     # Grid (row tiles, head blocks of q | k | v): B[the block's columns] is read once per
     # slot the tile's rows use.
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_mask = rows < T
+    rows64 = rows.to(tl.int64)
     hb = tl.program_id(1)
     j = tl.arange(0, BLOCK_N)
     jh, jd = j // BLOCK_HALF, j % BLOCK_HALF
@@ -148,19 +181,28 @@ def _rotary_lora_kernel(
     if hb < Q_BLOCKS:
         _rope_lora_tile(q_ptr, stride_qt, stride_qh, rows, row_mask, hb * BLOCK_H, Hq, jh, jd,
                         jd_mask, cs_ptr, pos_ptr, stride_cs, s_ptr, stride_s, b_ptr, slot, lo, hi,
-                        LN, LL, LR, 0, 0, HALF, True, BLOCK_M, BLOCK_N, BLOCK_R, DOT_IEEE,
-                        GATHER, R_CHUNK)
-    elif hb < Q_BLOCKS + K_BLOCKS:
-        _rope_lora_tile(k_ptr, stride_kt, stride_kh, rows, row_mask, (hb - Q_BLOCKS) * BLOCK_H,
-                        Hkv, jh, jd, jd_mask, cs_ptr, pos_ptr, stride_cs, s_ptr, stride_s, b_ptr,
-                        slot, lo, hi, LN, LL, LR, 1, OFF_K, HALF, True, BLOCK_M, BLOCK_N,
-                        BLOCK_R, DOT_IEEE, GATHER, R_CHUNK)
-    else:  # v: only the LoRA delta
-        _rope_lora_tile(v_ptr, stride_vt, stride_vh, rows, row_mask,
-                        (hb - Q_BLOCKS - K_BLOCKS) * BLOCK_H, Hkv, jh, jd, jd_mask, cs_ptr,
-                        pos_ptr, stride_cs, s_ptr, stride_s, b_ptr, slot, lo, hi, LN, LL, LR,
-                        2, OFF_V, HALF, False, BLOCK_M, BLOCK_N, BLOCK_R, DOT_IEEE, GATHER,
-                        R_CHUNK)
+                        LN, LL, LR, 0, 0, q_ptr, rows64, stride_qt, stride_qh,
+                        HALF, True, BLOCK_M, BLOCK_N, BLOCK_R, DOT_IEEE, GATHER, R_CHUNK)
+    else:
+        if TO_CACHE:
+            kd_ptr, vd_ptr = kc_ptr, vc_ptr
+            dst_rows = tl.load(slot_map_ptr + rows, mask=row_mask, other=0).to(tl.int64)
+            kd_t, kd_h, vd_t, vd_h = stride_cslot, stride_ch, stride_cslot, stride_ch
+        else:
+            kd_ptr, vd_ptr, dst_rows = k_ptr, v_ptr, rows64
+            kd_t, kd_h, vd_t, vd_h = stride_kt, stride_kh, stride_vt, stride_vh
+        if hb < Q_BLOCKS + K_BLOCKS:
+            _rope_lora_tile(k_ptr, stride_kt, stride_kh, rows, row_mask,
+                            (hb - Q_BLOCKS) * BLOCK_H, Hkv, jh, jd, jd_mask, cs_ptr, pos_ptr,
+                            stride_cs, s_ptr, stride_s, b_ptr, slot, lo, hi, LN, LL, LR, 1, OFF_K,
+                            kd_ptr, dst_rows, kd_t, kd_h, HALF, True, BLOCK_M, BLOCK_N,
+                            BLOCK_R, DOT_IEEE, GATHER, R_CHUNK)
+        else:  # v: only the LoRA delta
+            _rope_lora_tile(v_ptr, stride_vt, stride_vh, rows, row_mask,
+                            (hb - Q_BLOCKS - K_BLOCKS) * BLOCK_H, Hkv, jh, jd, jd_mask, cs_ptr,
+                            pos_ptr, stride_cs, s_ptr, stride_s, b_ptr, slot, lo, hi, LN, LL, LR,
+                            2, OFF_V, vd_ptr, dst_rows, vd_t, vd_h, HALF, False, BLOCK_M,
+                            BLOCK_N, BLOCK_R, DOT_IEEE, GATHER, R_CHUNK)
 
 
 def apply_rotary(q: Tensor, k: Tensor, cos_sin: Tensor, positions: Tensor,
@@ -170,6 +212,22 @@ def apply_rotary(q: Tensor, k: Tensor, cos_sin: Tensor, positions: Tensor,
     # Rotates q and k in place and returns them.
     # lora: the qkv projection's LoRA delta (slices q, k, v; head h of a slice is its columns
     # h*D..h*D+D): it is added to q, k (before rotating) and to v [T, Hkv, D], all in place.
+    _launch(q, k, v, cos_sin, positions, lora, None)
+    return q, k
+
+
+def apply_rotary_into_cache(q: Tensor, k: Tensor, v: Tensor, cos_sin: Tensor, positions: Tensor,
+                            k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor,
+                            lora: LoRADelta | None = None) -> Tensor:
+    # As apply_rotary, but rotated k and v (each plus its LoRA delta) are written to the paged
+    # caches [num_blocks, block_size, Hkv, D] at flat slot slot_mapping[t] (int64 [T], each a
+    # valid slot: not checked, no host sync), not back into k and v, which are left as they
+    # were. Returns q, rotated in place.
+    _launch(q, k, v, cos_sin, positions, lora, (k_cache, v_cache, slot_mapping))
+    return q
+
+
+def _launch(q, k, v, cos_sin, positions, lora, cache) -> None:
     check(q.dim() == 3 and k.dim() == 3, "q and k must be [T, H, D]")
     T, Hq, D = q.shape
     check(k.shape[0] == T and k.shape[2] == D, f"k {tuple(k.shape)} does not match q {tuple(q.shape)}")
@@ -180,25 +238,44 @@ def apply_rotary(q: Tensor, k: Tensor, cos_sin: Tensor, positions: Tensor,
           and cos_sin.dtype == torch.float32, f"cos_sin must be fp32 [P, {D}]")
     check(positions.shape == (T,) and not positions.is_floating_point(), "positions must be int [T]")
     Hkv = k.shape[1]
-    if lora is not None:
+    if lora is not None or cache is not None:
         check(v is not None and v.shape == k.shape and v.dtype == q.dtype and v.stride(2) == 1,
-              f"a LoRA delta needs v shaped like k {tuple(k.shape)} with a contiguous head dim")
+              f"{'a LoRA delta' if lora is not None else 'writing the KV cache'} needs v shaped "
+              f"like k {tuple(k.shape)} with a contiguous head dim")
+    if lora is not None:
         want = (0, Hq * D, (Hq + Hkv) * D, (Hq + 2 * Hkv) * D)
         check(tuple(lora.slice_offsets) == want,
               f"LoRA slice offsets {tuple(lora.slice_offsets)} are not q|k|v's {want}")
-    if lora is not None:
         largs, consts = delta_args(lora, T, (Hq + 2 * Hkv) * D, 3, q.device)
+    if cache is not None:
+        kc, vc, slots = cache
+        check(kc.dim() == 4 and vc.shape == kc.shape and kc.shape[2:] == (Hkv, D)
+              and kc.dtype == vc.dtype == q.dtype,
+              f"k/v caches must be [num_blocks, block_size, {Hkv}, {D}] of {q.dtype}, got "
+              f"{tuple(kc.shape)} {kc.dtype}, {tuple(vc.shape)} {vc.dtype}")
+        check(kc.stride() == vc.stride() and kc.stride(3) == 1 and kc.stride(2) == D
+              and kc.stride(0) == kc.shape[1] * kc.stride(1),
+              "k/v caches must be contiguous within a block and share strides")
+        check(slots.shape == (T,) and not slots.is_floating_point(), "slot_mapping must be int [T]")
+        cache_args = (kc, vc, slots, kc.stride(1), kc.stride(2))
+    else:  # unused pointers (TO_CACHE is off): any tensors
+        v = q if v is None else v
+        cache_args = (q, q, positions, 0, 0)
     if T == 0:
-        return q, k
+        return
+    kc, vc, slots, stride_cslot, stride_ch = cache_args
     block_half = triton.next_power_of_2(D // 2)
     if lora is None:
         block_h = max(1, min(triton.next_power_of_2(max(Hq, Hkv)), 512 // block_half))
-        q_blocks = triton.cdiv(Hq, block_h)
-        _rotary_kernel[(T, q_blocks + triton.cdiv(Hkv, block_h))](
-            q, k, cos_sin, positions, Hq, Hkv, q.stride(0), q.stride(1), k.stride(0),
-            k.stride(1), cos_sin.stride(0), q_blocks,
-            HALF=D // 2, BLOCK_H=block_h, BLOCK_HALF=block_half, num_warps=4)
-        return q, k
+        q_blocks, kv_blocks = triton.cdiv(Hq, block_h), triton.cdiv(Hkv, block_h)
+        grid = (T, q_blocks + kv_blocks * (1 if cache is None else 2))
+        _rotary_kernel[grid](
+            q, k, v, kc, vc, slots, cos_sin, positions, Hq, Hkv, q.stride(0), q.stride(1),
+            k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos_sin.stride(0),
+            stride_cslot, stride_ch, q_blocks, kv_blocks,
+            HALF=D // 2, BLOCK_H=block_h, BLOCK_HALF=block_half, TO_CACHE=cache is not None,
+            num_warps=4)
+        return
     # About 64 columns (half-head dims) per tile: one head of D = 128, and enough programs
     # (row tiles x 3 slices' heads) to fill the GPU at decode sizes. At least 16 (tl.dot).
     block_h = max(1, min(triton.next_power_of_2(max(Hq, Hkv)), 64 // block_half))
@@ -206,11 +283,11 @@ def apply_rotary(q: Tensor, k: Tensor, cos_sin: Tensor, positions: Tensor,
     bm = row_block(T)
     q_blocks, k_blocks = triton.cdiv(Hq, block_h), triton.cdiv(Hkv, block_h)
     _rotary_lora_kernel[(triton.cdiv(T, bm), q_blocks + 2 * k_blocks)](
-        q, k, v, cos_sin, positions, T, Hq, Hkv,
+        q, k, v, kc, vc, slots, cos_sin, positions, T, Hq, Hkv,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        cos_sin.stride(0), q_blocks, k_blocks, *largs, Hq * D, (Hq + Hkv) * D,
+        cos_sin.stride(0), stride_cslot, stride_ch, q_blocks, k_blocks, *largs,
+        Hq * D, (Hq + Hkv) * D,
         HALF=D // 2, BLOCK_H=block_h, BLOCK_HALF=block_half, BLOCK_N=block_h * block_half,
-        BLOCK_M=bm, **consts,
+        BLOCK_M=bm, TO_CACHE=cache is not None, **consts,
         **gather_consts(T, bm, block_h * block_half, consts["BLOCK_R"], pairs=2),
         num_warps=4, num_stages=1)
-    return q, k

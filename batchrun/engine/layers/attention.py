@@ -1,4 +1,5 @@
 """Paged attention for one layer: write this step's K/V into the paged cache, then attend.
+On CUDA the rotary kernel before it writes the K/V (kv_write); on CPU the layer copies them.
 
 KV cache layout per layer: [num_blocks, block_size, Hkv, D]. Block 0 is a scratch block
 never given to a sequence: padded rows of a captured decode step write their K/V there.
@@ -19,6 +20,7 @@ rows of one output without copies.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -40,6 +42,13 @@ class AttnMetadata:
     num_decode: int = 0  # mixed step: sequences [0, num_decode) are decode rows, 1 query each
 
 
+class KVWrite(NamedTuple):
+    """Where a step's K/V go: one layer's caches and each token's flat slot (int64 [T])."""
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    slot_mapping: torch.Tensor
+
+
 class PagedAttention(nn.Module):
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
         super().__init__()
@@ -48,13 +57,20 @@ class PagedAttention(nn.Module):
         self.k_cache: torch.Tensor | None = None  # set by the model runner after KV sizing
         self.v_cache: torch.Tensor | None = None
 
+    def kv_write(self, meta: AttnMetadata) -> KVWrite:
+        """Where this step's K/V go, for a kernel before the attention that can write them
+        (the rotary on CUDA: no copy launches of its own)."""
+        return KVWrite(self.k_cache, self.v_cache, meta.slot_mapping)
+
     def forward(self, q, k, v, meta: AttnMetadata) -> torch.Tensor:
-        # q: [T, Hq, D]; k, v: [T, Hkv, D] -> [T, Hq, D]
+        # q: [T, Hq, D]; k, v: [T, Hkv, D] -> [T, Hq, D]. k = v = None: this step's K/V are
+        # already in the cache (written through kv_write by the rotary kernel).
         kc, vc = self.k_cache, self.v_cache
-        flat_k = kc.view(-1, self.num_kv_heads, self.head_dim)  # [num_blocks*block_size, Hkv, D]
-        flat_v = vc.view(-1, self.num_kv_heads, self.head_dim)
-        flat_k.index_copy_(0, meta.slot_mapping, k)
-        flat_v.index_copy_(0, meta.slot_mapping, v)
+        if k is not None:
+            flat_k = kc.view(-1, self.num_kv_heads, self.head_dim)  # [blocks*block_size, Hkv, D]
+            flat_v = vc.view(-1, self.num_kv_heads, self.head_dim)
+            flat_k.index_copy_(0, meta.slot_mapping, k)
+            flat_v.index_copy_(0, meta.slot_mapping, v)
         if meta.is_prefill:
             return self._prefill(q, meta)
         out = torch.empty_like(q)

@@ -13,6 +13,7 @@ from torch import nn
 from batchrun.kernels.lora_meta import LoRADelta
 from batchrun.kernels.reference import ref_rotary
 from batchrun.engine.layers.backend import use_triton
+from batchrun.engine.layers.attention import KVWrite
 
 
 def inv_frequencies(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
@@ -50,12 +51,20 @@ class RotaryEmbedding(nn.Module):
         self.cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1)  # [P, D] fp32
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                lora: LoRADelta | None = None):
+                lora: LoRADelta | None = None, cache: KVWrite | None = None):
         # positions: [T]; q: [T, Hq, D]; k, v: [T, Hkv, D] -> (rotated q, rotated k, v).
         # lora: the qkv projection's pending LoRA delta, added to q, k, v first.
-        # On CUDA one Triton kernel works in place (q, k, v may be strided views of the qkv
-        # output); on CPU the torch reference returns new tensors (HF op order, same rounding).
+        # cache: where this step's K/V go (PagedAttention.kv_write). On CUDA one Triton kernel
+        # works in place (q, k, v may be strided views of the qkv output) and, given `cache`,
+        # writes rotated k and v into the paged cache itself and returns (q, None, None): the
+        # attention then has nothing left to write. On CPU the torch reference returns new
+        # tensors (HF op order, same rounding) and the attention writes the cache.
         if use_triton(q):
+            if cache is not None:
+                from batchrun.kernels.rotary import apply_rotary_into_cache
+                q = apply_rotary_into_cache(q, k, v, self.cos_sin, positions, cache.k_cache,
+                                            cache.v_cache, cache.slot_mapping, lora=lora)
+                return q, None, None
             from batchrun.kernels.rotary import apply_rotary
             q, k = apply_rotary(q, k, self.cos_sin, positions, v=v, lora=lora)
             return q, k, v

@@ -37,7 +37,8 @@ class Attention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)  # [T, Hq, D]
         k = k.view(-1, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k, v = self.rotary(positions, q, k, v, lora=delta)
+        # on CUDA the rotary kernel also writes k, v into the paged cache (then k = v = None)
+        q, k, v = self.rotary(positions, q, k, v, lora=delta, cache=self.attn.kv_write(step.attn))
         o = self.attn(q, k, v, step.attn)  # [T, Hq, D]
         return self.o_proj(o.reshape(-1, self.q_size), step.lora, defer=True)
 
