@@ -1,0 +1,78 @@
+"""Where one small prefill step's wall time goes (the latency workload's 8 x 32 tokens): its
+wall time (engine.step, first-token sampling included) against the device time of its kernels,
+and the host functions that take longest. A step far above its kernel time is host-bound.
+
+    PYTHONPATH=. python3 benchmarks/prefill_profile.py [--batch-size 8] [--input-len 32]
+        [--output-json F]
+
+Model: Llama-2-7b-SHAPED, RANDOM bf16 weights (preset), LoRA disabled.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import time
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from batchrun.bench.build import build_engine, random_prompts
+from batchrun.bench.matrix import MatrixParams
+from benchmarks.step_probe import probe_scheduler
+
+
+def prefill_wall_us(engine, prompts, n: int) -> list[float]:
+    times = []
+    for _ in range(n):
+        with probe_scheduler(engine, prompts) as sched:
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            engine.step(sched)
+            torch.cuda.synchronize()
+            times.append((time.perf_counter() - t0) * 1e6)
+    return times
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="llama-2-7b")
+    ap.add_argument("--batch-size", type=int, default=8)
+    ap.add_argument("--input-len", type=int, default=32)
+    ap.add_argument("--output-json")
+    a = ap.parse_args()
+    p = MatrixParams(model=a.model, batch_size=a.batch_size, input_len=a.input_len, output_len=8,
+                     max_loras=1, max_lora_rank=16, lora_rank=16, max_num_batched_tokens=2048,
+                     max_num_seqs=max(64, a.batch_size))
+    engine = build_engine(p.engine_config(False)).engine
+    prompts = random_prompts(a.batch_size, a.input_len, engine.model.config.vocab_size, seed=0)
+    walls = prefill_wall_us(engine, prompts, 12)[2:]
+    with probe_scheduler(engine, prompts) as sched:
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            engine.step(sched)
+            torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type.name == "CUDA"]
+    kernel_us = sum(e.device_time for e in kernels)
+    by_name = collections.Counter()
+    for e in kernels:
+        by_name[e.name.split("(")[0][:60]] += e.device_time
+    cpu = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:20]
+    out = {"wall_us_median": sorted(walls)[len(walls) // 2], "walls_us": walls,
+           "kernel_us": kernel_us, "launches": len(kernels),
+           "kernels": dict(by_name.most_common(15)),
+           "cpu_self_us": {e.key[:60]: e.self_cpu_time_total for e in cpu},
+           "cpu_self_calls": {e.key[:60]: e.count for e in cpu}}
+    print(f"RANDOM weights; prefill step {a.batch_size} x {a.input_len}: wall median "
+          f"{out['wall_us_median']:.0f} us; kernels {kernel_us:.0f} us in {len(kernels)} launches")
+    for k, v in out["kernels"].items():
+        print(f"  kernel {k:60s} {v:9.0f} us")
+    for k, v in out["cpu_self_us"].items():
+        print(f"  host   {k:60s} {v:9.0f} us  x{out['cpu_self_calls'][k]}")
+    if a.output_json:
+        Path(a.output_json).write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
