@@ -261,8 +261,10 @@ class Engine:
         sp = seq.sampling
         if seq.grammar is not None and seq.grammar.is_terminated():
             return "stop"
-        if seq.num_output >= sp.min_tokens:  # vLLM: nothing stops a row short of min_tokens
-            if tok in sp.stop_token_ids:
+        num_tokens = len(seq.token_ids)
+        num_output = num_tokens - seq.prompt_len
+        if num_output >= sp.min_tokens:  # vLLM: nothing stops a row short of min_tokens
+            if sp.stop_token_ids and tok in sp.stop_token_ids:
                 seq.stop_reason = tok
                 return "stop"
             if tok in self.eos_ids and not sp.ignore_eos:
@@ -272,7 +274,7 @@ class Engine:
                 if hit is not None:
                     seq.stop_reason = hit
                     return "stop"
-        if seq.num_output >= sp.max_tokens or seq.num_tokens >= self.max_model_len:
+        if num_output >= sp.max_tokens or num_tokens >= self.max_model_len:
             return "length"
         return None
 

@@ -29,6 +29,9 @@ from batchrun.engine.layers.backend import use_triton
 from batchrun.engine.layers.step import LoRAStep, Step
 
 
+_SCRATCH_ROW = ("scratch",)  # _table_keys entry of a padding row
+
+
 class ModelRunner:
     def __init__(self, model, config: EngineConfig, device: torch.device, dtype: torch.dtype,
                  blocks: BlockManager, lora=None):
@@ -54,6 +57,8 @@ class ModelRunner:
         self.context_lens, self.token_slots = self._i32[:n], self._i32[n:2 * n]  # [n] each
         self.block_tables = self._i32[2 * n:].view(n, mb)  # [n, max_blocks_per_seq]
         self.logits = torch.empty(n, cfg.vocab_size, dtype=torch.float32, device=device)  # [n, V]
+        # per row of the host block table: (the block_ids list it was written from, its length)
+        self._table_keys: list = [None] * n
         self._graphs: GraphRunner | None = None  # capture_graphs()
         self._eager = False  # eager(): decode without graphs even when they are captured
         # The LoRA part of every fused LoRA decode step (the Triton path), captured graphs
@@ -117,23 +122,21 @@ class ModelRunner:
 
     def _write_decode_inputs(self, seqs: list[Sequence], rows: int,
                              has_lora: bool) -> LoRAStep | None:
-        n, mb = self.config.max_num_seqs, self.max_blocks_per_seq
+        n, bs = self.config.max_num_seqs, self.block_size
         h64, h32 = self._host_i64.numpy(), self._host_i32.numpy()
-        tables = h32[2 * n:].reshape(n, mb)
-        lora = []
-        for i, s in enumerate(seqs):
-            p = s.num_tokens - 1
-            h64[0, i], h64[1, i], h64[2, i] = s.token_ids[-1], p, self.blocks.slot(s, p)
-            h32[i], h32[n + i] = s.num_tokens, s.lora_slot
-            tables[i, :len(s.block_ids)] = s.block_ids
-            tables[i, len(s.block_ids):] = 0
-            lora.append(s.lora_slot)
-            s.num_computed = s.num_tokens
         b = len(seqs)  # rows b..rows are padding: scratch block, no context, no LoRA
+        lens = [len(s.token_ids) for s in seqs]
+        lora = [s.lora_slot for s in seqs]
+        h64[0, :b] = [s.token_ids[-1] for s in seqs]
+        h64[1, :b] = [m - 1 for m in lens]
+        h64[2, :b] = [s.block_ids[(m - 1) // bs] * bs + (m - 1) % bs for s, m in zip(seqs, lens)]
+        h32[:b], h32[n:n + b] = lens, lora
+        self._write_block_tables(seqs, rows)
+        for s, m in zip(seqs, lens):
+            s.num_computed = m
         h64[:, b:rows] = 0
-        h64[2, b:rows] = SCRATCH_BLOCK * self.block_size
+        h64[2, b:rows] = SCRATCH_BLOCK * bs
         h32[b:rows], h32[n + b:n + rows] = 0, -1
-        tables[b:rows] = SCRATCH_BLOCK
         self._i64.copy_(self._host_i64, non_blocking=True)
         self._i32.copy_(self._host_i32, non_blocking=True)
         if not has_lora:
@@ -143,6 +146,26 @@ class ModelRunner:
         if use_triton(self._i64):
             return self._fused_decode_lora
         return self.lora.lora_step(lora + [-1] * (rows - b), has_lora=True)
+
+    def _write_block_tables(self, seqs: list[Sequence], rows: int) -> None:
+        """Rows of the host block table that changed since the last decode step: a row's
+        blocks only grow (extend) or are replaced by a new list (admission, preemption), so a
+        row still holding the same list at the same length is as it was. Padding rows
+        (len(seqs)..rows) point at the scratch block."""
+        n, mb = self.config.max_num_seqs, self.max_blocks_per_seq
+        tables = self._host_i32.numpy()[2 * n:].reshape(n, mb)
+        keys = self._table_keys
+        for i, s in enumerate(seqs):
+            ids, key = s.block_ids, keys[i]
+            if key is not None and key[0] is ids and key[1] == len(ids):
+                continue
+            tables[i, :len(ids)] = ids
+            tables[i, len(ids):] = 0
+            keys[i] = (ids, len(ids))  # holds the list: its id is not reused while keyed
+        for i in range(len(seqs), rows):
+            if keys[i] is not _SCRATCH_ROW:
+                tables[i] = SCRATCH_BLOCK
+                keys[i] = _SCRATCH_ROW
 
     # ---- prefill (and mixed) -------------------------------------------------------------
     @torch.inference_mode()

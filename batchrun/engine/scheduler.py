@@ -105,10 +105,16 @@ class Scheduler:
         newest row, never one already taken). Returns the rows and whether any preemption
         happened."""
         rows, before = [], self.num_preemptions
+        bs, caching, running = self.blocks.block_size, self.blocks.enable_caching, SeqStatus.RUNNING
         for seq in list(self.running):
-            if seq.status is not SeqStatus.RUNNING or seq.needs_prefill:
+            n = len(seq.token_ids)
+            if seq.status is not running or n - seq.num_computed > 1:
                 continue  # preempted while making room for an earlier row / a prompt chunk
-            if self._make_room(seq, seq.num_tokens):
+            # most steps a row's next token fits its last block and fills no block to register:
+            # nothing to allocate or cache (what _make_room would find, without its calls)
+            if len(seq.block_ids) * bs >= n and (not caching or n // bs <= seq.num_cached_blocks):
+                rows.append(seq)
+            elif self._make_room(seq, n):
                 rows.append(seq)
         return rows, self.num_preemptions > before
 

@@ -97,3 +97,38 @@ def test_graph_capture_needs_a_lora_step_exactly_for_the_lora_set():
     with pytest.raises(ValueError, match="needs no LoRAStep"):
         GraphRunner(cfg, with_lora=False).capture(lambda rows, lora: None,
                                                    LoRAStep(meta, meta, fuse=True))
+
+
+def test_decode_block_tables_follow_every_change_of_a_rows_blocks(engine):
+    """The host block table is rewritten only for rows whose blocks changed (model_runner's
+    _write_block_tables): growth, a new list of the same length (preemption + re-admission),
+    another sequence in the row, rows turning into padding and back. After every step the
+    table the step reads equals one written from scratch."""
+    from batchrun.engine.block_manager import SCRATCH_BLOCK
+    runner = engine.runner
+    mb = runner.max_blocks_per_seq
+
+    def seq(i, blocks):
+        s = Sequence(i, i, [7] * (len(blocks) * runner.block_size - 1), SamplingParams(), None, None)
+        s.block_ids = list(blocks)
+        return s
+
+    def check(seqs, rows):
+        runner._write_decode_inputs(seqs, rows, has_lora=False)
+        got = runner.block_tables[:rows].tolist()
+        want = [s.block_ids + [0] * (mb - len(s.block_ids)) for s in seqs]
+        want += [[SCRATCH_BLOCK] * mb] * (rows - len(seqs))
+        assert got == want
+        assert runner.context_lens[:len(seqs)].tolist() == [len(s.token_ids) for s in seqs]
+
+    a, b = seq(0, [3, 4]), seq(1, [5])
+    check([a, b], 4)
+    a.block_ids.extend([6]); a.token_ids += [1] * runner.block_size   # grows in place
+    check([a, b], 4)
+    a.block_ids = [9, 8, 2]                                             # same length, new list
+    check([a, b], 4)
+    check([b, a], 4)                                                    # rows swap sequences
+    check([a], 2)                                                       # row 1 becomes padding
+    c = seq(2, [11, 12, 13])
+    check([a, c], 2)                                                    # and a row again
+    check([c, a, b, seq(3, [1])], 4)
