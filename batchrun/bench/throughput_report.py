@@ -80,6 +80,10 @@ def print_throughput(r: dict, echo=print) -> None:
     st = r["engine_alone"].get("engine_stats", {})
     echo("engine alone steps: " + ", ".join(f"{k} {st[k]}" for k in
                                            ("prefill_steps", "mixed_steps", "decode_steps", "preemptions") if k in st))
+    if st.get("decode_steps"):
+        echo(f"engine alone step time: prefill {st['prefill_s']:.2f} s, mixed {st['mixed_s']:.2f} s, "
+             f"decode {st['decode_s']:.2f} s ({1e3 * st['decode_s'] / st['decode_steps']:.2f} ms a "
+             f"step, of which host work {1e3 * st['decode_host_s'] / st['decode_steps']:.2f} ms)")
     echo(f"phases from: {r['job']['source']}")
     pc = r["prefix_cache"]
     if not pc["enabled"]:

@@ -18,7 +18,7 @@ from batchrun.engine.kv_sizing import check_one_sequence_fits, num_kv_blocks, re
 from batchrun.engine.model_runner import ModelRunner
 from batchrun.engine.request import Request, Result
 from batchrun.engine.sampler import RowState, sample
-from batchrun.engine.stop import stop_string_in_tail, truncate_at_stop
+from batchrun.engine.stop import finished_result, stop_reason
 from batchrun.engine.scheduler import Scheduler
 from batchrun.engine.sequence import Sequence
 from batchrun.engine.source import ListSource, RequestSource, as_source
@@ -83,10 +83,14 @@ class Engine:
             config.max_model_len, mcfg.vocab_size, has_tokenizer=tokenizer is not None,
             adapters=None if lora is None else lora.infos, format_problem=self._format_problem)
         # steps = prefill_steps + decode_steps + mixed_steps (decode rows + prefill chunks);
-        # prefix_cache_*: prompt tokens looked up at admission and found cached (not computed)
+        # prefix_cache_*: prompt tokens looked up at admission and found cached (not computed);
+        # {prefill,decode,mixed}_s: wall time of those steps (each ends with its tokens on the
+        # host), decode_host_s: the part of decode_s the host spent on its own work (planning,
+        # inputs, launches, appending tokens, stop checks), not waiting for the device
         self.stats = {"steps": 0, "prefill_steps": 0, "decode_steps": 0, "mixed_steps": 0,
                       "preemptions": 0, "recomputed_tokens": 0, "prefix_cache_queried_tokens": 0,
-                      "prefix_cache_hit_tokens": 0}
+                      "prefix_cache_hit_tokens": 0, "prefill_s": 0.0, "decode_s": 0.0,
+                      "mixed_s": 0.0, "decode_host_s": 0.0}
 
     @classmethod
     def from_config(cls, config: EngineConfig, adapters: dict[str, str] | None = None) -> "Engine":
@@ -195,7 +199,7 @@ class Engine:
                         return
                     continue  # the next take waits
                 for seq in self.step(sched):
-                    emit(seq.index, self._result(seq))
+                    emit(seq.index, finished_result(seq, self.tokenizer))
         finally:
             self.stats["preemptions"] += sched.num_preemptions
             self.stats["recomputed_tokens"] += sched.num_recomputed_tokens
@@ -214,6 +218,7 @@ class Engine:
 
     def step(self, sched: Scheduler) -> list[Sequence]:
         """Run one scheduled step; returns the sequences that finished."""
+        t0 = time.perf_counter()
         batch = sched.schedule()
         if not batch.seqs:
             raise RuntimeError("scheduler produced an empty step with work pending "
@@ -233,6 +238,7 @@ class Engine:
                 seqs = sorted(seqs, key=lambda s: s.lora_slot)
             logits = self.runner.decode(seqs)
         if not seqs:
+            self._time_step(batch, t0)
             return []
         constrained = [i for i, s in enumerate(seqs) if s.sampling.response_format is not None]
         if constrained:  # only rows with a response_format pay for the grammar mask
@@ -241,8 +247,11 @@ class Engine:
                 if seqs[i].grammar is None:
                     seqs[i].grammar = g.matcher(seqs[i].sampling.response_format)
             logits = g.mask(logits, constrained, [seqs[i].grammar for i in constrained])
-        out = sample(logits, [RowState(s.sampling, s.generator.initial_seed() if s.generator else 0,
-                                       s.token_ids, s.prompt_len) for s in seqs], self.eos_ids)
+        rows = [RowState(s.sampling, s.generator.initial_seed() if s.generator else 0,
+                         s.token_ids, s.prompt_len) for s in seqs]
+        t1 = time.perf_counter()
+        out = sample(logits, rows, self.eos_ids)  # waits for the step's tokens
+        t2 = time.perf_counter()
         finished = []
         for seq, tok, lp, top in zip(seqs, out.tokens, out.logprobs, out.top_logprobs):
             seq.token_ids.append(tok)
@@ -251,32 +260,20 @@ class Engine:
             if lp is not None:
                 seq.logprobs.append(lp)
                 seq.top_logprobs.append(top)
-            reason = self._stop_reason(seq, tok)
+            reason = stop_reason(seq, tok, self.eos_ids, self.tokenizer, self.max_model_len)
             if reason:
                 sched.finish(seq, reason)
                 finished.append(seq)
+        t3 = self._time_step(batch, t0)
+        if not batch.is_prefill:
+            self.stats["decode_host_s"] += (t1 - t0) + (t3 - t2)
         return finished
 
-    def _stop_reason(self, seq: Sequence, tok: int) -> str | None:
-        sp = seq.sampling
-        if seq.grammar is not None and seq.grammar.is_terminated():
-            return "stop"
-        num_tokens = len(seq.token_ids)
-        num_output = num_tokens - seq.prompt_len
-        if num_output >= sp.min_tokens:  # vLLM: nothing stops a row short of min_tokens
-            if sp.stop_token_ids and tok in sp.stop_token_ids:
-                seq.stop_reason = tok
-                return "stop"
-            if tok in self.eos_ids and not sp.ignore_eos:
-                return "stop"
-            if sp.stop:
-                hit = stop_string_in_tail(self.tokenizer, seq.output_ids, sp.stop)
-                if hit is not None:
-                    seq.stop_reason = hit
-                    return "stop"
-        if num_output >= sp.max_tokens or num_tokens >= self.max_model_len:
-            return "length"
-        return None
+    def _time_step(self, batch, t0: float) -> float:
+        t = time.perf_counter()
+        kind = "decode" if not batch.is_prefill else "mixed" if batch.is_mixed else "prefill"
+        self.stats[f"{kind}_s"] += t - t0
+        return t
 
     def _grammar_engine(self):
         """The xgrammar compiler for this tokenizer, made on first use (jobs without
@@ -285,17 +282,3 @@ class Engine:
             from batchrun.engine.grammar import Grammars
             self._grammars = Grammars(self.tokenizer, self.model.config.vocab_size, self.eos_ids)
         return self._grammars
-
-    def _result(self, seq: Sequence) -> Result:
-        out = seq.output_ids
-        text = None
-        sp = seq.sampling
-        stop_reason = seq.stop_reason
-        if self.tokenizer is not None:
-            text = self.tokenizer.decode(out, skip_special_tokens=True)
-            if isinstance(stop_reason, str):
-                text, stop_reason = truncate_at_stop(text, sp.stop, sp.include_stop_str_in_output, stop_reason)
-        lp = seq.logprobs if sp.logprobs is not None else None
-        top = seq.top_logprobs if sp.logprobs is not None else None
-        return Result(seq.request_id, seq.adapter, seq.prompt_len, out, text, seq.finish_reason,
-                      stop_reason=stop_reason, logprobs=lp, top_logprobs=top)

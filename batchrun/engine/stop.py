@@ -1,4 +1,5 @@
-"""Stop strings: find a match as tokens arrive, and cut the final text at the first match.
+"""How a row ends: the stop checks after each sampled token (stop_reason), stop strings found as
+tokens arrive and cut from the final text, and the row's Result (finished_result).
 
 Each step decodes only the tail of the output (the last ``longest stop string + 8`` tokens: a
 token is at least one character, plus slack for byte-level pieces), so a match spanning several
@@ -7,6 +8,8 @@ final text is decoded in full and cut before the earliest match (or after it, wi
 include_stop_str_in_output), as vLLM does; the token ids are kept as generated.
 """
 from __future__ import annotations
+
+from batchrun.engine.request import Result
 
 _SLACK = 8
 
@@ -34,3 +37,44 @@ def truncate_at_stop(text: str, stops: tuple[str, ...], include: bool, found: st
         return text, found
     pos, s = best
     return (text[:pos + len(s)] if include else text[:pos]), s
+
+
+def stop_reason(seq, tok: int, eos_ids, tokenizer, max_model_len: int) -> str | None:
+    """"stop" or "length" when seq (whose last token is tok) is done, else None; a stop token
+    id or stop string that ended it goes to seq.stop_reason."""
+    sp = seq.sampling
+    if seq.grammar is not None and seq.grammar.is_terminated():
+        return "stop"
+    num_tokens = len(seq.token_ids)
+    num_output = num_tokens - seq.prompt_len
+    if num_output >= sp.min_tokens:  # vLLM: nothing stops a row short of min_tokens
+        if sp.stop_token_ids and tok in sp.stop_token_ids:
+            seq.stop_reason = tok
+            return "stop"
+        if tok in eos_ids and not sp.ignore_eos:
+            return "stop"
+        if sp.stop:
+            hit = stop_string_in_tail(tokenizer, seq.output_ids, sp.stop)
+            if hit is not None:
+                seq.stop_reason = hit
+                return "stop"
+    if num_output >= sp.max_tokens or num_tokens >= max_model_len:
+        return "length"
+    return None
+
+
+def finished_result(seq, tokenizer) -> Result:
+    """The Result of a finished row: its text decoded (and cut at a stop string) when there is a
+    tokenizer, its logprobs when it asked for them."""
+    out = seq.output_ids
+    text = None
+    sp = seq.sampling
+    reason = seq.stop_reason
+    if tokenizer is not None:
+        text = tokenizer.decode(out, skip_special_tokens=True)
+        if isinstance(reason, str):
+            text, reason = truncate_at_stop(text, sp.stop, sp.include_stop_str_in_output, reason)
+    lp = seq.logprobs if sp.logprobs is not None else None
+    top = seq.top_logprobs if sp.logprobs is not None else None
+    return Result(seq.request_id, seq.adapter, seq.prompt_len, out, text, seq.finish_reason,
+                  stop_reason=reason, logprobs=lp, top_logprobs=top)

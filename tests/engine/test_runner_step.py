@@ -132,3 +132,16 @@ def test_decode_block_tables_follow_every_change_of_a_rows_blocks(engine):
     c = seq(2, [11, 12, 13])
     check([a, c], 2)                                                    # and a row again
     check([c, a, b, seq(3, [1])], 4)
+
+
+def test_step_times_are_counted_by_kind(engine):
+    """engine.stats splits the wall time of steps by kind; the host part of decode is within it."""
+    from batchrun.engine.request import Request
+    before = dict(engine.stats)
+    reqs = [Request(i, p, SamplingParams(max_tokens=5, ignore_eos=True))
+            for i, p in enumerate(random_prompts(3, [5, 3, 8], 100, seed=4))]
+    engine.generate(reqs)
+    d = {k: engine.stats[k] - before[k] for k in before}
+    assert d["decode_steps"] == 4 and d["prefill_steps"] >= 1
+    assert d["prefill_s"] > 0 and d["decode_s"] > 0 and d["mixed_s"] == 0
+    assert 0 < d["decode_host_s"] <= d["decode_s"]
