@@ -29,6 +29,10 @@ def test_throughput_tiny_end_to_end(tmp_path):
     assert e["rows"] == 20 and e["error_rows"] == 0 and e["output_tokens_per_row"] == [4]
     assert e["generate_s"] > 0 and e["load_s"] > 0
     assert e["warmup_rows"] == 32 and e["warmup_s"] > 0  # default warm-up, untimed
+    st = e["engine_stats"]  # the timed call's steps, timed by kind (not the warm-up's)
+    assert st["decode_steps"] > 0 and 0 < st["decode_host_s"] <= st["decode_s"]
+    assert st["prefill_s"] + st["mixed_s"] + st["decode_s"] <= e["generate_s"]
+    assert "engine alone step time: prefill" in res.output
     # (b) the job subprocess, broken down from its own metrics file
     j = r["job"]
     assert j["rc"] == 0 and "runner metrics" in j["source"]
