@@ -42,9 +42,7 @@ def main() -> None:
     ap.add_argument("--input-len", type=int, default=32)
     ap.add_argument("--output-json")
     a = ap.parse_args()
-    p = MatrixParams(model=a.model, batch_size=a.batch_size, input_len=a.input_len, output_len=8,
-                     max_loras=1, max_lora_rank=16, lora_rank=16, max_num_batched_tokens=2048,
-                     max_num_seqs=max(64, a.batch_size))
+    p = MatrixParams(model=a.model, batch_size=a.batch_size, input_len=a.input_len)  # LoRA off
     engine = build_engine(p.engine_config(False)).engine
     prompts = random_prompts(a.batch_size, a.input_len, engine.model.config.vocab_size, seed=0)
     walls = prefill_wall_us(engine, prompts, 12)[2:]
