@@ -42,6 +42,14 @@ class BlockManager:
         want = -(-num_tokens // self.block_size)
         return max(0, want - len(seq.block_ids))
 
+    def is_ready(self, seq: Sequence, num_tokens: int) -> bool:
+        """seq already has slots for its first num_tokens tokens and no full block among them
+        left to register: allocate and cache_blocks would do nothing (one cheap check, for the
+        scheduler's hot decode loop)."""
+        bs = self.block_size
+        return (len(seq.block_ids) * bs >= num_tokens
+                and (not self.enable_caching or num_tokens // bs <= seq.num_cached_blocks))
+
     def can_allocate(self, seq: Sequence, num_tokens: int) -> bool:
         return self.blocks_needed(seq, num_tokens) <= self.num_free
 

@@ -129,7 +129,8 @@ class ModelRunner:
         lora = [s.lora_slot for s in seqs]
         h64[0, :b] = [s.token_ids[-1] for s in seqs]
         h64[1, :b] = [m - 1 for m in lens]
-        h64[2, :b] = [s.block_ids[(m - 1) // bs] * bs + (m - 1) % bs for s, m in zip(seqs, lens)]
+        slot = self.blocks.slot
+        h64[2, :b] = [slot(s, m - 1) for s, m in zip(seqs, lens)]
         h32[:b], h32[n:n + b] = lens, lora
         self._write_block_tables(seqs, rows)
         for s, m in zip(seqs, lens):

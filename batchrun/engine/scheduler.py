@@ -105,16 +105,10 @@ class Scheduler:
         newest row, never one already taken). Returns the rows and whether any preemption
         happened."""
         rows, before = [], self.num_preemptions
-        bs, caching, running = self.blocks.block_size, self.blocks.enable_caching, SeqStatus.RUNNING
         for seq in list(self.running):
-            n = len(seq.token_ids)
-            if seq.status is not running or n - seq.num_computed > 1:
+            if seq.status is not SeqStatus.RUNNING or seq.needs_prefill:
                 continue  # preempted while making room for an earlier row / a prompt chunk
-            # most steps a row's next token fits its last block and fills no block to register:
-            # nothing to allocate or cache (what _make_room would find, without its calls)
-            if len(seq.block_ids) * bs >= n and (not caching or n // bs <= seq.num_cached_blocks):
-                rows.append(seq)
-            elif self._make_room(seq, n):
+            if self._make_room(seq, seq.num_tokens):
                 rows.append(seq)
         return rows, self.num_preemptions > before
 
@@ -182,6 +176,8 @@ class Scheduler:
 
     def _make_room(self, seq: Sequence, num_tokens: int) -> bool:
         """Allocate blocks for seq's first num_tokens tokens, preempting the newest sequences."""
+        if self.blocks.is_ready(seq, num_tokens):
+            return True  # most decode steps: the next token fits the last block
         while not self.blocks.can_allocate(seq, num_tokens):
             victim = self.running[-1]
             self._preempt(victim)

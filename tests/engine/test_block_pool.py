@@ -141,3 +141,18 @@ def test_reset_cache_forgets_every_hash():
     bm.reset_cache()
     b = seq(range(12))
     assert bm.admit(b) and b.num_computed == 0
+
+
+def test_is_ready_means_allocate_and_cache_blocks_would_do_nothing():
+    for caching in (False, True):
+        bm = BlockManager(num_blocks=16, block_size=BS, enable_caching=caching)
+        s = seq(list(range(2 * BS - 1)))
+        assert bm.admit(s)                           # 2 blocks for 2*BS - 1 tokens
+        assert bm.is_ready(s, 2 * BS - 1) == (not caching)   # its first block full, not registered
+        bm.cache_blocks(s, 2 * BS - 1)
+        assert bm.is_ready(s, 2 * BS - 1)            # fits, its one full block registered
+        assert not bm.is_ready(s, 2 * BS + 1)        # needs a third block
+        s.token_ids.append(7)
+        assert bm.is_ready(s, 2 * BS) == (not caching)   # the second block is now full
+        bm.allocate(s, 2 * BS); bm.cache_blocks(s, 2 * BS)
+        assert bm.is_ready(s, 2 * BS)
