@@ -257,13 +257,12 @@ def _launch(q, k, v, cos_sin, positions, lora, cache) -> None:
               and kc.stride(0) == kc.shape[1] * kc.stride(1),
               "k/v caches must be contiguous within a block and share strides")
         check(slots.shape == (T,) and not slots.is_floating_point(), "slot_mapping must be int [T]")
-        cache_args = (kc, vc, slots, kc.stride(1), kc.stride(2))
+        stride_cslot, stride_ch = kc.stride(1), kc.stride(2)
     else:  # unused pointers (TO_CACHE is off): any tensors
         v = q if v is None else v
-        cache_args = (q, q, positions, 0, 0)
+        kc, vc, slots, stride_cslot, stride_ch = q, q, positions, 0, 0
     if T == 0:
         return
-    kc, vc, slots, stride_cslot, stride_ch = cache_args
     block_half = triton.next_power_of_2(D // 2)
     if lora is None:
         block_h = max(1, min(triton.next_power_of_2(max(Hq, Hkv)), 512 // block_half))
