@@ -20,9 +20,11 @@ import torch
 import triton
 import triton.language as tl
 
+from benchmarks.gemm_choices import SHAPES as DECODE_SHAPES
+
 # (BLOCK_N, BLOCK_K, num_stages, num_warps) tried on the GPU
 CONFIGS = [(16, 512, 4, 4), (16, 256, 6, 4), (32, 256, 4, 4), (32, 512, 3, 8), (64, 128, 5, 4)]
-SHAPES = {"qkv": (12288, 4096), "o": (4096, 4096), "gate_up": (22016, 4096), "down": (4096, 11008)}
+SHAPES = {k: v for k, v in DECODE_SHAPES.items() if k != "lm_head"}  # the 32 layers' GEMMs
 
 
 @triton.jit
