@@ -11,11 +11,17 @@ The fused op updates `residual` in place (it becomes h) and writes the normed ro
 tensor. A row is loaded whole (BLOCK_N = next power of two >= H, masked), so any hidden size
 works. Static grid (T,), no host syncs: CUDA-graph capturable.
 
-With `lora` (a LoRADelta for the projection that produced x, see kernels/lora_delta.py) a
-delta kernel first makes x = rnd(x + delta), exactly the x a separate LoRA expand would have
-written, and adds the residual (written to `residual`, or staged in `out`); the plain kernel
-then normalises those rows. A LoRA step thus runs no separate expand for o_proj / down_proj;
-the no-LoRA path is the one plain launch, untouched.
+With `lora` (a LoRADelta for the projection that produced x, see kernels/lora_delta.py) the
+rows are normalised after x = rnd(x + delta), exactly the x a separate LoRA expand would have
+written (and after the residual add). A LoRA step thus runs no separate expand for o_proj /
+down_proj; the no-LoRA path is the one plain launch, untouched. Two forms:
+
+- small steps (GATHER steps, at most lora_delta.GATHER_MAX_ROWS rows: latency decode) run ONE
+  launch, one program per row as the plain kernel: it gathers its row's own slot's B [H, R] in
+  rank chunks, adds the delta and the residual, and normalises the row in registers;
+- larger steps run two: a delta kernel over 16-32-row x CHUNK tiles (B read once per tile and
+  slot) that writes rnd(x + delta) (+ residual) to `residual` or a staging tensor, then the
+  plain kernel over the result.
 """
 from __future__ import annotations
 
@@ -30,6 +36,9 @@ from batchrun.kernels.lora_meta import LoRADelta
 from batchrun.kernels.utils import FLOAT_DTYPES, check
 
 DELTA_CHUNKS = 32  # column chunks per row of the LoRA delta kernel (at least 128 columns each)
+# Small (GATHER) LoRA steps normalise in one launch (_rms_norm_lora_row_kernel). Read at launch
+# time, so a benchmark can set it False to time the two-launch form at the same rows.
+ONE_LAUNCH_SMALL = True
 
 
 @triton.jit
@@ -99,6 +108,50 @@ def _add_lora_delta_kernel(
         tl.store(h_ptr + rows64[:, None] * stride_h + offs[None, :], h, mask=mask)
 
 
+@triton.jit
+def _rms_norm_lora_row_kernel(
+    x_ptr, res_ptr, w_ptr, out_ptr,   # as _rms_norm_kernel
+    H, eps,
+    stride_x, stride_r, stride_o,
+    s_ptr, stride_s, b_ptr, slot_ptr, LN, LL, LR,   # the LoRA delta of x (one slice)
+    FUSED_ADD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr,   # >= LR, a power of two
+    R_CHUNK: tl.constexpr,   # ranks per gather of B (bounds registers: BLOCK_N * R_CHUNK)
+):
+    # One program per row (small steps): h = rnd(x + delta), FUSED_ADD: h = rnd(residual + h)
+    # (stored to residual); then _rms_norm_kernel's math on h. The same roundings as the
+    # two-launch form (the delta's fp32 sum may run in another order).
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_N)
+    mask = offs < H
+    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
+    slot = tl.load(slot_ptr + row)
+    d = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    if slot >= 0:
+        s_row = s_ptr + row * stride_s + slot.to(tl.int64) * LR              # slice 0
+        b_cols = b_ptr + slot.to(tl.int64) * LN * LR + offs.to(tl.int64)[:, None] * LR
+        for r0 in tl.static_range(0, BLOCK_R, R_CHUNK):
+            offs_r = r0 + tl.arange(0, R_CHUNK)
+            r_mask = offs_r < LR
+            s = tl.load(s_row + offs_r, mask=r_mask, other=0.0).to(tl.float32)
+            b = tl.load(b_cols + offs_r[None, :], mask=mask[:, None] & r_mask[None, :],
+                        other=0.0).to(tl.float32)
+            d += tl.sum(b * s[None, :], axis=1)
+    x = (x.to(tl.float32) + d).to(x_ptr.dtype.element_ty)    # the x a separate expand leaves
+    if FUSED_ADD:
+        r_ptrs = res_ptr + row * stride_r + offs
+        r = tl.load(r_ptrs, mask=mask, other=0.0)
+        x = (r.to(tl.float32) + x.to(tl.float32)).to(x.dtype)
+        tl.store(r_ptrs, x, mask=mask)
+    xf = x.to(tl.float32)
+    var = tl.sum(xf * xf, axis=0) / H
+    rstd = tl.math.rsqrt(var + eps)
+    n = (xf * rstd).to(x.dtype).to(tl.float32)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_o + offs, (w * n).to(out_ptr.dtype.element_ty), mask=mask)
+
+
 def _launch(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float,
             out: Tensor | None, lora: LoRADelta | None) -> Tensor:
     check(x.dim() == 2, f"x must be [T, H], got {tuple(x.shape)}")
@@ -127,12 +180,22 @@ def _launch(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float,
             x, res, weight, out, H, eps, x.stride(0), res.stride(0), out.stride(0),
             FUSED_ADD=residual is not None, BLOCK_N=block, num_warps=num_warps)
         return out
-    # Two launches: the delta (and residual add) on 16-32-row x CHUNK tiles, in parallel over the
-    # whole [T, H], then the plain row norm of the result. One launch that normalised each tile
-    # in its last program (an atomic ticket) serialised H columns x 16 rows per program: 20 µs
-    # a norm at 256 rows on the H200, against ~3 µs for the plain kernel.
     bm = row_block(T)
     chunk = max(128, triton.next_power_of_2(triton.cdiv(H, DELTA_CHUNKS)))
+    form = gather_consts(T, bm, chunk, consts["BLOCK_R"])
+    if form["GATHER"] and ONE_LAUNCH_SMALL:
+        # Small step: one program per row, as the plain kernel. The gathered B chunk
+        # [block, R_CHUNK] spreads over num_warps * 32 threads: at most ~32 values a thread.
+        r_chunk = max(1, min(consts["BLOCK_R"], 32 * 32 * num_warps // block))
+        _rms_norm_lora_row_kernel[(T,)](
+            x, res, weight, out, H, eps, x.stride(0), res.stride(0), out.stride(0), *largs,
+            FUSED_ADD=residual is not None, BLOCK_N=block, BLOCK_R=consts["BLOCK_R"],
+            R_CHUNK=1 << (r_chunk.bit_length() - 1), num_warps=num_warps)
+        return out
+    # Larger steps, two launches: the delta (and residual add) on 16-32-row x CHUNK tiles, in
+    # parallel over the whole [T, H], then the plain row norm of the result. One launch that
+    # normalised each tile in its last program (an atomic ticket) serialised H columns x 16 rows
+    # per program: 20 µs a norm at 256 rows on the H200, against ~3 µs for the plain kernel.
     if residual is not None:
         h = residual                                            # becomes res + rnd(x + delta)
     elif out.dtype == x.dtype:
@@ -141,8 +204,8 @@ def _launch(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float,
         h = torch.empty((T, H), dtype=x.dtype, device=x.device)  # n rounds to x's dtype (HF)
     _add_lora_delta_kernel[(triton.cdiv(T, bm), triton.cdiv(H, chunk))](
         x, res, h, T, H, x.stride(0), res.stride(0), h.stride(0), *largs,
-        FUSED_ADD=residual is not None, BLOCK_M=bm, CHUNK=chunk, **consts,
-        **gather_consts(T, bm, chunk, consts["BLOCK_R"]), num_warps=4, num_stages=1)
+        FUSED_ADD=residual is not None, BLOCK_M=bm, CHUNK=chunk, **consts, **form,
+        num_warps=4, num_stages=1)
     _rms_norm_kernel[(T,)](
         h, h, weight, out, H, eps, h.stride(0), h.stride(0), out.stride(0),
         FUSED_ADD=False, BLOCK_N=block, num_warps=num_warps)
