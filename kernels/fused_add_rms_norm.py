@@ -17,8 +17,11 @@ written (and after the residual add). A LoRA step thus runs no separate expand f
 down_proj; the no-LoRA path is the one plain launch, untouched. Two forms:
 
 - small steps (GATHER steps, at most lora_delta.GATHER_MAX_ROWS rows: latency decode) run ONE
-  launch, one program per row as the plain kernel: it gathers its row's own slot's B [H, R] in
-  rank chunks, adds the delta and the residual, and normalises the row in registers;
+  launch over rows x 128-column chunks: each program adds its chunk's delta (its row's slot's B
+  columns) and residual and leaves the chunk's sum of squares; the row's last program (an
+  atomic ticket) normalises the row. At 8 rows the separate delta kernel was a launch of its
+  own (~2 us) for little work. (One program per whole row, gathering 128 KB of B alone, was
+  slower still: 7.3 us against 3.9 us for two launches on the H200.)
 - larger steps run two: a delta kernel over 16-32-row x CHUNK tiles (B read once per tile and
   slot) that writes rnd(x + delta) (+ residual) to `residual` or a staging tensor, then the
   plain kernel over the result.
@@ -36,7 +39,7 @@ from batchrun.kernels.lora_meta import LoRADelta
 from batchrun.kernels.utils import FLOAT_DTYPES, check
 
 DELTA_CHUNKS = 32  # column chunks per row of the LoRA delta kernel (at least 128 columns each)
-# Small (GATHER) LoRA steps normalise in one launch (_rms_norm_lora_row_kernel). Read at launch
+# Small (GATHER) LoRA steps normalise in one launch (_add_lora_delta_norm_kernel). Read at launch
 # time, so a benchmark can set it False to time the two-launch form at the same rows.
 ONE_LAUNCH_SMALL = True
 
@@ -109,47 +112,81 @@ def _add_lora_delta_kernel(
 
 
 @triton.jit
-def _rms_norm_lora_row_kernel(
-    x_ptr, res_ptr, w_ptr, out_ptr,   # as _rms_norm_kernel
+def _add_lora_delta_norm_kernel(
+    x_ptr, res_ptr, h_ptr, w_ptr, out_ptr,   # h = rnd(x + delta) to h_ptr, or FUSED_ADD: to res
+    part_ptr, ticket_ptr,    # fp32 [>= T, NUM_CHUNKS] partial sums of squares; int32 [>= T], 0
     H, eps,
-    stride_x, stride_r, stride_o,
+    stride_x, stride_r, stride_h, stride_o,
     s_ptr, stride_s, b_ptr, slot_ptr, LN, LL, LR,   # the LoRA delta of x (one slice)
     FUSED_ADD: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_R: tl.constexpr,   # >= LR, a power of two
-    R_CHUNK: tl.constexpr,   # ranks per gather of B (bounds registers: BLOCK_N * R_CHUNK)
+    CHUNK: tl.constexpr, NUM_CHUNKS: tl.constexpr,   # NUM_CHUNKS: next power of 2 >= cdiv(H, CHUNK)
+    BLOCK_R: tl.constexpr,
 ):
-    # One program per row (small steps): h = rnd(x + delta), FUSED_ADD: h = rnd(residual + h)
-    # (stored to residual); then _rms_norm_kernel's math on h. The same roundings as the
-    # two-launch form (the delta's fp32 sum may run in another order).
+    # Grid (rows, column chunks). Each program adds its chunk's delta (its row's slot's B
+    # columns, [CHUNK, R]) and residual, stores h, and leaves the chunk's sum of squares in
+    # part_ptr; the last program of a row (a ticket counter) sums the row's partials in chunk
+    # order (deterministic), normalises the row's h and resets the ticket for the next launch.
     row = tl.program_id(0).to(tl.int64)
-    offs = tl.arange(0, BLOCK_N)
+    c = tl.program_id(1)
+    num_c = tl.cdiv(H, CHUNK)
+    xdt = x_ptr.dtype.element_ty
+    offs = c * CHUNK + tl.arange(0, CHUNK)
     mask = offs < H
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
     slot = tl.load(slot_ptr + row)
-    d = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    d = tl.zeros((CHUNK,), dtype=tl.float32)
     if slot >= 0:
-        s_row = s_ptr + row * stride_s + slot.to(tl.int64) * LR              # slice 0
-        b_cols = b_ptr + slot.to(tl.int64) * LN * LR + offs.to(tl.int64)[:, None] * LR
-        for r0 in tl.static_range(0, BLOCK_R, R_CHUNK):
-            offs_r = r0 + tl.arange(0, R_CHUNK)
-            r_mask = offs_r < LR
-            s = tl.load(s_row + offs_r, mask=r_mask, other=0.0).to(tl.float32)
-            b = tl.load(b_cols + offs_r[None, :], mask=mask[:, None] & r_mask[None, :],
-                        other=0.0).to(tl.float32)
-            d += tl.sum(b * s[None, :], axis=1)
-    x = (x.to(tl.float32) + d).to(x_ptr.dtype.element_ty)    # the x a separate expand leaves
+        offs_r = tl.arange(0, BLOCK_R)
+        s = tl.load(s_ptr + row * stride_s + slot.to(tl.int64) * LR + offs_r,   # slice 0
+                    mask=offs_r < LR, other=0.0).to(tl.float32)
+        b = tl.load(b_ptr + slot.to(tl.int64) * LN * LR + offs.to(tl.int64)[:, None] * LR
+                    + offs_r[None, :], mask=mask[:, None] & (offs_r < LR)[None, :], other=0.0)
+        d = tl.sum(b.to(tl.float32) * s[None, :], axis=1)
+    h = (x.to(tl.float32) + d).to(xdt)                    # the x a separate expand would leave
     if FUSED_ADD:
-        r_ptrs = res_ptr + row * stride_r + offs
-        r = tl.load(r_ptrs, mask=mask, other=0.0)
-        x = (r.to(tl.float32) + x.to(tl.float32)).to(x.dtype)
-        tl.store(r_ptrs, x, mask=mask)
-    xf = x.to(tl.float32)
-    var = tl.sum(xf * xf, axis=0) / H
-    rstd = tl.math.rsqrt(var + eps)
-    n = (xf * rstd).to(x.dtype).to(tl.float32)
-    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_o + offs, (w * n).to(out_ptr.dtype.element_ty), mask=mask)
+        h_row = res_ptr + row * stride_r
+        r = tl.load(h_row + offs, mask=mask, other=0.0)
+        h = (r.to(tl.float32) + h.to(tl.float32)).to(xdt)
+    else:
+        h_row = h_ptr + row * stride_h
+    tl.store(h_row + offs, h, mask=mask)
+    hf = h.to(tl.float32)
+    tl.store(part_ptr + row * NUM_CHUNKS + c, tl.sum(hf * hf, axis=0))
+    # Every thread's stores happen before the ticket (barrier), and acq_rel makes them visible
+    # to the row's last program, which reads them from L2 (.cg).
+    tl.debug_barrier()
+    if tl.atomic_add(ticket_ptr + row, 1, sem="acq_rel") == num_c - 1:
+        offs_p = tl.arange(0, NUM_CHUNKS)
+        parts = tl.load(part_ptr + row * NUM_CHUNKS + offs_p, mask=offs_p < num_c, other=0.0,
+                        cache_modifier=".cg")
+        rstd = tl.math.rsqrt(tl.sum(parts, axis=0) / H + eps)
+        for c2 in range(0, num_c):
+            o2 = c2 * CHUNK + tl.arange(0, CHUNK)
+            m2 = o2 < H
+            hh = tl.load(h_row + o2, mask=m2, other=0.0, cache_modifier=".cg").to(tl.float32)
+            n = (hh * rstd).to(xdt).to(tl.float32)             # HF: cast before the weight
+            w = tl.load(w_ptr + o2, mask=m2, other=0.0).to(tl.float32)
+            tl.store(out_ptr + row * stride_o + o2, (w * n).to(out_ptr.dtype.element_ty), mask=m2)
+        tl.atomic_xchg(ticket_ptr + row, 0)
+
+
+_SCRATCH: dict = {}  # device -> (partials fp32 [rows, chunks], tickets int32 [rows], all 0)
+
+
+def _scratch(device, rows: int, chunks: int) -> tuple[Tensor, Tensor]:
+    """The one-launch norm's partial sums and row tickets on `device`: allocated once (grown
+    outside graph capture only), left zeroed by every launch, so captured graphs can share them.
+    Launches on one stream run one after another; one scratch per device suffices."""
+    have = _SCRATCH.get(device)
+    if have is None or have[0].shape[0] < rows or have[0].shape[1] < chunks:
+        check(not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()),
+              f"the LoRA norm scratch must exist before graph capture ({rows} rows x {chunks} "
+              f"chunks): run the step once eagerly first")
+        r, c = max(rows, 256, have[0].shape[0] if have else 0), max(chunks, 64)
+        have = (torch.zeros(r, c, dtype=torch.float32, device=device),
+                torch.zeros(r, dtype=torch.int32, device=device))
+        _SCRATCH[device] = have
+    return have
 
 
 def _launch(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float,
@@ -183,25 +220,27 @@ def _launch(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float,
     bm = row_block(T)
     chunk = max(128, triton.next_power_of_2(triton.cdiv(H, DELTA_CHUNKS)))
     form = gather_consts(T, bm, chunk, consts["BLOCK_R"])
-    if form["GATHER"] and ONE_LAUNCH_SMALL:
-        # Small step: one program per row, as the plain kernel. The gathered B chunk
-        # [block, R_CHUNK] spreads over num_warps * 32 threads: at most ~32 values a thread.
-        r_chunk = max(1, min(consts["BLOCK_R"], 32 * 32 * num_warps // block))
-        _rms_norm_lora_row_kernel[(T,)](
-            x, res, weight, out, H, eps, x.stride(0), res.stride(0), out.stride(0), *largs,
-            FUSED_ADD=residual is not None, BLOCK_N=block, BLOCK_R=consts["BLOCK_R"],
-            R_CHUNK=1 << (r_chunk.bit_length() - 1), num_warps=num_warps)
-        return out
-    # Larger steps, two launches: the delta (and residual add) on 16-32-row x CHUNK tiles, in
-    # parallel over the whole [T, H], then the plain row norm of the result. One launch that
-    # normalised each tile in its last program (an atomic ticket) serialised H columns x 16 rows
-    # per program: 20 µs a norm at 256 rows on the H200, against ~3 µs for the plain kernel.
     if residual is not None:
         h = residual                                            # becomes res + rnd(x + delta)
     elif out.dtype == x.dtype:
         h = out                                                 # staged; normalised in place
     else:
         h = torch.empty((T, H), dtype=x.dtype, device=x.device)  # n rounds to x's dtype (HF)
+    if form["GATHER"] and ONE_LAUNCH_SMALL:
+        # Small step: one launch, rows x 128-column chunks, the row's norm in its last program.
+        chunk = 128
+        num_chunks = triton.next_power_of_2(triton.cdiv(H, chunk))
+        parts, tickets = _scratch(x.device, T, num_chunks)
+        _add_lora_delta_norm_kernel[(T, triton.cdiv(H, chunk))](
+            x, res, h, weight, out, parts, tickets, H, eps,
+            x.stride(0), res.stride(0), h.stride(0), out.stride(0), *largs,
+            FUSED_ADD=residual is not None, CHUNK=chunk, NUM_CHUNKS=parts.shape[1],
+            BLOCK_R=consts["BLOCK_R"], num_warps=4, num_stages=1)
+        return out
+    # Larger steps, two launches: the delta (and residual add) on 16-32-row x CHUNK tiles, in
+    # parallel over the whole [T, H], then the plain row norm of the result. The ticket form
+    # with tiles (each tile's last program normalising its 16 rows) serialised H columns x 16
+    # rows in one program: 20 µs a norm at 256 rows on the H200, against ~3 µs plain.
     _add_lora_delta_kernel[(triton.cdiv(T, bm), triton.cdiv(H, chunk))](
         x, res, h, T, H, x.stride(0), res.stride(0), h.stride(0), *largs,
         FUSED_ADD=residual is not None, BLOCK_M=bm, CHUNK=chunk, **consts, **form,
