@@ -94,13 +94,7 @@ def main():
     p.add_argument("--gather-max-rows", type=int, default=None,
                    help="steps of at most this many rows gather each row's B instead of the "
                         "slot loop (kernels/lora_delta.py GATHER_MAX_ROWS; default: the kernels')")
-    p.add_argument("--norm-two-launch", action="store_true",
-                   help="small (gather) steps add the norm's delta in a kernel of its own, then "
-                        "normalise (kernels/fused_add_rms_norm.py ONE_LAUNCH_SMALL off)")
     args = p.parse_args()
-    if args.norm_two_launch:
-        from batchrun.kernels import fused_add_rms_norm as norm_mod
-        norm_mod.ONE_LAUNCH_SMALL = False
     if args.gather_max_rows is not None:
         from batchrun.kernels import lora_delta
         lora_delta.GATHER_MAX_ROWS = args.gather_max_rows
@@ -117,10 +111,8 @@ def main():
         with open(args.json, "w") as f:
             from batchrun.kernels import lora_delta
             json.dump(dict(command="python benchmarks/lora_consumers_bench.py --tokens "
-                           + " ".join(map(str, args.tokens))
-                           + (" --norm-two-launch" if args.norm_two_launch else ""), commit=commit,
+                           + " ".join(map(str, args.tokens)), commit=commit,
                            gather_max_rows=lora_delta.GATHER_MAX_ROWS,
-                           norm_two_launch=args.norm_two_launch,
                            device=torch.cuda.get_device_name(),
                            dtype="bfloat16 (random data)", rows=rows), f, indent=1)
 

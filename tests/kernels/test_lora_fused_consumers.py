@@ -78,7 +78,8 @@ NORM_TILES = [(37, 96, 3, 5, "mixed"), (50, 200, 8, 16, "mixed"), (33, 128, 4, 2
 
 
 @pytest.mark.parametrize("dtype", CPU_DTYPES)
-@pytest.mark.parametrize("T,H,L,R", [(1, 64, 1, 16), (7, 96, 3, 5), (5, 300, 4, 8), (9, 128, 2, 1)])
+@pytest.mark.parametrize("T,H,L,R", [(1, 64, 1, 16), (7, 96, 3, 5), (5, 300, 4, 8), (9, 128, 2, 1),
+                                     (8, 4096, 8, 16)])  # the last: a 7b decode step's norm
 @pytest.mark.parametrize("fused_add", [True, False])
 def test_norm(T, H, L, R, dtype, fused_add, pattern="mixed"):
     _check_norm(T, H, L, R, dtype, fused_add, pattern)
@@ -200,20 +201,6 @@ def test_both_delta_forms(T, pattern, R, gather_max_rows, monkeypatch):
     _check_silu(T, 72, 8, R, dtype, pattern)
     _check_rotary(T, 4, 2, 32, 8, R, dtype, seed=T + R, pattern=pattern)
 
-
-
-# Small (GATHER) steps normalise in one launch per row (_rms_norm_lora_row_kernel) unless
-# ONE_LAUNCH_SMALL is off (the two-launch form a benchmark compares it with): both forms, at a
-# Llama width (4096 columns: rank chunks of 2 over 8 warps) and odd ones, ranks 1 to 64.
-@pytest.mark.parametrize("one_launch", [True, False], ids=["one-launch", "two-launch"])
-@pytest.mark.parametrize("T,H,L,R,pattern", [(8, 4096, 8, 16, "mixed"), (3, 130, 3, 5, "gaps"),
-                                             (6, 1000, 2, 64, "one"), (1, 17, 1, 1, "mixed"),
-                                             (5, 96, 4, 8, "none")])
-@pytest.mark.parametrize("fused_add", [True, False])
-def test_norm_small_step_forms(T, H, L, R, pattern, fused_add, one_launch, monkeypatch):
-    from batchrun.kernels import fused_add_rms_norm as norm_mod
-    monkeypatch.setattr(norm_mod, "ONE_LAUNCH_SMALL", one_launch)
-    _check_norm(T, H, L, R, CPU_DTYPES[0], fused_add, pattern)
 
 def test_shrunk_and_b_of_different_dtypes_dot_in_fp32():
     # fp32 shrunk values with fp16 B and y: both operands go to the dot as fp32
