@@ -150,3 +150,19 @@ def test_shrink_buffer_fits_the_kernel_split_cap():
     # MAX_SPLITS partials out of it.
     shrink = pytest.importorskip("batchrun.kernels.lora_shrink")
     assert MAX_SHRINK_SPLITS == shrink.MAX_SPLITS
+
+
+def test_slots_capped_at_the_adapter_count(tmp_path, mcfg):
+    # max_loras is a cap: the adapter set is fixed, so an engine with fewer adapters gets one
+    # slot per adapter and its fused GEMM stacks only their A rows under the base weight.
+    make_adapter(tmp_path / "one", r=4, target_modules="all-linear")
+    model, m = _manager(mcfg, {"one": tmp_path / "one"}, max_loras=4)
+    assert m.max_loras == 1 and m.meta.max_loras == 1 and m._slot_owner == [None]
+    hook = m.hooks[(0, "qkv_proj")]
+    linear = model.model.layers[0].self_attn.qkv_proj
+    assert hook.weight_full.shape[0] == linear.out_features + 3 * 1 * 4  # N + S * slots * R
+    assert hook.lora_b.shape[0] == 1
+    assert m.acquire("one") == 0
+    assert m.lora_step([0, -1]) is not None
+    _, many = _manager(mcfg, {f"a{i}": tmp_path / "one" for i in range(3)}, max_loras=2)
+    assert many.max_loras == 2  # more adapters than slots: the configured cap, LRU as before

@@ -5,8 +5,10 @@ adapter fails before any GPU work. Each fused Linear that some adapter targets g
 `LoRALinear` hook holding [S, max_loras, R, in] (stacked under the base weight, see layer.py) /
 [max_loras, out, R] weights, where R is the
 largest rank among the adapters (<= max_lora_rank): the adapter set is fixed for the engine's
-life, and a smaller R means smaller buffers and cheaper kernels. Linears no adapter targets get
-no hook and launch nothing. Loading an adapter into a slot copies into those buffers in place;
+life, and a smaller R means smaller buffers and cheaper kernels. For the same reason max_loras
+is a cap: an engine with fewer adapters gets one slot per adapter (`self.max_loras`), since a
+slot beyond the adapter count could never be used while a LoRA step's fused GEMM would stream
+its A rows every step. Linears no adapter targets get no hook and launch nothing. Loading an adapter into a slot copies into those buffers in place;
 they are never reallocated, because captured CUDA graphs hold their addresses.
 
 Scheduler contract: acquire(name) pins an adapter in a slot (refcounted) for as long as a
@@ -46,13 +48,14 @@ class LoRAManager:
         if max_cpu_loras is not None and max_cpu_loras < 1:
             raise ValueError(f"max_cpu_loras must be >= 1 or None, got {max_cpu_loras}")
         self.model_config = model.config
-        self.max_loras, self.max_lora_rank = max_loras, max_lora_rank
+        self.max_lora_rank = max_lora_rank
         self.max_cpu_loras, self.dtype = max_cpu_loras, dtype
         # Validate all adapters first: nothing is allocated if one of them is bad.
         self.infos: dict[str, AdapterInfo] = {
             name: inspect_adapter(name, path, self.model_config, max_lora_rank)
             for name, path in adapter_paths.items()}
         self.rank = max((i.max_rank for i in self.infos.values()), default=1)
+        self.max_loras = max_loras = max(1, min(max_loras, len(self.infos)))  # GPU slots
         targeted = {m for info in self.infos.values() for m in info.modules}
 
         # Static buffers, allocated once (captured graphs hold their addresses). What a step
