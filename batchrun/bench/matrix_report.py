@@ -48,8 +48,8 @@ def print_matrix(r: dict, echo=print) -> None:
                      f"{m['target_s']:.0f} s: {_met(m['met'])})")
     echo("")
     head = f"{'scenario':<28}{'n':>4}{'avg s':>10}{'p50 s':>10}{'p90 s':>10}{'ms/tok':>9}" \
-           f"{'vs base p50':>13}{'vs base avg':>13}{'paired [95% CI]':>28}{'preempt':>9}" \
-           f"{'recomp tok':>11}  target (p50)"
+           f"{'vs base p50':>13}{'vs base ms':>12}{'vs base avg':>13}{'paired [95% CI]':>28}" \
+           f"{'preempt':>9}{'recomp tok':>11}  target (p50)"
     echo(head)
     echo("-" * len(head))
     for name, sc in r["scenarios"].items():
@@ -63,10 +63,15 @@ def print_matrix(r: dict, echo=print) -> None:
         if "paired_slowdown_pct_median" in sc:
             lo, hi = sc["paired_slowdown_pct_ci95"]
             paired = f"{sc['paired_slowdown_pct_median']:+.2f}% [{lo:+.2f}, {hi:+.2f}]"
+        # the same difference in milliseconds a request: a LoRA cost that stays put over a base
+        # that gets faster shows as a larger percentage
+        base = r["scenarios"].get(sc["baseline"])
+        delta_ms = f"{(sc['p50'] - base['p50']) * 1e3:+.1f}" if base else ""
         if name == sc["baseline"]:
-            rel_p50, rel_avg, paired = "(base)", "(base)", "(base)"
+            rel_p50, delta_ms, rel_avg, paired = "(base)", "", "(base)", "(base)"
         echo(f"{name:<28}{sc['n']:>4}{sc['avg']:>10.4f}{sc['p50']:>10.4f}{sc['p90']:>10.4f}"
-             f"{sc['ms_per_token_incl_prefill']:>9.3f}{rel_p50:>13}{rel_avg:>13}{paired:>28}"
+             f"{sc['ms_per_token_incl_prefill']:>9.3f}{rel_p50:>13}{delta_ms:>12}{rel_avg:>13}"
+             f"{paired:>28}"
              f"{_fmt_count(sc.get('preemptions')):>9}{_fmt_count(sc.get('recomputed_tokens')):>11}"
              f"  {target}")
     for name, sc in r["scenarios"].items():

@@ -71,6 +71,11 @@ def test_lora_matrix_tiny_eager(tmp_path):
     # the table is printed last
     assert res.output.rstrip().splitlines()[-1].startswith("results written")
     assert "lora_4_active" in res.output.rstrip().splitlines()[-2]
+    # each scenario's p50 also as milliseconds over the base's (what LoRA costs a request)
+    row = next(ln for ln in res.output.splitlines() if ln.startswith("lora_1_active"))
+    want = (sc["lora_1_active"]["p50"] - sc["lora_disabled"]["p50"]) * 1e3
+    assert f"{want:+.1f}" in row.split()
+    assert "vs base ms" in res.output
 
 
 def test_paired_slowdown():
