@@ -1,5 +1,13 @@
+import os
+
 import pytest
 import torch
+
+# Without a GPU every Triton kernel runs under Triton's interpreter on CPU tensors. It reads
+# TRITON_INTERPRET when triton is imported, so set it before any test module imports it (a
+# subset such as `pytest tests/bench` then runs as the whole suite does).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_collection_modifyitems(config, items):

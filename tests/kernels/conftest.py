@@ -1,7 +1,7 @@
 """Kernel tests run the Triton kernels on CPU tensors under the Triton interpreter when no GPU
 is present. TRITON_INTERPRET is read when triton is imported, so it must be set before any test
 module (or batchrun.kernels) imports triton; conftest files are imported first.
-(The root tests/conftest.py should do the same, in case another test imports triton earlier.)"""
+(The root tests/conftest.py does the same for every test directory.)"""
 import os
 
 import torch
