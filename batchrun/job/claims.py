@@ -8,6 +8,11 @@ preemption) may be taken over. A claim carrying this worker's own name (but anot
 taken over at once: the runner holds the worker's lock, so it was left by a dead earlier run of
 the same worker (a rerun after kill -9, a requeued Slurm task).
 
+A claim file without a readable owner (its creator died between creating and writing it: a
+kill -9 lands there now and then) is taken over once it is UNREADABLE_GRACE_S old, not after a
+whole lease: a live creator writes its owner microseconds after creating the file, and nobody
+renews an empty claim, so waiting for the lease only stalled the rerun (~120 s).
+
 Taking over (stealing) is race-safe between any number of stealers: a stealer renames the
 expired file to a private name (only one rename of one file succeeds), checks that what it moved
 is the same, still-expired file (else it links it back: the owner renewed in between), deletes
@@ -41,6 +46,7 @@ from batchrun.job.output import OutputDir
 from batchrun.job.plan import Unit
 
 DEFAULT_LEASE_S = 120.0
+UNREADABLE_GRACE_S = 5.0  # a claim file with no readable owner is stale after this (or the lease)
 LEASE_ENV = "BATCHRUN_CLAIM_LEASE"
 
 
@@ -108,7 +114,9 @@ class UnitClaims:
 
     def _expired(self, st: os.stat_result, data: dict | None) -> bool:
         lease = self.lease_s
-        if data is not None and isinstance(data.get("lease_s"), (int, float)) and data["lease_s"] > 0:
+        if data is None:  # no owner to wait for: its creator died before writing it
+            lease = min(lease, UNREADABLE_GRACE_S)
+        elif isinstance(data.get("lease_s"), (int, float)) and data["lease_s"] > 0:
             lease = float(data["lease_s"])
         return self.clock() > st.st_mtime + lease
 

@@ -126,6 +126,29 @@ def test_an_expired_claim_is_taken_over_and_the_old_owner_sees_it(out):
     assert [n for n in os.listdir(out.claims)] == ["unit-000004"]  # no stale-* leftovers
 
 
+
+def test_a_claim_file_without_an_owner_is_stale_after_a_short_grace(out):
+    # Its creator died between O_CREAT and writing the owner (kill -9 there): nobody renews it,
+    # so it is taken over after UNREADABLE_GRACE_S, not after the whole lease (the rerun of a
+    # killed job used to sit out the 120 s default).
+    b = UnitClaims(out, units(), "0", lease_s=120)
+    os.makedirs(out.claims, exist_ok=True)
+    open(out.claim(4), "w").close()  # created, never written
+    assert b.claim(4) == "busy"  # a live creator may be writing it right now
+    age(out.claim(4), claims_mod.UNREADABLE_GRACE_S - 1)
+    assert b.claim(4) == "busy"
+    age(out.claim(4), claims_mod.UNREADABLE_GRACE_S + 1)
+    assert b.claim(4) == "claimed" and b.stolen == 1
+    assert json.loads(open(out.claim(4)).read())["token"] == b.token
+    with open(out.claim(5), "w") as f:
+        f.write('{"worker": "1", "tok')  # torn owner: unreadable too
+    age(out.claim(5), claims_mod.UNREADABLE_GRACE_S + 1)
+    assert b.claim(5) == "claimed"
+    c = UnitClaims(out, units(), "1", lease_s=120)
+    assert c.claim(6) == "claimed"
+    age(out.claim(6), claims_mod.UNREADABLE_GRACE_S + 1)
+    assert b.claim(6) == "busy"  # a readable owner keeps its whole lease
+
 def test_a_claim_renewed_while_being_stolen_is_put_back(out, monkeypatch):
     a = UnitClaims(out, units(), "0", lease_s=5)
     b = UnitClaims(out, units(), "1", lease_s=5)

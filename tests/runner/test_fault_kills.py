@@ -32,6 +32,10 @@ def crash(job, crash_at, *extra, env=None):
 # Points inside a plain run: each unit renames its part (os.replace) and then its marker
 # (os.replace); odd calls after the manifest's are "between publish and commit".
 RUN_POINTS = [f"os.replace:{n}" for n in (1, 2, 3, 4, 7, 10, 17)] + ["os.rename:1", "shutil.rmtree:1"]
+# os.write:3: between creating the first unit claim and writing its owner (the two writes
+# before it are the run's locks): the rerun must take that empty claim over promptly, not after
+# the 120 s lease (it did not: the rerun sat out the lease)
+RUN_POINTS += ["os.write:3"]
 # Points inside --restart of a finished run: the restart mark (os.replace:1), the markers'
 # rmtree (shutil.rmtree:1 / os.unlink:N inside it), the part files (os.remove:N), the metadata.
 RESTART_POINTS = ["os.replace:1", "shutil.rmtree:1", "os.unlink:1", "os.unlink:5", "os.remove:1",
