@@ -23,7 +23,7 @@ import torch
 
 from batchrun.bench.build import build_engine, random_prompts, round_robin
 from batchrun.bench.matrix import MatrixParams
-from benchmarks.step_probe import decode_step_profile, decoding_batch, probe_scheduler
+from benchmarks.step_probe import decode_step_profile, decoding_batch, prefill_step_us
 
 
 def graph_step_us(engine, prompts, adapters, n: int = 60) -> tuple[float, float]:
@@ -53,17 +53,7 @@ def _short(name: str) -> str:
 
 def prefill_us(engine, prompts, adapters, n: int = 8) -> float:
     """Median µs of one engine.step that prefills every prompt (and samples their first token)."""
-    times = []
-    for i in range(n + 2):
-        with probe_scheduler(engine, prompts, adapters) as sched:
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            engine.step(sched)
-            torch.cuda.synchronize()
-            if i >= 2:
-                times.append((time.perf_counter() - t0) * 1e6)
-            assert not sched.waiting, "prompts did not fit one prefill step"
-    return sorted(times)[n // 2]
+    return sorted(prefill_step_us(engine, prompts, adapters, n))[n // 2]
 
 
 def prefill_table(cases, batch: int, lens: list[int], vocab: int) -> dict:

@@ -17,7 +17,6 @@ import cProfile
 import json
 import pstats
 import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -25,19 +24,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from batchrun.bench.build import build_engine, random_prompts, round_robin
 from batchrun.bench.matrix import MatrixParams
-from benchmarks.step_probe import probe_scheduler
-
-
-def prefill_wall_us(engine, prompts, adapters, n: int) -> list[float]:
-    times = []
-    for _ in range(n):
-        with probe_scheduler(engine, prompts, adapters) as sched:
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            engine.step(sched)
-            torch.cuda.synchronize()
-            times.append((time.perf_counter() - t0) * 1e6)
-    return times
+from benchmarks.step_probe import prefill_step_us, probe_scheduler
 
 
 def main() -> None:
@@ -57,7 +44,7 @@ def main() -> None:
     engine = built.engine
     adapters = round_robin(sorted(built.adapters)[:a.active_adapters], a.batch_size) if lora else None
     prompts = random_prompts(a.batch_size, a.input_len, engine.model.config.vocab_size, seed=0)
-    walls = prefill_wall_us(engine, prompts, adapters, 12)[2:]
+    walls = prefill_step_us(engine, prompts, adapters, n=10)
     with probe_scheduler(engine, prompts, adapters) as sched:
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:

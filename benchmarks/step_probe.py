@@ -8,6 +8,7 @@ the `batchrun bench` commands do not: those use the engine's public API only.
 from __future__ import annotations
 
 import contextlib
+import time
 
 from batchrun.bench.timing import eager, sync
 
@@ -30,6 +31,24 @@ def probe_scheduler(engine, prompts: list[list[int]], adapters: list[str | None]
         for seq in list(sched.running):
             sched.finish(seq, "length")
 
+
+
+def prefill_step_us(engine, prompts: list[list[int]], adapters: list[str | None] | None = None,
+                    n: int = 8, warmup: int = 2) -> list[float]:
+    """Wall µs of n engine.step calls (after `warmup` untimed ones), each prefilling every
+    prompt in one step and sampling their first tokens, on a fresh probe scheduler each time
+    (row i runs adapters[i])."""
+    times = []
+    for i in range(warmup + n):
+        with probe_scheduler(engine, prompts, adapters) as sched:
+            sync(engine)
+            t0 = time.perf_counter()
+            engine.step(sched)
+            sync(engine)
+            if i >= warmup:
+                times.append((time.perf_counter() - t0) * 1e6)
+            assert not sched.waiting, "prompts did not fit one prefill step"
+    return times
 
 @contextlib.contextmanager
 def decoding_batch(engine, prompts: list[list[int]], adapters: list[str | None] | None = None,

@@ -8,8 +8,9 @@ largest rank among the adapters (<= max_lora_rank): the adapter set is fixed for
 life, and a smaller R means smaller buffers and cheaper kernels. For the same reason max_loras
 is a cap: an engine with fewer adapters gets one slot per adapter (`self.max_loras`), since a
 slot beyond the adapter count could never be used while a LoRA step's fused GEMM would stream
-its A rows every step. Linears no adapter targets get no hook and launch nothing. Loading an adapter into a slot copies into those buffers in place;
-they are never reallocated, because captured CUDA graphs hold their addresses.
+its A rows every step. Linears no adapter targets get no hook and launch nothing. Loading an
+adapter into a slot copies into those buffers in place; they are never reallocated, because
+captured CUDA graphs hold their addresses.
 
 Scheduler contract: acquire(name) pins an adapter in a slot (refcounted) for as long as a
 sequence using it is running; release(name) unpins. Unpinned residents stay loaded and are
