@@ -65,7 +65,7 @@ def _add_lora_delta_kernel(
     x_ptr, res_ptr, h_ptr,   # h = rnd(x + delta) goes to h_ptr, or (FUSED_ADD) rnd(res + h) to res
     T, H,
     stride_x, stride_r, stride_h,
-    s_ptr, stride_s, b_ptr, slot_ptr, LN, LL, LR,   # the LoRA delta of x
+    s_ptr, stride_s, b_ptr, slot_ptr, LN, LS, LR,   # the LoRA delta of x
     FUSED_ADD: tl.constexpr,
     BLOCK_M: tl.constexpr, CHUNK: tl.constexpr,
     BLOCK_R: tl.constexpr, DOT_IEEE: tl.constexpr, GATHER: tl.constexpr, R_CHUNK: tl.constexpr,
@@ -85,9 +85,9 @@ def _add_lora_delta_kernel(
     slot, lo, hi = tile_slots(slot_ptr, rows, row_mask)
     if GATHER:
         d, _ = lora_delta_rows(s_ptr, stride_s, b_ptr, rows, slot, 0, 0, offs, offs, col_mask,
-                               LN, LL, LR, BLOCK_M, CHUNK, BLOCK_R, R_CHUNK, PAIR=False)
+                               LN, LS, LR, BLOCK_M, CHUNK, BLOCK_R, R_CHUNK, PAIR=False)
     else:
-        s = tile_shrunk(s_ptr, stride_s, rows, slot, 0, LL, LR, BLOCK_R, DOT_IEEE)
+        s = tile_shrunk(s_ptr, stride_s, rows, slot, 0, LS, LR, BLOCK_R, DOT_IEEE)
         d, _ = lora_delta_tile(s, s, b_ptr, slot, lo, hi, offs, offs, col_mask, LN, LR,
                                BLOCK_M, CHUNK, BLOCK_R, DOT_IEEE, PAIR=False)
     h = (x.to(tl.float32) + d).to(xdt)                    # the x a separate expand would leave

@@ -3,12 +3,13 @@ kernels after each projection (rotary, RMSNorm, SiLU-and-mul) call on a LoRA ste
 costs no launch of its own.
 
 Where the inputs come from (batchrun/engine/lora/layer.py): a LoRA-able Linear keeps its weight and
-the A matrices of every slot in one tensor [N + S*L*R, K], so on a LoRA step one base GEMM also
-computes the shrink: columns N.. of its output hold `shrunk[t, (s*L + l)*R + r] = x[t] .
-A[s, l, r]` for every slice s, slot l and rank r. The consumer then adds, for token t with slot
-l = slot[t] >= 0 and output column n of slice s,
+the A matrices of every slot in one tensor [N + L*S*R, K], slot-major, so on a LoRA step one base
+GEMM over its first N + k*S*R rows also computes the shrink of slots 0..k-1 (k = the step's slot
+bound, every token's slot < k): columns N.. of its output hold `shrunk[t, (l*S + s)*R + r] =
+x[t] . A[s, l, r]` for every slot l < k, slice s and rank r. The consumer then adds, for token t
+with slot l = slot[t] >= 0 and output column n of slice s,
 
-    delta[t, n] = sum_r shrunk[t, (s*L + l)*R + r] * B[l, n, r]        (fp32 accumulation)
+    delta[t, n] = sum_r shrunk[t, (l*S + s)*R + r] * B[l, n, r]        (fp32 accumulation)
 
 with B stored [L, N, R] (fused output layout, scaling folded in). Tokens with slot -1 (no LoRA,
 padding) get 0. The caller rounds `y + delta` once to the model dtype, which is what a separate
@@ -60,12 +61,13 @@ def tile_slots(slot_ptr, rows, row_mask):
 
 
 @triton.jit
-def tile_shrunk(s_ptr, stride_s, rows, slot, slice_idx, L, R,
+def tile_shrunk(s_ptr, stride_s, rows, slot, slice_idx, S, R,
                 BLOCK_R: tl.constexpr, DOT_IEEE: tl.constexpr):
     """[BLOCK_M, BLOCK_R]: each row's own slot's shrunk values of one slice (0 for slot -1 and
-    past R), in the dot's operand dtype. One gather per tile and slice."""
+    past R), in the dot's operand dtype; S = slices of the shrunk layout. One gather per tile
+    and slice."""
     offs_r = tl.arange(0, BLOCK_R)
-    own = (slice_idx * L + tl.maximum(slot, 0)) * R
+    own = (tl.maximum(slot, 0) * S + slice_idx) * R
     s = tl.load(s_ptr + rows.to(tl.int64)[:, None] * stride_s + own[:, None] + offs_r[None, :],
                 mask=(slot >= 0)[:, None] & (offs_r < R)[None, :], other=0.0)
     if DOT_IEEE:
@@ -122,12 +124,12 @@ def lora_delta_tile(
 
 @triton.jit
 def lora_delta_rows(
-    s_ptr, stride_s,  # shrunk [T, S*L*R]
+    s_ptr, stride_s,  # shrunk [T, k*S*R], slot-major
     b_ptr,            # lora_b [L, N, R] contiguous
     rows, slot,       # int [BLOCK_M]: the tile's rows and their slots (-1 = none), from tile_slots
     slice_idx, slice_idx2,   # slices of cols and (PAIR) cols2
     cols, cols2, col_mask,   # as in lora_delta_tile
-    N, L, R,
+    N, S, R,         # S: slices of the shrunk layout
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr,   # >= R, a power of two
     R_CHUNK: tl.constexpr,   # ranks per gather (bounds registers: BLOCK_M * BLOCK_N * R_CHUNK)
@@ -148,12 +150,12 @@ def lora_delta_rows(
         s_mask = valid[:, None] & (offs_r < R)[None, :]
         b_mask = s_mask[:, None, :] & col_mask[None, :, None]
         b_at = b_row[:, None, None] + offs_r[None, None, :]
-        s = tl.load(s_row[:, None] + ((slice_idx * L + slot64) * R)[:, None] + offs_r[None, :],
+        s = tl.load(s_row[:, None] + ((slot64 * S + slice_idx) * R)[:, None] + offs_r[None, :],
                     mask=s_mask, other=0.0).to(tl.float32)
         b = tl.load(b_at + c3, mask=b_mask, other=0.0).to(tl.float32)
         acc += tl.sum(b * s[:, None, :], axis=2)
         if PAIR:
-            s2 = tl.load(s_row[:, None] + ((slice_idx2 * L + slot64) * R)[:, None] + offs_r[None, :],
+            s2 = tl.load(s_row[:, None] + ((slot64 * S + slice_idx2) * R)[:, None] + offs_r[None, :],
                          mask=s_mask, other=0.0).to(tl.float32)
             b2 = tl.load(b_at + c3b, mask=b_mask, other=0.0).to(tl.float32)
             acc2 += tl.sum(b2 * s2[:, None, :], axis=2)
@@ -190,12 +192,12 @@ def gather_consts(T: int, block_m: int, block_n: int, block_r: int, pairs: int =
 
 def delta_args(lora: LoRADelta, T: int, N: int, num_slices: int, device) -> tuple[tuple, dict]:
     """(kernel args, constexprs) for the LoRA parameters of a consumer kernel:
-    args = (s_ptr, stride_s, b_ptr, slot_ptr, N, L, R), constexprs = BLOCK_R, DOT_IEEE."""
+    args = (s_ptr, stride_s, b_ptr, slot_ptr, N, S, R), constexprs = BLOCK_R, DOT_IEEE."""
     lora.validate(T, N, num_slices, device)
-    L, _, R = lora.lora_b.shape
+    _, _, R = lora.lora_b.shape
     sd, bd = lora.shrunk.dtype, lora.lora_b.dtype
     check(sd in FLOAT_DTYPES and bd in FLOAT_DTYPES,
           "LoRA shrunk values and lora_b must be float tensors")
-    args = (lora.shrunk, lora.shrunk.stride(0), lora.lora_b, lora.token_slots, N, L, R)
+    args = (lora.shrunk, lora.shrunk.stride(0), lora.lora_b, lora.token_slots, N, num_slices, R)
     ieee = not (sd == bd and sd in (torch.float16, torch.bfloat16))
     return args, dict(BLOCK_R=dot_block(R, triton.next_power_of_2(R)), DOT_IEEE=ieee)

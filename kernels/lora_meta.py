@@ -126,7 +126,9 @@ class LoRADelta:
     and slot, see kernels/lora_delta.py); the consumer adds shrunk . B for each token's slot
     before its own math, so no separate expand runs.
     """
-    shrunk: Tensor            # [T, S*L*R] (s*L + l)*R + r = x[t] . A[s, l, r]; rows may be strided
+    # [T, k*S*R], k <= L (the step's slot bound: every token's slot is < k), slot-major:
+    # column (l*S + s)*R + r = x[t] . A[s, l, r]; rows may be strided
+    shrunk: Tensor
     lora_b: Tensor            # [L, N, R] fused output layout, scaling folded in
     token_slots: Tensor       # int32 [>= T] slot per token, -1 = no LoRA (also padding)
     slice_offsets: tuple[int, ...]  # S + 1 column offsets into N
@@ -135,11 +137,19 @@ class LoRADelta:
     def num_slices(self) -> int:
         return len(self.slice_offsets) - 1
 
+    @property
+    def num_slots(self) -> int:
+        """k: the slots 0..k-1 whose shrunk values are present (tokens' slots must be < k)."""
+        _, _, R = self.lora_b.shape
+        return self.shrunk.shape[1] // (self.num_slices * R)
+
     def validate(self, T: int, N: int, num_slices: int, device) -> None:
         L, Nb, R = self.lora_b.shape
         S = self.num_slices
         ok = (Nb == N and S == num_slices and self.slice_offsets[0] == 0
-              and self.slice_offsets[-1] == N and self.shrunk.shape == (T, S * L * R)
+              and self.slice_offsets[-1] == N and self.shrunk.dim() == 2
+              and self.shrunk.shape[0] == T and self.shrunk.shape[1] % (S * R) == 0
+              and 1 <= self.shrunk.shape[1] // (S * R) <= L
               and self.shrunk.stride(1) == 1 and self.lora_b.is_contiguous()
               and self.token_slots.dtype == torch.int32 and self.token_slots.numel() >= T
               and self.shrunk.device == self.lora_b.device == self.token_slots.device == device)

@@ -137,7 +137,8 @@ def _config(T: int, R: int, K: int, splits: int, elem_bytes: int) -> tuple[int, 
 
 def lora_shrink(x: Tensor, lora_a: Tensor, out: Tensor, meta: LoRAKernelMeta) -> None:
     # x:      [T, K]                fp16/bf16/fp32, contiguous rows
-    # lora_a: [S, L, R, K]          stacked A weights, same dtype as x, R = max_lora_rank (zero padded)
+    # lora_a: [S, L, R, K]          stacked A weights, same dtype as x, R = max_lora_rank (zero padded);
+    #                               any strides over S, L, R (rows of K contiguous)
     # out:    [SPLIT, S, T_max, R]  fp32, T_max >= T, SPLIT = number of K splits (any >= 1; use
     #                               shrink_num_splits(T, K, S)); for tokens with a slot every
     #                               split's partial is overwritten (their sum is x @ A.T); rows of
@@ -157,8 +158,9 @@ def lora_shrink(x: Tensor, lora_a: Tensor, out: Tensor, meta: LoRAKernelMeta) ->
     check(1 <= splits <= MAX_SPLITS, f"out must have 1 to {MAX_SPLITS} splits, got {splits}")
     check(out.shape[1] == S and out.shape[2] >= T and out.shape[3] == R,
           f"out must be [SPLIT, S={S}, >= {T}, R={R}], got {tuple(out.shape)}")
-    check(x.stride(1) == 1 and lora_a.is_contiguous() and out.stride(3) == 1,
-          "x rows, lora_a and out rows must be contiguous")
+    # lora_a may be strided over S and L (the engine's slot-major storage is a transposed view)
+    check(x.stride(1) == 1 and lora_a.stride(3) == 1 and out.stride(3) == 1,
+          "x rows, lora_a rows and out rows must be contiguous")
     check(T <= meta.max_tokens, f"{T} tokens exceed the metadata capacity {meta.max_tokens}")
     check(meta.active_slots.shape[0] == L + 1,
           f"meta was allocated for {meta.active_slots.shape[0] - 1} slots, lora_a has {L}")

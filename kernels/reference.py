@@ -44,16 +44,18 @@ def ref_lora_expand(y: Tensor, buf: Tensor, lora_b: Tensor, slice_offsets, token
 
 
 def ref_lora_delta(y: Tensor, shrunk: Tensor, lora_b: Tensor, slice_offsets, token_slots: Tensor) -> Tensor:
-    # y: [T, N]; shrunk: [T, S*L*R] with column (s*L + l)*R + r = x[t] . A[s, l, r] (the fused
-    # base GEMM's extra columns); lora_b: [L, N, R]; token_slots: int [>= T] (-1 = no LoRA).
+    # y: [T, N]; shrunk: [T, k*S*R], k <= L, with column (l*S + s)*R + r = x[t] . A[s, l, r]
+    # (the fused base GEMM's extra columns, slots 0..k-1); lora_b: [L, N, R]; token_slots:
+    # int [>= T] (-1 = no LoRA, else < k).
     # Returns new y: y + shrunk[t, slice s, slot[t]] @ lora_b[slot[t], slice s].T, fp32 math,
     # one rounding (ref_lora_expand on the token's own slot's shrunk values).
     T = y.shape[0]
-    L, _, R = lora_b.shape
+    _, _, R = lora_b.shape
     S = len(slice_offsets) - 1
     slots = token_slots[:T].to(device=y.device, dtype=torch.long)
-    per_slot = shrunk.float().reshape(T, S, L, R)
-    mid = per_slot[torch.arange(T, device=y.device), :, slots.clamp(min=0)]  # [T, S, R]
+    per_slot = shrunk.float().reshape(T, -1, S, R)  # [T, k, S, R]
+    assert bool((slots < per_slot.shape[1]).all()), "a token's slot is past the shrunk slots"
+    mid = per_slot[torch.arange(T, device=y.device), slots.clamp(min=0)]  # [T, S, R]
     return ref_lora_expand(y, mid.transpose(0, 1), lora_b, slice_offsets, slots)
 
 

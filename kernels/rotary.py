@@ -112,7 +112,7 @@ def _rotary_kernel(
 @triton.jit
 def _rope_lora_tile(x_ptr, stride_t, stride_h, rows, row_mask, h0, H, jh, jd, jd_mask,
                     cs_ptr, pos_ptr, stride_cs,
-                    s_ptr, stride_s, b_ptr, slot, lo, hi, LN, LL, LR, slice_idx, col0,
+                    s_ptr, stride_s, b_ptr, slot, lo, hi, LN, LS, LR, slice_idx, col0,
                     dst_ptr, dst_rows, dst_stride_t, dst_stride_h,
                     HALF: tl.constexpr, ROTATE: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, DOT_IEEE: tl.constexpr,
@@ -132,10 +132,10 @@ def _rope_lora_tile(x_ptr, stride_t, stride_h, rows, row_mask, h0, H, jh, jd, jd
     cols = col0 + heads * (2 * HALF) + jd       # head h of the slice: columns h*D .. h*D + D
     if GATHER:
         d1, d2 = lora_delta_rows(s_ptr, stride_s, b_ptr, rows, slot, slice_idx, slice_idx, cols,
-                                 cols + HALF, col_mask, LN, LL, LR, BLOCK_M, BLOCK_N, BLOCK_R,
+                                 cols + HALF, col_mask, LN, LS, LR, BLOCK_M, BLOCK_N, BLOCK_R,
                                  R_CHUNK, PAIR=True)
     else:
-        s_own = tile_shrunk(s_ptr, stride_s, rows, slot, slice_idx, LL, LR, BLOCK_R, DOT_IEEE)
+        s_own = tile_shrunk(s_ptr, stride_s, rows, slot, slice_idx, LS, LR, BLOCK_R, DOT_IEEE)
         d1, d2 = lora_delta_tile(s_own, s_own, b_ptr, slot, lo, hi, cols, cols + HALF, col_mask,
                                  LN, LR, BLOCK_M, BLOCK_N, BLOCK_R, DOT_IEEE, PAIR=True)
     x1 = (x1.to(tl.float32) + d1).to(dt)
@@ -161,7 +161,7 @@ def _rotary_lora_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cs,
     stride_cslot, stride_ch,
     Q_BLOCKS, K_BLOCKS,   # head blocks of q, then k, then v on axis 1
-    s_ptr, stride_s, b_ptr, slot_ptr, LN, LL, LR,   # LoRA delta of q|k|v
+    s_ptr, stride_s, b_ptr, slot_ptr, LN, LS, LR,   # LoRA delta of q|k|v
     OFF_K, OFF_V,     # first fused-output column of k and of v
     HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
     BLOCK_N: tl.constexpr,    # BLOCK_H * BLOCK_HALF
@@ -181,7 +181,7 @@ def _rotary_lora_kernel(
     if hb < Q_BLOCKS:
         _rope_lora_tile(q_ptr, stride_qt, stride_qh, rows, row_mask, hb * BLOCK_H, Hq, jh, jd,
                         jd_mask, cs_ptr, pos_ptr, stride_cs, s_ptr, stride_s, b_ptr, slot, lo, hi,
-                        LN, LL, LR, 0, 0, q_ptr, rows64, stride_qt, stride_qh,
+                        LN, LS, LR, 0, 0, q_ptr, rows64, stride_qt, stride_qh,
                         HALF, True, BLOCK_M, BLOCK_N, BLOCK_R, DOT_IEEE, GATHER, R_CHUNK)
     else:
         if TO_CACHE:
@@ -194,13 +194,13 @@ def _rotary_lora_kernel(
         if hb < Q_BLOCKS + K_BLOCKS:
             _rope_lora_tile(k_ptr, stride_kt, stride_kh, rows, row_mask,
                             (hb - Q_BLOCKS) * BLOCK_H, Hkv, jh, jd, jd_mask, cs_ptr, pos_ptr,
-                            stride_cs, s_ptr, stride_s, b_ptr, slot, lo, hi, LN, LL, LR, 1, OFF_K,
+                            stride_cs, s_ptr, stride_s, b_ptr, slot, lo, hi, LN, LS, LR, 1, OFF_K,
                             kd_ptr, dst_rows, kd_t, kd_h, HALF, True, BLOCK_M, BLOCK_N,
                             BLOCK_R, DOT_IEEE, GATHER, R_CHUNK)
         else:  # v: only the LoRA delta
             _rope_lora_tile(v_ptr, stride_vt, stride_vh, rows, row_mask,
                             (hb - Q_BLOCKS - K_BLOCKS) * BLOCK_H, Hkv, jh, jd, jd_mask, cs_ptr,
-                            pos_ptr, stride_cs, s_ptr, stride_s, b_ptr, slot, lo, hi, LN, LL, LR,
+                            pos_ptr, stride_cs, s_ptr, stride_s, b_ptr, slot, lo, hi, LN, LS, LR,
                             2, OFF_V, vd_ptr, dst_rows, vd_t, vd_h, HALF, False, BLOCK_M,
                             BLOCK_N, BLOCK_R, DOT_IEEE, GATHER, R_CHUNK)
 

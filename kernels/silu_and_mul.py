@@ -52,7 +52,7 @@ def _silu_and_mul_kernel(
 @triton.jit
 def _silu_and_mul_lora_kernel(
     x_ptr, out_ptr, T, I, stride_x, stride_o,        # as above, T rows
-    s_ptr, stride_s, b_ptr, slot_ptr, LN, LL, LR,   # LoRA delta of x (gate | up slices)
+    s_ptr, stride_s, b_ptr, slot_ptr, LN, LS, LR,   # LoRA delta of x (gate | up slices)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr, DOT_IEEE: tl.constexpr, GATHER: tl.constexpr, R_CHUNK: tl.constexpr,
 ):
@@ -69,10 +69,10 @@ def _silu_and_mul_lora_kernel(
     slot, lo, hi = tile_slots(slot_ptr, rows, row_mask)
     if GATHER:
         dg, du = lora_delta_rows(s_ptr, stride_s, b_ptr, rows, slot, 0, 1, cols, cols + I,
-                                 col_mask, LN, LL, LR, BLOCK_M, BLOCK_N, BLOCK_R, R_CHUNK, PAIR=True)
+                                 col_mask, LN, LS, LR, BLOCK_M, BLOCK_N, BLOCK_R, R_CHUNK, PAIR=True)
     else:
-        sg = tile_shrunk(s_ptr, stride_s, rows, slot, 0, LL, LR, BLOCK_R, DOT_IEEE)
-        su = tile_shrunk(s_ptr, stride_s, rows, slot, 1, LL, LR, BLOCK_R, DOT_IEEE)
+        sg = tile_shrunk(s_ptr, stride_s, rows, slot, 0, LS, LR, BLOCK_R, DOT_IEEE)
+        su = tile_shrunk(s_ptr, stride_s, rows, slot, 1, LS, LR, BLOCK_R, DOT_IEEE)
         dg, du = lora_delta_tile(sg, su, b_ptr, slot, lo, hi, cols, cols + I, col_mask, LN, LR,
                                  BLOCK_M, BLOCK_N, BLOCK_R, DOT_IEEE, PAIR=True)
     g = (g.to(tl.float32) + dg).to(g.dtype)

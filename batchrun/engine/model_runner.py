@@ -62,11 +62,13 @@ class ModelRunner:
         self._graphs: GraphRunner | None = None  # capture_graphs()
         self._eager = False  # eager(): decode without graphs even when they are captured
         # The LoRA part of every fused LoRA decode step (the Triton path), captured graphs
-        # included: the kernels read each row's slot straight from token_slots, which the step
-        # writes with its other inputs, so such a step writes no LoRA metadata at all.
-        self._fused_decode_lora = (None if lora is None else
-                                   lora.lora_step(self.token_slots, has_lora=True, fuse=True,
-                                                  bound_slots=self.token_slots))
+        # included, one per slot bound k (a step's rows all have slots < k): the kernels read
+        # each row's slot straight from token_slots, which the step writes with its other
+        # inputs, so such a step writes no LoRA metadata at all.
+        self._fused_decode_lora = (None if lora is None else {
+            k: lora.lora_step(self.token_slots, has_lora=True, fuse=True,
+                              bound_slots=self.token_slots, num_slots=k)
+            for k in lora.slot_bounds})
 
     # ---- CUDA graphs --------------------------------------------------------------------
     @property
@@ -99,13 +101,14 @@ class ModelRunner:
     def decode(self, seqs: list[Sequence]) -> torch.Tensor:
         """One token per sequence -> fp32 logits [len(seqs), V]."""
         b = len(seqs)
-        has_lora = any(s.lora_slot >= 0 for s in seqs)
-        if has_lora and self.lora is None:
+        top = max(s.lora_slot for s in seqs)
+        if top >= 0 and self.lora is None:
             raise AssertionError("a LoRA row reached an engine without LoRA")
+        k = self.lora.slot_bound(top) if top >= 0 else 0  # slot bound, 0 = no adapter row
         graphs = None if self._eager else self._graphs
-        key = graphs.dispatch(b, has_lora) if graphs else None
+        key = graphs.dispatch(b, k) if graphs else None
         rows = key.padded_batch_size if key else b
-        lora = self._write_decode_inputs(seqs, rows, has_lora)
+        lora = self._write_decode_inputs(seqs, rows, k)
         if key is not None:
             return graphs.replay(key)[:b]
         return self.decode_forward(rows, lora)[:b]
@@ -121,7 +124,7 @@ class ModelRunner:
         return self.model.compute_logits(hidden, out=self.logits[:rows])
 
     def _write_decode_inputs(self, seqs: list[Sequence], rows: int,
-                             has_lora: bool) -> LoRAStep | None:
+                             num_slots: int) -> LoRAStep | None:
         n, bs = self.config.max_num_seqs, self.block_size
         h64, h32 = self._host_i64.numpy(), self._host_i32.numpy()
         b = len(seqs)  # rows b..rows are padding: scratch block, no context, no LoRA
@@ -140,13 +143,13 @@ class ModelRunner:
         h32[b:rows], h32[n + b:n + rows] = 0, -1
         self._i64.copy_(self._host_i64, non_blocking=True)
         self._i32.copy_(self._host_i32, non_blocking=True)
-        if not has_lora:
+        if not num_slots:  # slot bound 0: no adapter row
             return None
         # decode on the Triton path: LoRA deltas ride into the kernels after each projection,
         # which read each row's slot from token_slots (written above)
         if use_triton(self._i64):
-            return self._fused_decode_lora
-        return self.lora.lora_step(lora + [-1] * (rows - b), has_lora=True)
+            return self._fused_decode_lora[num_slots]
+        return self.lora.lora_step(lora + [-1] * (rows - b), has_lora=True, num_slots=num_slots)
 
     def _write_block_tables(self, seqs: list[Sequence], rows: int) -> None:
         """Rows of the host block table that changed since the last decode step: a row's

@@ -30,16 +30,19 @@ def test_dispatch_properties(max_num_seqs):
     rng = random.Random(max_num_seqs)
     for _ in range(500):
         b = rng.randint(1, max_num_seqs + 40)
-        has_lora = rng.random() < 0.5
-        key = dispatch(b, has_lora, table)
+        slots = rng.choice([0, 0, 1, 2, 4, 8])  # slot bound, 0 = no adapter row
+        key = dispatch(b, slots, table)
         if b > max(table):
             assert key is None  # eager above the largest captured size
             continue
         assert isinstance(key, GraphKey)
-        assert key.has_lora == has_lora  # never a no-LoRA graph for a step with an adapter row
+        assert key.lora_slots == slots  # the set of the step's slot bound, never the no-LoRA set
+        assert key.has_lora == (slots > 0)  # for a step with an adapter row
         assert key.padded_batch_size >= b
 
 
 def test_dispatch_rejects_empty_batch():
     with pytest.raises(ValueError):
-        dispatch(0, False, padded_size_table([1, 2]))
+        dispatch(0, 0, padded_size_table([1, 2]))
+    with pytest.raises(ValueError):
+        dispatch(1, -1, padded_size_table([1, 2]))

@@ -62,8 +62,8 @@ def test_graphs_are_read_only_and_eager_is_scoped(engine, monkeypatch):
     forward = runner.decode_forward
 
     class FakeGraphs:  # stands in for captured graphs: the runner's dispatch/replay calls
-        def dispatch(self, b, has_lora):
-            return GraphKey(b, has_lora)
+        def dispatch(self, b, lora_slots):
+            return GraphKey(b, lora_slots)
 
         def replay(self, key):  # what a no-LoRA graph computes from the static inputs
             replays.append(key)
@@ -76,7 +76,7 @@ def test_graphs_are_read_only_and_eager_is_scoped(engine, monkeypatch):
     try:
         engine.step(sched)  # prefill: always eager
         engine.step(sched)
-        assert replays == [GraphKey(2, False)] and eager_steps == []
+        assert replays == [GraphKey(2, 0)] and eager_steps == []
         with runner.eager():
             with runner.eager():
                 engine.step(sched)
@@ -89,14 +89,17 @@ def test_graphs_are_read_only_and_eager_is_scoped(engine, monkeypatch):
             sched.finish(seq, "length")
 
 
-def test_graph_capture_needs_a_lora_step_exactly_for_the_lora_set():
+def test_graph_capture_needs_lora_steps_exactly_for_the_lora_sets():
     cfg = EngineConfig(model="unused", device="cpu", max_num_seqs=4)
-    with pytest.raises(ValueError, match="needs a LoRAStep"):
+    with pytest.raises(ValueError, match="needs LoRA steps"):
         GraphRunner(cfg, with_lora=True).capture(lambda rows, lora: None, None)
     meta = torch.zeros(1)
-    with pytest.raises(ValueError, match="needs no LoRAStep"):
+    with pytest.raises(ValueError, match="needs no LoRA step"):
         GraphRunner(cfg, with_lora=False).capture(lambda rows, lora: None,
-                                                   LoRAStep(meta, meta, fuse=True))
+                                                   {1: LoRAStep(meta, meta, fuse=True, num_slots=1)})
+    with pytest.raises(ValueError, match="keyed by their slot bound"):
+        GraphRunner(cfg, with_lora=True).capture(lambda rows, lora: None,
+                                                  {2: LoRAStep(meta, meta, fuse=True, num_slots=1)})
 
 
 def test_decode_block_tables_follow_every_change_of_a_rows_blocks(engine):
@@ -114,7 +117,7 @@ def test_decode_block_tables_follow_every_change_of_a_rows_blocks(engine):
         return s
 
     def check(seqs, rows):
-        runner._write_decode_inputs(seqs, rows, has_lora=False)
+        runner._write_decode_inputs(seqs, rows, num_slots=0)
         got = runner.block_tables[:rows].tolist()
         want = [s.block_ids + [0] * (mb - len(s.block_ids)) for s in seqs]
         want += [[SCRATCH_BLOCK] * mb] * (rows - len(seqs))

@@ -37,18 +37,20 @@ def _slots(T, L, gen, pattern):
     return slots.sort().values if pattern == "sorted" else slots
 
 
-def _fused_output(T, sizes, L, R, dtype, seed, pattern="mixed"):
-    """(y [T, N] view, LoRADelta, slots) as a fused LoRA GEMM leaves them."""
+def _fused_output(T, sizes, L, R, dtype, seed, pattern="mixed", k=None):
+    """(y [T, N] view, LoRADelta, slots) as a fused LoRA GEMM leaves them: a GEMM over the
+    first k <= L slots' A rows (the step's slot bound; every slot < k), B of all L slots."""
     gen = torch.Generator().manual_seed(seed)
-    N, S = sum(sizes), len(sizes)
-    full = randn(T, N + S * L * R + 3, dtype=dtype, gen=gen)  # +3: rows are strided
-    slots = torch.cat([_slots(T, L, gen, pattern), torch.randint(0, L, (5,), generator=gen,
+    N, S, k = sum(sizes), len(sizes), L if k is None else k
+    full = randn(T, N + S * k * R + 3, dtype=dtype, gen=gen)  # +3: rows are strided
+    slots = torch.cat([_slots(T, k, gen, pattern), torch.randint(0, k, (5,), generator=gen,
                                                                  dtype=torch.int32)]).to(DEVICE)
     lora_b = randn(L, N, R, dtype=dtype, gen=gen, scale=R ** -0.5)
     offs = [0]
     for n in sizes:
         offs.append(offs[-1] + n)
-    delta = LoRADelta(full[:, N:N + S * L * R], lora_b, slots, tuple(offs))
+    delta = LoRADelta(full[:, N:N + S * k * R], lora_b, slots, tuple(offs))
+    assert delta.num_slots == k
     return full[:, :N], delta, slots[:T]
 
 
@@ -92,8 +94,9 @@ def test_norm_tiles(T, H, L, R, pattern, dtype, fused_add):
     _check_norm(T, H, L, R, dtype, fused_add, pattern)
 
 
-def _check_norm(T, H, L, R, dtype, fused_add, pattern):
-    x, delta, slots = _fused_output(T, [H], L, R, dtype, seed=T * 31 + H + R, pattern=pattern)
+def _check_norm(T, H, L, R, dtype, fused_add, pattern, k=None):
+    x, delta, slots = _fused_output(T, [H], L, R, dtype, seed=T * 31 + H + R, pattern=pattern,
+                                    k=k)
     gen = torch.Generator().manual_seed(7)
     w = randn(H, dtype=dtype, gen=gen)
     x_before = x.clone()
@@ -135,8 +138,9 @@ def test_silu_and_mul_tiles(T, I, L, R, pattern, dtype):
     _check_silu(T, I, L, R, dtype, pattern)
 
 
-def _check_silu(T, I, L, R, dtype, pattern):
-    gate_up, delta, slots = _fused_output(T, [I, I], L, R, dtype, seed=T + I + R, pattern=pattern)
+def _check_silu(T, I, L, R, dtype, pattern, k=None):
+    gate_up, delta, slots = _fused_output(T, [I, I], L, R, dtype, seed=T + I + R, pattern=pattern,
+                                          k=k)
     before = gate_up.clone()
     out = silu_and_mul(gate_up, lora=delta)
     ref = ref_silu_and_mul(delta.apply_reference(gate_up))
@@ -146,8 +150,9 @@ def _check_silu(T, I, L, R, dtype, pattern):
     _same_where_no_lora(out, silu_and_mul(gate_up), slots)
 
 
-def _check_rotary(T, Hq, Hkv, D, L, R, dtype, seed, pattern="mixed"):
-    qkv, delta, slots = _fused_output(T, [Hq * D, Hkv * D, Hkv * D], L, R, dtype, seed, pattern)
+def _check_rotary(T, Hq, Hkv, D, L, R, dtype, seed, pattern="mixed", k=None):
+    qkv, delta, slots = _fused_output(T, [Hq * D, Hkv * D, Hkv * D], L, R, dtype, seed, pattern,
+                                      k=k)
     plain_qkv = qkv.clone()
     fixed = delta.apply_reference(qkv)
     q, k, v = (t.view(T, -1, D) for t in qkv.split([Hq * D, Hkv * D, Hkv * D], dim=-1))
@@ -200,6 +205,20 @@ def test_both_delta_forms(T, pattern, R, gather_max_rows, monkeypatch):
     _check_norm(T, 96, 8, R, dtype, fused_add=True, pattern=pattern)
     _check_silu(T, 72, 8, R, dtype, pattern)
     _check_rotary(T, 4, 2, 32, 8, R, dtype, seed=T + R, pattern=pattern)
+
+
+# A step whose slots are all below k < L: its GEMM computed only the first k slots' shrunk
+# values (slot-major columns), while B holds all L slots. Both delta forms, one and several
+# slots present.
+@pytest.mark.parametrize("gather_max_rows", [0, 10 ** 6], ids=["slot-loop", "gather"])
+@pytest.mark.parametrize("T,k,pattern", [(5, 1, "one"), (8, 2, "mixed"), (37, 4, "gaps")])
+def test_slot_bound_below_the_slot_count(T, k, pattern, gather_max_rows, monkeypatch):
+    from batchrun.kernels import lora_delta
+    monkeypatch.setattr(lora_delta, "GATHER_MAX_ROWS", gather_max_rows)
+    dtype = CPU_DTYPES[0]
+    _check_norm(T, 96, 8, 16, dtype, fused_add=True, pattern=pattern, k=k)
+    _check_silu(T, 72, 8, 5, dtype, pattern, k=k)
+    _check_rotary(T, 4, 2, 32, 8, 8, dtype, seed=T + k, pattern=pattern, k=k)
 
 
 def test_shrunk_and_b_of_different_dtypes_dot_in_fp32():

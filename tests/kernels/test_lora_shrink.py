@@ -9,11 +9,14 @@ from kernel_testutils import CPU_DTYPES, DEVICE, mixed_slots, randn, rounding_to
 NUM_SLOTS = 4
 
 
-def run_and_check(T, K, R, S, dtype, slots, gen, T_max=None, splits=None):
+def run_and_check(T, K, R, S, dtype, slots, gen, T_max=None, splits=None, slot_major=False):
     T_max = T_max or T + 3  # buffer larger than the batch, as in the engine
     splits = splits or shrink_num_splits(T, K, S)  # forced values size the out view, as punica does
     x = randn(T, K, dtype=dtype, gen=gen)
-    lora_a = randn(S, NUM_SLOTS, R, K, dtype=dtype, gen=gen, scale=K ** -0.5)
+    if slot_major:  # the engine's storage: [L, S, R, K] rows seen as a strided [S, L, R, K]
+        lora_a = randn(NUM_SLOTS, S, R, K, dtype=dtype, gen=gen, scale=K ** -0.5).transpose(0, 1)
+    else:
+        lora_a = randn(S, NUM_SLOTS, R, K, dtype=dtype, gen=gen, scale=K ** -0.5)
     meta = LoRAKernelMeta.allocate(max_tokens=T_max, max_loras=NUM_SLOTS, device=DEVICE)
     meta.prepare(slots.to(DEVICE))
     # NaN poison: a partial the kernel fails to write would poison the sum.
@@ -49,6 +52,17 @@ def test_shrink_mixed_slots(dtype, R, S):
     gen = torch.Generator().manual_seed(R * 7 + S)
     T = 11
     run_and_check(T, 96, R, S, dtype, mixed_slots(T, NUM_SLOTS, gen), gen, splits=splits)
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+@pytest.mark.parametrize("S,R", [(3, 16), (2, 5)])
+def test_shrink_slot_major_view(dtype, S, R):
+    # the LoRA hook's A matrices are stored slot-major (lora/layer.py): the kernel reads them
+    # through the strided [S, L, R, K] view
+    gen = torch.Generator().manual_seed(S * 3 + R)
+    T = 9
+    run_and_check(T, 80, R, S, dtype, mixed_slots(T, NUM_SLOTS, gen), gen, splits=2,
+                  slot_major=True)
 
 
 @pytest.mark.parametrize("dtype", CPU_DTYPES)

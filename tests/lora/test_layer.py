@@ -97,6 +97,7 @@ def test_deferred_delta(mcfg, setup):
     m = LoRAManager(model, paths, max_loras=3, max_lora_rank=8, max_num_tokens=16,
                     device="cpu", dtype=torch.float32)
     slots = {n: m.acquire(n) for n in ("x", "y", "z")}
+    assert slots == {"x": 0, "y": 1, "z": 2} and m.slot_bounds == (1, 2, 3)
     names = [None, "x", "y", "z", None, "y", "x"]
     token_slots = [-1 if n is None else slots[n] for n in names]
     g = torch.Generator().manual_seed(3)
@@ -118,6 +119,16 @@ def test_deferred_delta(mcfg, setup):
             step = m.lora_step([-1] * len(names), fuse=True)
             y, delta = lin(x, step, defer=True)
             assert delta is None and torch.equal(y, torch.nn.functional.linear(x, lin.weight))
+            # slots below the step's slot bound only: the GEMM stacks just their A rows
+            low = [n if n != "y" and n != "z" else None for n in names]  # x is in slot 0
+            step = m.lora_step([-1 if n is None else slots[n] for n in low], fuse=True)
+            assert step.num_slots == 1
+            y, delta = lin(x, step, defer=True)
+            S = len(lin.output_sizes)
+            assert delta.num_slots == 1 and delta.shrunk.shape == (len(names), S * m.rank)
+            torch.testing.assert_close(y, x @ lin.weight.T, rtol=1e-5, atol=1e-5)
+            want = _expected(lin, x, low, deltas, layer_idx, module)
+            torch.testing.assert_close(delta.apply_reference(y), want, rtol=1e-5, atol=1e-5)
 
 
 def _expected(lin, x, names, deltas, layer_idx, module):

@@ -56,6 +56,68 @@ def test_lru_slots(mcfg, five):
         m.acquire("zz")
 
 
+def test_active_adapters_are_kept_in_the_lowest_slots(mcfg, five):
+    """An adapter that becomes active takes the lowest slot that is free or holds an unpinned
+    adapter (swapping contents with it), so the slot bound of a step with few active adapters
+    stays small. Every adapter's weights follow it to its new slot."""
+    from batchrun.engine.lora import load_adapter
+    _, m = _manager(mcfg, five, max_loras=4)
+
+    def check_contents():
+        for name, slot in m._resident.items():
+            w = load_adapter(name, five[name], mcfg, 8).weights
+            for (layer, module), h in m.hooks.items():
+                for s in range(h.num_slices):
+                    lo, hi = h.slice_offsets[s], h.slice_offsets[s + 1]
+                    a, b = h.lora_a[s, slot], h.lora_b[slot, lo:hi]
+                    if (layer, module, s) in w:
+                        wa, wb = w[(layer, module, s)]
+                        r = wa.shape[0]
+                        assert torch.equal(a[:r], wa) and torch.equal(b[:, :r], wb)
+                        assert not a[r:].any() and not b[:, r:].any()
+                    else:
+                        assert not a.any() and not b.any()
+
+    assert [m.acquire(n) for n in ("a0", "a1", "a2")] == [0, 1, 2] and m.num_moves == 0
+    m.release("a0"), m.release("a1")
+    # a newly loaded adapter: the free slot 3 is not the lowest one not in use (a0's slot 0):
+    # a0 moves up into slot 3, a3 is written into slot 0
+    assert m.acquire("a3") == 0 and m.slot_of("a0") == 3 and m.num_moves == 1
+    check_contents()
+    # a resident adapter becoming active: a1 (slot 1) is the lowest not in use, a0 swaps in
+    assert m.acquire("a0") == 1 and m.slot_of("a1") == 3 and m.num_moves == 2
+    check_contents()
+    # already active (pinned): it stays where running sequences expect it
+    assert m.acquire("a0") == 1 and m.num_moves == 2
+    m.release("a0"), m.release("a0"), m.release("a2"), m.release("a3")
+    # a full set of slots, none pinned: the LRU victim's slot is taken, then the new adapter
+    # goes lowest (a3, slot 0, moves into the victim's slot)
+    victim = next(iter(m._resident))
+    victim_slot = m.slot_of(victim)
+    assert m.acquire("a4") == 0 and m.slot_of("a3") == victim_slot
+    check_contents()
+    assert m.slot_bound(0) == 1 and m.slot_bound(1) == 2 and m.slot_bound(2) == 4
+    assert m.slot_bound(3) == 4 and m.slot_bounds == (1, 2, 4)
+    with pytest.raises(ValueError, match="outside"):
+        m.slot_bound(4)
+
+
+@pytest.mark.parametrize("max_loras,bounds", [(1, (1,)), (2, (1, 2)), (3, (1, 2, 3)),
+                                              (5, (1, 2, 4, 5)), (8, (1, 2, 4, 8))])
+def test_slot_bounds(tmp_path, mcfg, max_loras, bounds):
+    make_adapter(tmp_path / "one", r=2, target_modules=["q_proj"])
+    _, m = _manager(mcfg, {f"a{i}": tmp_path / "one" for i in range(8)}, max_loras=max_loras)
+    assert m.slot_bounds == bounds
+    for top in range(max_loras):
+        k = m.slot_bound(top)
+        assert k > top and k in bounds and not any(top < b < k for b in bounds)
+    step = m.lora_step([-1, top, 0])  # the bound of the highest slot, from a host list
+    assert step.num_slots == m.slot_bound(top)
+    assert m.lora_step(torch.tensor([0, -1])).num_slots == 1  # a CPU tensor: computed too
+    with pytest.raises(ValueError, match="num_slots"):
+        m.lora_step([0], num_slots=max_loras + 1)
+
+
 def test_cpu_cache_unbounded(mcfg, five):
     _, m = _manager(mcfg, five, max_loras=1)
     for _ in range(2):

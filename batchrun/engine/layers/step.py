@@ -31,6 +31,10 @@ class LoRAStep:
     # True: a projection whose consumer can fuse (defer=True) computes y and the shrink in one
     # GEMM and hands the delta on (LoRADelta); False: shrink + expand into y (lora/layer.py)
     fuse: bool
+    # k, the step's slot bound: every token's slot is < k, so a fused GEMM stacks only the A
+    # rows of slots 0..k-1 under the base weight (the A matrices are stored slot-major); one of
+    # the manager's `slot_bounds`, which is also what the decode graph sets are keyed by
+    num_slots: int
 
 
 @dataclass(frozen=True)

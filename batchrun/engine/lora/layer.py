@@ -1,8 +1,10 @@
 """The LoRA hook attached to a fused Linear (`Linear.lora`).
 
 The hook takes over the Linear's storage: weight and the A matrices of every slot live in one
-tensor `weight_full` [N + S*L*R, K] (rows N + (s*L + l)*R + r hold A[slice s, slot l, rank r]),
-and `linear.weight` becomes the view of its first N rows.
+tensor `weight_full` [N + L*S*R, K], slot-major (rows N + (l*S + s)*R + r hold A[slice s, slot l,
+rank r]), and `linear.weight` becomes the view of its first N rows. Slot-major, the A rows of
+slots 0..k-1 are one contiguous block right under the weight, so a fused step whose tokens use
+only slots below k (`LoRAStep.num_slots`) streams k slots' A rows, not all L.
 
 A step without LoRA tokens (`Step.lora is None`) never reaches the hook: `Linear.forward`
 runs F.linear with `linear.weight`, the same call (and kernel) as without LoRA. The hook gets
@@ -10,7 +12,7 @@ the step's `LoRAStep` and has two cases:
 
 - a fused step (`LoRAStep.fuse`, set on the Triton path for decode steps and for prefill steps
   of up to `lora_fused_max_tokens` tokens) and a caller that can fuse (`defer`): one GEMM with
-  `weight_full` computes y and the shrink together, and the delta (shrunk . B) is returned as a
+  the first N + k*S*R rows of `weight_full` computes y and the shrink of slots < k together, and the delta (shrunk . B) is returned as a
   LoRADelta for the next kernel to add: no LoRA launch of its own;
 - otherwise (larger prefills, CPU, callers without a fusing consumer): y = x W.T, then the
   Punica shrink + expand add the delta in place (kernels on CUDA, torch references on CPU).
@@ -48,7 +50,8 @@ class LoRALinear:
             self.bias_full = torch.zeros(self.weight_full.shape[0], device=w.device, dtype=w.dtype)
             self.bias_full[:N].copy_(linear.bias)
             linear.bias = nn.Parameter(self.bias_full[:N], requires_grad=False)
-        self.lora_a = self.weight_full[N:].view(S, max_loras, max_rank, K)  # [S, L, R, K]
+        # [S, L, R, K] view of the slot-major rows (strided over S and L)
+        self.lora_a = self.weight_full[N:].view(max_loras, S, max_rank, K).transpose(0, 1)
         self.lora_b = torch.zeros(max_loras, N, max_rank, device=w.device, dtype=w.dtype)
 
     @property
@@ -65,6 +68,16 @@ class LoRALinear:
             self.lora_a[s, slot, :r].copy_(a)
             self.lora_b[slot, lo:hi, :r].copy_(b)
 
+    def swap_slots(self, i: int, j: int) -> None:
+        """Exchange the A and B matrices of slots i and j (in place: graphs hold the buffers)."""
+        if i == j:
+            return
+        a_i, b_i = self.lora_a[:, i].clone(), self.lora_b[i].clone()
+        self.lora_a[:, i].copy_(self.lora_a[:, j])
+        self.lora_b[i].copy_(self.lora_b[j])
+        self.lora_a[:, j].copy_(a_i)
+        self.lora_b[j].copy_(b_i)
+
     def clear_slot(self, slot: int) -> None:
         self.lora_a[:, slot].zero_()
         self.lora_b[slot].zero_()
@@ -74,8 +87,10 @@ class LoRALinear:
         # x: [T, in] -> (y [T, out], pending delta or None); step: this step's LoRA part
         m = self.manager
         if defer and step.fuse:
-            full = F.linear(x, self.weight_full, self.bias_full)  # [T, N + S*L*R]
             N = linear.out_features
+            rows = N + step.num_slots * self.num_slices * self.lora_b.shape[2]
+            bias = None if self.bias_full is None else self.bias_full[:rows]
+            full = F.linear(x, self.weight_full[:rows], bias)  # [T, N + k*S*R]
             return full[:, :N], LoRADelta(full[:, N:], self.lora_b, step.token_slots,
                                           self.slice_offsets)
         y = F.linear(x, linear.weight, linear.bias)

@@ -16,6 +16,14 @@ Scheduler contract: acquire(name) pins an adapter in a slot (refcounted) for as 
 sequence using it is running; release(name) unpins. Unpinned residents stay loaded and are
 evicted least-recently-acquired first when a new adapter needs a slot.
 
+Active adapters are kept in the lowest slots: a fused LoRA step streams the A rows of slots
+0..k-1 only, k = the step's slot bound (`slot_bound`: the smallest of `slot_bounds` above every
+token's slot), so one active adapter in slot 0 costs one slot's A rows, not max_loras'. An
+adapter that becomes active (acquired with no pin) while a lower slot is free or holds an
+unpinned adapter swaps slots with it (a copy on the device; neither is in use by a running
+sequence), and a newly loaded adapter takes the lowest slot held by an unpinned adapter, which
+moves into the freed or evicted slot instead.
+
 Model runner contract: lora_step(slots) writes the step's kernel metadata into the static
 buffers and returns the frozen LoRAStep the model runner puts into its Step (None: no adapter
 token, nothing written). The manager keeps adapters, slots and the CPU cache; no per-step state.
@@ -57,6 +65,10 @@ class LoRAManager:
             for name, path in adapter_paths.items()}
         self.rank = max((i.max_rank for i in self.infos.values()), default=1)
         self.max_loras = max_loras = max(1, min(max_loras, len(self.infos)))  # GPU slots
+        # the slot bounds a step can have (powers of two below max_loras, and max_loras): one
+        # decode graph set each, so a step streams at most twice the A rows its slots need
+        self.slot_bounds = tuple(sorted({1 << i for i in range(max_loras.bit_length())
+                                         if 1 << i < max_loras} | {max_loras}))
         targeted = {m for info in self.infos.values() for m in info.modules}
 
         # Static buffers, allocated once (captured graphs hold their addresses). What a step
@@ -91,6 +103,7 @@ class LoRAManager:
         self._pins: dict[str, int] = {}
         self._cpu: OrderedDict[str, LoRAWeights] = OrderedDict()  # LRU CPU cache
         self.num_loads = 0  # adapters read from disk (tests, metrics)
+        self.num_moves = 0  # slot swaps that kept active adapters low (tests, metrics)
 
     # ---- scheduler API ------------------------------------------------------------------
     @property
@@ -108,9 +121,17 @@ class LoRAManager:
         if name not in self._resident:
             slot = self._free_slot()
             weights = self._cpu_get(name)  # may read the disk; slot state untouched until done
+            low = self._lowest_inactive(below=slot)
+            if low is not None:  # an unpinned adapter sits lower: it moves up instead
+                self._swap(low, slot)
+                slot = low
             self._write_slot(slot, weights)
             self._resident[name] = slot
             self._slot_owner[slot] = name
+        elif self._pins.get(name, 0) == 0:  # becomes active: into the lowest slot not in use
+            low = self._lowest_inactive(below=self._resident[name])
+            if low is not None:
+                self._swap(low, self._resident[name])
         self._resident.move_to_end(name)
         self._pins[name] = self._pins.get(name, 0) + 1
         return self._resident[name]
@@ -129,8 +150,16 @@ class LoRAManager:
         return self._pins.get(name, 0)
 
     # ---- per-step value ----------------------------------------------------------------
+    def slot_bound(self, max_slot: int) -> int:
+        """The step's slot bound k for tokens whose highest slot is max_slot: the smallest of
+        `slot_bounds` above it (a fused GEMM then computes the shrink of slots 0..k-1)."""
+        if not 0 <= max_slot < self.max_loras:
+            raise ValueError(f"slot {max_slot} is outside 0..{self.max_loras - 1}")
+        return next(k for k in self.slot_bounds if k > max_slot)
+
     def lora_step(self, token_slots: Tensor | list[int], has_lora: bool | None = None,
-                  fuse: bool = False, bound_slots: Tensor | None = None) -> LoRAStep | None:
+                  fuse: bool = False, bound_slots: Tensor | None = None,
+                  num_slots: int | None = None) -> LoRAStep | None:
         """This step's LoRA part for tokens with slots `token_slots` (-1 = no LoRA), or None
         when no token has an adapter (then nothing is written and no LoRA op runs).
 
@@ -143,27 +172,42 @@ class LoRAManager:
 
         has_lora=None computes it from a list or a CPU tensor. For a CUDA tensor it would need a
         host sync, so it is assumed True instead (correct either way: slot -1 rows are left
-        alone by the kernels); callers that know better pass has_lora explicitly."""
+        alone by the kernels); callers that know better pass has_lora explicitly.
+
+        num_slots: the step's slot bound (one of `slot_bounds`, above every token's slot). None:
+        slot_bound() of the highest slot of a list or CPU tensor, all slots otherwise (a CUDA
+        tensor, bound_slots)."""
+        if num_slots is not None and num_slots not in self.slot_bounds:
+            raise ValueError(f"num_slots must be one of {self.slot_bounds}, got {num_slots}")
         if bound_slots is not None:
             if bound_slots.dtype != torch.int32 or bound_slots.dim() != 1:
                 raise ValueError(f"bound_slots must be a 1-D int32 tensor, got "
                                  f"{bound_slots.dtype} {tuple(bound_slots.shape)}")
             if not fuse or has_lora is None:
                 raise ValueError("bound_slots needs fuse=True and an explicit has_lora")
-            return LoRAStep(self.meta, bound_slots, fuse=True) if has_lora else None
+            k = self.max_loras if num_slots is None else num_slots
+            return LoRAStep(self.meta, bound_slots, fuse=True, num_slots=k) if has_lora else None
+        k = num_slots
         if isinstance(token_slots, Tensor):
             if has_lora is None:
                 has_lora = bool((token_slots >= 0).any()) if not token_slots.is_cuda else True
             if has_lora:  # a no-LoRA step launches no LoRA kernels, so its meta is never read
                 slots = token_slots if token_slots.dtype == torch.int32 else token_slots.to(torch.int32)
                 self.meta.prepare(slots)
+                if k is None:
+                    k = (self.max_loras if token_slots.is_cuda
+                         else self.slot_bound(max(0, int(token_slots.max()))))
         else:
             if has_lora is None:
                 has_lora = any(s >= 0 for s in token_slots)
             if has_lora:  # computed on the host, one copy to the device
                 assert max(token_slots) < self.max_loras and min(token_slots) >= -1, "bad slot id"
                 self.meta.prepare_host(token_slots)
-        return LoRAStep(self.meta, self.meta.token_lora_slot, fuse) if has_lora else None
+                if k is None:
+                    k = self.slot_bound(max(0, max(token_slots)))
+        if not has_lora:
+            return None
+        return LoRAStep(self.meta, self.meta.token_lora_slot, fuse, num_slots=k)
 
     # ---- internals ----------------------------------------------------------------------
     def _check_name(self, name: str) -> None:
@@ -180,6 +224,26 @@ class LoRAManager:
                 return slot
         raise RuntimeError(f"all {self.max_loras} LoRA slots are pinned by running sequences "
                            f"({sorted(self._resident)}); check can_acquire() before acquire()")
+
+    def _lowest_inactive(self, below: int) -> int | None:
+        """Lowest slot under `below` that is free or holds an unpinned adapter, or None."""
+        for slot in range(below):
+            owner = self._slot_owner[slot]
+            if owner is None or self._pins.get(owner, 0) == 0:
+                return slot
+        return None
+
+    def _swap(self, i: int, j: int) -> None:
+        """Swap the contents and owners of slots i and j (neither pinned: no running sequence
+        reads them)."""
+        for hook in self.hooks.values():
+            hook.swap_slots(i, j)
+        a, b = self._slot_owner[i], self._slot_owner[j]
+        self._slot_owner[i], self._slot_owner[j] = b, a
+        for name, slot in ((b, i), (a, j)):
+            if name is not None:
+                self._resident[name] = slot
+        self.num_moves += 1
 
     def _cpu_get(self, name: str) -> LoRAWeights:
         if name in self._cpu:
