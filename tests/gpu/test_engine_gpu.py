@@ -162,34 +162,32 @@ def test_fused_lora_decode_is_as_accurate_as_shrink_expand(tmp_path, monkeypatch
 def test_low_slots_replay_the_lora_set_of_their_slot_bound(tmp_path, monkeypatch):
     """A decode step whose adapter rows all sit in slot 0 replays the LoRA graph set of slot
     bound 1 (its fused GEMMs stream one slot's A rows, not max_loras'), equal to the eager step
-    of the same bound, and as accurate against fp32 as the shrink + expand path; a step with a
-    row in slot 2 dispatches to the set of bound 4."""
+    of the same bound and, in fp32, to the shrink + expand path; a step with a row in slot 2
+    dispatches to the set of bound 4. (fp32: with this test's large random adapters, bf16
+    logits of any two LoRA paths that round at different points differ by up to ~50 % against
+    fp32 -- measured on the H100, on the commit before slot bounds too -- so only fp32 can tell
+    a wrong slot from rounding.)"""
     import batchrun.engine.model_runner as model_runner
     from benchmarks.step_probe import decoding_batch
-    bf16, adapters = _tiny_lora_engine(tmp_path / "b", False, dtype="bfloat16")
-    fp32, _ = _tiny_lora_engine(tmp_path / "f", True)
-    assert bf16.lora.slot_bounds == (1, 2, 4)
-    assert set(bf16.runner.graphs.stats["pool_bytes"]) == {"no_lora", "lora_1", "lora_2", "lora_4"}
+    engine, adapters = _tiny_lora_engine(tmp_path / "f", False)
+    assert engine.lora.slot_bounds == (1, 2, 4)
+    assert set(engine.runner.graphs.stats["pool_bytes"]) == {"no_lora", "lora_1", "lora_2", "lora_4"}
     names = ["all", None, "all", None, "all", "all", None, "all"]
     g = torch.Generator().manual_seed(9)
     prompts = [torch.randint(3, 200, (3 + 4 * i,), generator=g).tolist() for i in range(8)]
 
-    def logits(engine, graphs, fused, names=names):
+    def logits(graphs, fused):
         monkeypatch.setattr(model_runner, "use_triton", lambda t: fused)
         with decoding_batch(engine, prompts, names, graphs=graphs) as (runner, seqs):
             assert {s.lora_slot for s in seqs} <= {-1, 0}  # the one adapter went to slot 0
             if graphs:
                 assert runner.graphs.dispatch(len(seqs), runner.lora.slot_bound(0)).lora_slots == 1
             return runner.decode(seqs).float().clone()
-    ref = logits(fp32, False, False)
-    graph, eager = logits(bf16, True, True), logits(bf16, False, True)
+    graph, eager = logits(True, True), logits(False, True)
     assert torch.equal(graph, eager)  # the same kernels, replayed
-    plain = logits(bf16, False, False)
-    err = {k: ((v - ref).norm() / ref.norm()).item() for k, v in
-           {"fused graph, bound 1": graph, "shrink+expand": plain}.items()}
-    print("bf16 decode logits, relative error vs fp32:", err)
-    assert err["fused graph, bound 1"] <= 1.25 * err["shrink+expand"] + 1e-3
-    with decoding_batch(bf16, prompts[:3], ["qv", "mlp1", "o"], graphs=True) as (runner, seqs):
+    plain = logits(False, False)  # shrink + expand over the metadata, every slot
+    assert ((graph - plain).norm() / plain.norm()).item() < 1e-4
+    with decoding_batch(engine, prompts[:3], ["qv", "mlp1", "o"], graphs=True) as (runner, seqs):
         top = max(s.lora_slot for s in seqs)
         assert top == 2 and runner.graphs.dispatch(3, runner.lora.slot_bound(top)).lora_slots == 4
 
