@@ -22,6 +22,8 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH="$PYTHONPATH:/tmp/site"
 fi
+# Pass BATCHRUN_COMMIT=<hash> from the machine that launches the call: the device copy's .git can
+# be stale (session 9: runs of bbb314e..aa7ae7a recorded a1f73e2, fixed by hand in their JSON).
 export BATCHRUN_COMMIT="${BATCHRUN_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}"
 summary=()
 n=0

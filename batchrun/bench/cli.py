@@ -132,9 +132,9 @@ def latency(**kw):
 @click.option("--target-many-active-pct", type=float, default=15.0, show_default=True,
               help="Budget: % slower than LoRA disabled with rows over --max-loras adapters.")
 @click.option("--target-memory-ratio", type=float, default=1.15, show_default=True,
-              help="Budget: the LoRA engine's graph pools (both sets) over the no-LoRA set's.")
+              help="Budget: the LoRA engine's graph pools (all sets) over the no-LoRA set's.")
 @click.option("--target-capture-s", type=float, default=20.0, show_default=True,
-              help="Budget: seconds to capture both graph sets of the LoRA engine.")
+              help="Budget: seconds to capture all graph sets of the LoRA engine.")
 def lora_matrix(**kw):
     """LoRA disabled vs enabled with 0 / 1 / max-loras active adapters, graphs and eager,
     A/B interleaved in one process, with each slowdown against its --target-* budget."""

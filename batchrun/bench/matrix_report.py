@@ -43,7 +43,7 @@ def print_matrix(r: dict, echo=print) -> None:
                      f"{m['no_lora_alone_mib (engine A)']:.1f} MiB -> {ratio} "
                      f"(target <= {m['target']}x: {_met(m['met'])})")
             else:
-                echo(f"graph capture: LoRA engine both sets {m['B_both_sets_s']:.2f} s, "
+                echo(f"graph capture: LoRA engine, all sets {m['B_both_sets_s']:.2f} s, "
                      f"LoRA-disabled engine {m['A_no_lora_s']:.2f} s (target <= "
                      f"{m['target_s']:.0f} s: {_met(m['met'])})")
     echo("")
