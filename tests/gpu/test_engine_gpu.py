@@ -171,8 +171,8 @@ def test_low_slots_replay_the_lora_set_of_their_slot_bound(tmp_path, monkeypatch
     import batchrun.engine.model_runner as model_runner
     from benchmarks.step_probe import decoding_batch
     engine, adapters = _tiny_lora_engine(tmp_path / "f", False)
-    assert engine.lora.slot_bounds == (1, 2, 4)
-    assert set(engine.runner.graphs.stats["pool_bytes"]) == {"no_lora", "lora_1", "lora_2", "lora_4"}
+    assert engine.lora.slot_bounds == (1, 4)
+    assert set(engine.runner.graphs.stats["pool_bytes"]) == {"no_lora", "lora_1", "lora_4"}
     names = ["all", None, "all", None, "all", "all", None, "all"]
     g = torch.Generator().manual_seed(9)
     prompts = [torch.randint(3, 200, (3 + 4 * i,), generator=g).tolist() for i in range(8)]

@@ -97,7 +97,7 @@ def test_deferred_delta(mcfg, setup):
     m = LoRAManager(model, paths, max_loras=3, max_lora_rank=8, max_num_tokens=16,
                     device="cpu", dtype=torch.float32)
     slots = {n: m.acquire(n) for n in ("x", "y", "z")}
-    assert slots == {"x": 0, "y": 1, "z": 2} and m.slot_bounds == (1, 2, 3)
+    assert slots == {"x": 0, "y": 1, "z": 2} and m.slot_bounds == (1, 3)
     names = [None, "x", "y", "z", None, "y", "x"]
     token_slots = [-1 if n is None else slots[n] for n in names]
     g = torch.Generator().manual_seed(3)
