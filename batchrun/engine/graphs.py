@@ -3,9 +3,10 @@
 A decode step with no adapter row replays a graph captured from a step with `lora=None`, which
 holds exactly the kernels of a LoRA-disabled engine; a step with any adapter row replays a LoRA
 graph, captured from a LoRAStep whose tensors are the static buffers each step rewrites. LoRA
-graphs come in one set per slot bound k (the LoRA manager's `slot_bounds`: 1 and max_loras): a step whose rows' slots are all below k replays the set of the smallest such k,
-whose fused GEMMs stream only the A rows of slots 0..k-1 (lora/layer.py). All sets share one
-memory pool, captured largest size first so smaller graphs reuse its blocks.
+graphs come in one set per slot bound k (the LoRA manager's `slot_bounds`: 1 and max_loras): a
+step whose rows' slots are all below k replays the set of the smallest such k, whose fused GEMMs
+stream only the A rows of slots 0..k-1 (lora/layer.py). All sets share one memory pool,
+captured largest size first so smaller graphs reuse its blocks.
 
 A GraphRunner belongs to one ModelRunner (model_runner.py), which creates it, captures it and
 replays it; it holds only its graphs and their outputs, and captures through the forward
