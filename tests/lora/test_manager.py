@@ -26,6 +26,24 @@ def _manager(mcfg, paths, **kw):
     return model, LoRAManager(model, paths, **kw)
 
 
+def _assert_slot_holds(m, mcfg, name, path, slot):
+    """Slot `slot` of every hook holds adapter `name`'s A and B (zero padded past its rank, zero
+    where it targets nothing)."""
+    from batchrun.engine.lora import load_adapter
+    w = load_adapter(name, path, mcfg, 8).weights
+    for (layer, module), h in m.hooks.items():
+        for s in range(h.num_slices):
+            lo, hi = h.slice_offsets[s], h.slice_offsets[s + 1]
+            a, b = h.lora_a[s, slot], h.lora_b[slot, lo:hi]
+            if (layer, module, s) in w:
+                wa, wb = w[(layer, module, s)]
+                r = wa.shape[0]
+                assert torch.equal(a[:r], wa) and torch.equal(b[:, :r], wb)
+                assert not a[r:].any() and not b[:, r:].any()  # zero padding
+            else:
+                assert not a.any() and not b.any()
+
+
 def test_lru_slots(mcfg, five):
     model, m = _manager(mcfg, five, max_cpu_loras=2)
     assert m.names == frozenset(five)
@@ -60,23 +78,11 @@ def test_active_adapters_are_kept_in_the_lowest_slots(mcfg, five):
     """An adapter that becomes active takes the lowest slot that is free or holds an unpinned
     adapter (swapping contents with it), so the slot bound of a step with few active adapters
     stays small. Every adapter's weights follow it to its new slot."""
-    from batchrun.engine.lora import load_adapter
     _, m = _manager(mcfg, five, max_loras=4)
 
     def check_contents():
         for name, slot in m._resident.items():
-            w = load_adapter(name, five[name], mcfg, 8).weights
-            for (layer, module), h in m.hooks.items():
-                for s in range(h.num_slices):
-                    lo, hi = h.slice_offsets[s], h.slice_offsets[s + 1]
-                    a, b = h.lora_a[s, slot], h.lora_b[slot, lo:hi]
-                    if (layer, module, s) in w:
-                        wa, wb = w[(layer, module, s)]
-                        r = wa.shape[0]
-                        assert torch.equal(a[:r], wa) and torch.equal(b[:, :r], wb)
-                        assert not a[r:].any() and not b[:, r:].any()
-                    else:
-                        assert not a.any() and not b.any()
+            _assert_slot_holds(m, mcfg, name, five[name], slot)
 
     assert [m.acquire(n) for n in ("a0", "a1", "a2")] == [0, 1, 2] and m.num_moves == 0
     m.release("a0"), m.release("a1")
@@ -129,7 +135,6 @@ def test_cpu_cache_unbounded(mcfg, five):
 
 def test_slot_contents(mcfg, five):
     model, m = _manager(mcfg, five)
-    from batchrun.engine.lora import load_adapter
     hooked = {(i, n) for i, layer in enumerate(model.model.layers)
               for n, lin in [("qkv_proj", layer.self_attn.qkv_proj), ("o_proj", layer.self_attn.o_proj),
                              ("gate_up_proj", layer.mlp.gate_up_proj), ("down_proj", layer.mlp.down_proj)]
@@ -139,18 +144,7 @@ def test_slot_contents(mcfg, five):
     for name in ["a3", "a0", "a1", "a2", "a4", "a3"]:  # a0 (q,v) overwrites all-linear a3's slot
         slot = m.acquire(name)
         m.release(name)
-        w = load_adapter(name, five[name], mcfg, 8).weights
-        for (layer, module), h in m.hooks.items():
-            for s in range(h.num_slices):
-                lo, hi = h.slice_offsets[s], h.slice_offsets[s + 1]
-                a, b = h.lora_a[s, slot], h.lora_b[slot, lo:hi]
-                if (layer, module, s) in w:
-                    wa, wb = w[(layer, module, s)]
-                    r = wa.shape[0]
-                    assert torch.equal(a[:r], wa) and torch.equal(b[:, :r], wb)
-                    assert not a[r:].any() and not b[:, r:].any()  # zero padding
-                else:
-                    assert not a.any() and not b.any()
+        _assert_slot_holds(m, mcfg, name, five[name], slot)
     assert ptrs == {k: (h.lora_a.data_ptr(), h.lora_b.data_ptr()) for k, h in m.hooks.items()}
 
 
