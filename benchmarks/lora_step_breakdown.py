@@ -39,8 +39,7 @@ def graph_step_us(engine, prompts, adapters, n: int = 60) -> tuple[float, float]
         return sorted(times)[n // 2]
     with decoding_batch(engine, prompts, adapters, graphs=True) as (runner, seqs):
         step = med(lambda: runner.decode(seqs))
-        top = max(s.lora_slot for s in seqs)
-        key = runner.graphs.dispatch(len(seqs), runner.lora.slot_bound(top) if top >= 0 else 0)
+        key = runner.graphs.dispatch(len(seqs), runner.decode_slot_bound(seqs))
         replay = med(lambda: runner.graphs.replay(key))
     return step, replay
 

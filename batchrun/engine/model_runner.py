@@ -101,10 +101,7 @@ class ModelRunner:
     def decode(self, seqs: list[Sequence]) -> torch.Tensor:
         """One token per sequence -> fp32 logits [len(seqs), V]."""
         b = len(seqs)
-        top = max(s.lora_slot for s in seqs)
-        if top >= 0 and self.lora is None:
-            raise AssertionError("a LoRA row reached an engine without LoRA")
-        k = self.lora.slot_bound(top) if top >= 0 else 0  # slot bound, 0 = no adapter row
+        k = self.decode_slot_bound(seqs)
         graphs = None if self._eager else self._graphs
         key = graphs.dispatch(b, k) if graphs else None
         rows = key.padded_batch_size if key else b
@@ -112,6 +109,16 @@ class ModelRunner:
         if key is not None:
             return graphs.replay(key)[:b]
         return self.decode_forward(rows, lora)[:b]
+
+    def decode_slot_bound(self, seqs: list[Sequence]) -> int:
+        """The slot bound of a decode step of `seqs` (0: no adapter row), which picks its graph
+        set and how many slots' A rows its fused GEMMs stream."""
+        top = max(s.lora_slot for s in seqs)
+        if top < 0:
+            return 0
+        if self.lora is None:
+            raise AssertionError("a LoRA row reached an engine without LoRA")
+        return self.lora.slot_bound(top)
 
     def decode_forward(self, rows: int, lora: LoRAStep | None) -> torch.Tensor:
         """The step a graph captures: reads only the static buffers' first `rows` rows (and
