@@ -24,12 +24,13 @@ class RowState:
     """What the sampler needs of one sequence."""
     params: SamplingParams
     seed: int  # unused by greedy rows
-    token_ids: list[int]  # prompt + output so far (only read for penalties)
+    token_ids: list[int]  # prompt + output so far, as known on the host (read for penalties)
     prompt_len: int
+    num_pending: int = 0  # tokens sampled on the device, not yet in token_ids (async steps)
 
     @property
     def num_output(self) -> int:
-        return len(self.token_ids) - self.prompt_len
+        return len(self.token_ids) + self.num_pending - self.prompt_len
 
 
 @dataclass
@@ -39,41 +40,81 @@ class SampleOutput:
     top_logprobs: list[list[tuple[int, float]] | None]
 
 
+def to_device(values, dtype: torch.dtype, dev: torch.device) -> torch.Tensor:
+    """A small host list as a device tensor without waiting for the device: torch.tensor(...,
+    device=cuda) copies from pageable memory, which synchronises the stream (and so would end
+    the overlap of the next step's planning with this one's kernels, engine.py)."""
+    t = torch.tensor(values, dtype=dtype, pin_memory=dev.type == "cuda")
+    return t.to(dev, non_blocking=True) if dev.type == "cuda" else t
+
+
+class PendingSample:
+    """A step's sampled tokens (and logprobs) on their way to the host: the device has been
+    asked for them and for copies into pinned memory; ``result()`` waits for those copies only,
+    not for work queued after them (the next step's kernels)."""
+
+    def __init__(self, tokens: torch.Tensor, want: list[int], ks: list[int],
+                 picked: torch.Tensor | None, top_v: torch.Tensor | None, top_i: torch.Tensor | None):
+        self.tokens = tokens  # [N] int64 on the device: the next step's input ids of these rows
+        self.n, self.want, self.ks = tokens.shape[0], want, ks
+        cuda = tokens.device.type == "cuda"
+        host = [t if t is None or not cuda else t.to("cpu", non_blocking=True)
+                for t in (tokens, picked, top_v, top_i)]
+        self._host = host
+        self._event = None
+        if cuda:
+            self._event = torch.cuda.Event()
+            self._event.record()
+
+    def result(self) -> SampleOutput:
+        if self._event is not None:
+            self._event.synchronize()
+        tokens, picked, top_v, top_i = self._host
+        logprobs: list[float | None] = [None] * self.n
+        top: list[list[tuple[int, float]] | None] = [None] * self.n
+        if self.want:
+            picked = picked.tolist()
+            if top_v is not None:
+                top_v, top_i = top_v.tolist(), top_i.tolist()
+            for j, (i, k) in enumerate(zip(self.want, self.ks)):
+                logprobs[i] = picked[j]
+                top[i] = list(zip(top_i[j][:k], top_v[j][:k])) if k else []
+        return SampleOutput(tokens.tolist(), logprobs, top)
+
+
 def sample(logits: torch.Tensor, rows: list[RowState], eos_ids=()) -> SampleOutput:
+    """The rows' next tokens, waiting for them."""
+    return sample_async(logits, rows, eos_ids).result()
+
+
+def sample_async(logits: torch.Tensor, rows: list[RowState], eos_ids=()) -> PendingSample:
+    """Queue the sampling of the rows' next tokens on the device; nothing here waits for it."""
     # logits: [N, V] fp32, one row per sequence to sample
     n, vocab = logits.shape
     dev = logits.device
     want = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
-    raw_lp = logits[want].float().log_softmax(dim=-1) if want else None
+    raw_lp = logits[to_device(want, torch.long, dev)].float().log_softmax(dim=-1) if want else None
 
     logits = _mask_min_tokens(logits, rows, eos_ids)
     logits = _apply_penalties(logits, rows)
     tokens = logits.argmax(dim=-1)
     sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
     if sampled:
-        idx = torch.tensor(sampled, device=dev)
+        idx = to_device(sampled, torch.long, dev)
         params = [rows[i].params for i in sampled]
         probs = _filtered_probs(logits[idx], params)
-        seeds = torch.tensor([rows[i].seed for i in sampled], device=dev, dtype=torch.int64)
-        steps = torch.tensor([rows[i].num_output for i in sampled], device=dev, dtype=torch.int64)
+        seeds = to_device([rows[i].seed for i in sampled], torch.int64, dev)
+        steps = to_device([rows[i].num_output for i in sampled], torch.int64, dev)
         noise = exponential_noise(seeds, steps, vocab)
         tokens[idx] = (probs.double() / noise).argmax(dim=-1)
-    token_list = tokens.tolist()
 
-    logprobs: list[float | None] = [None] * n
-    top: list[list[tuple[int, float]] | None] = [None] * n
+    ks = [rows[i].params.logprobs for i in want]
+    picked = top_v = top_i = None
     if want:
-        chosen = torch.tensor([token_list[i] for i in want], device=dev)
-        picked = raw_lp.gather(1, chosen[:, None])[:, 0].tolist()
-        k_max = max(rows[i].params.logprobs for i in want)
-        if k_max:
-            top_v, top_i = raw_lp.topk(min(k_max, vocab), dim=-1)
-            top_v, top_i = top_v.tolist(), top_i.tolist()
-        for j, i in enumerate(want):
-            k = rows[i].params.logprobs
-            logprobs[i] = picked[j]
-            top[i] = list(zip(top_i[j][:k], top_v[j][:k])) if k else []
-    return SampleOutput(token_list, logprobs, top)
+        picked = raw_lp.gather(1, tokens[to_device(want, torch.long, dev)][:, None])[:, 0]
+        if max(ks):
+            top_v, top_i = raw_lp.topk(min(max(ks), vocab), dim=-1)
+    return PendingSample(tokens, want, ks, picked, top_v, top_i)
 
 
 def _mask_min_tokens(logits: torch.Tensor, rows: list[RowState], eos_ids) -> torch.Tensor:
@@ -91,7 +132,7 @@ def _mask_min_tokens(logits: torch.Tensor, rows: list[RowState], eos_ids) -> tor
         return logits
     logits = logits.clone()
     dev = logits.device
-    logits[torch.tensor(row_idx, device=dev), torch.tensor(tok_idx, device=dev)] = float("-inf")
+    logits[to_device(row_idx, torch.long, dev), to_device(tok_idx, torch.long, dev)] = float("-inf")
     return logits
 
 
@@ -104,12 +145,12 @@ def _apply_penalties(logits: torch.Tensor, rows: list[RowState]) -> torch.Tensor
     out_counts = _counts([rows[i].token_ids[rows[i].prompt_len:] for i in pen], vocab, dev)
     prompt_seen = _counts([rows[i].token_ids[:rows[i].prompt_len] for i in pen], vocab, dev) > 0
     seen = prompt_seen | (out_counts > 0)
-    idx = torch.tensor(pen, device=dev)
+    idx = to_device(pen, torch.long, dev)
     sub = logits[idx]
-    rep = torch.tensor([rows[i].params.repetition_penalty for i in pen], device=dev, dtype=sub.dtype)[:, None]
+    rep = to_device([rows[i].params.repetition_penalty for i in pen], sub.dtype, dev)[:, None]
     sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
-    freq = torch.tensor([rows[i].params.frequency_penalty for i in pen], device=dev, dtype=sub.dtype)[:, None]
-    pres = torch.tensor([rows[i].params.presence_penalty for i in pen], device=dev, dtype=sub.dtype)[:, None]
+    freq = to_device([rows[i].params.frequency_penalty for i in pen], sub.dtype, dev)[:, None]
+    pres = to_device([rows[i].params.presence_penalty for i in pen], sub.dtype, dev)[:, None]
     sub = sub - freq * out_counts.to(sub.dtype) - pres * (out_counts > 0).to(sub.dtype)
     logits = logits.clone()
     logits[idx] = sub
@@ -132,22 +173,22 @@ def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch
     # logits: [M, V] -> probabilities after temperature, top-k and top-p
     dev = logits.device
     vocab = logits.shape[-1]
-    temp = torch.tensor([p.temperature for p in params], device=dev, dtype=logits.dtype)
+    temp = to_device([p.temperature for p in params], logits.dtype, dev)
     logits = logits / temp[:, None]
     ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
     nucleus = [i for i, p in enumerate(params) if p.top_p < 1]
     only_k = [i for i, p in enumerate(params) if p.top_p >= 1 and ks[i] < vocab]
     if only_k:  # top-k alone: a threshold from topk, no sort of the whole vocabulary
-        idx = torch.tensor(only_k, device=dev)
+        idx = to_device(only_k, torch.long, dev)
         sub = logits[idx]
-        k = torch.tensor([ks[i] for i in only_k], device=dev)
-        top_vals = sub.topk(int(k.max()), dim=-1).values
+        k = to_device([ks[i] for i in only_k], torch.long, dev)
+        top_vals = sub.topk(max(ks[i] for i in only_k), dim=-1).values
         thresh = top_vals.gather(1, (k - 1)[:, None])
         logits[idx] = sub.masked_fill(sub < thresh, float("-inf"))
     if nucleus:
-        idx = torch.tensor(nucleus, device=dev)
-        top_k = torch.tensor([ks[i] for i in nucleus], device=dev)
-        top_p = torch.tensor([params[i].top_p for i in nucleus], device=dev, dtype=logits.dtype)
+        idx = to_device(nucleus, torch.long, dev)
+        top_k = to_device([ks[i] for i in nucleus], torch.long, dev)
+        top_p = to_device([params[i].top_p for i in nucleus], logits.dtype, dev)
         logits[idx] = _top_k_top_p_sorted(logits[idx], top_k, top_p)
     return logits.softmax(dim=-1)
 
