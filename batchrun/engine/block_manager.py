@@ -92,7 +92,9 @@ class BlockManager:
     def cache_blocks(self, seq: Sequence, num_tokens: int) -> None:
         """Register seq's full blocks among its first num_tokens tokens: the step being planned
         computes their K/V (see the module doc)."""
-        full = num_tokens // self.block_size
+        # only blocks whose tokens are all known: a token still on its way from the device
+        # (async steps, engine.py) is hashed by the step that plans after it is read back
+        full = min(num_tokens, len(seq.token_ids)) // self.block_size
         if not self.enable_caching or full <= seq.num_cached_blocks:
             return
         hashes = self._hashes(seq, full)
@@ -104,6 +106,8 @@ class BlockManager:
         """seq's first n block hashes, extending the ones it keeps (its tokens only grow, and a
         preempted sequence keeps them for its re-admission)."""
         hs, bs = seq.block_hashes, self.block_size
+        if n * bs > len(seq.token_ids):
+            raise AssertionError(f"hash of {n} blocks of a sequence with {len(seq.token_ids)} known tokens")
         while len(hs) < n:
             i = len(hs)
             hs.append(block_hash(hs[-1] if hs else ROOT_HASH, seq.adapter, seq.token_ids[i * bs:(i + 1) * bs]))

@@ -46,19 +46,28 @@ class ModelRunner:
         for i, attn in enumerate(model.attention_layers()):
             attn.k_cache, attn.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
         n, mb = config.max_num_seqs, self.max_blocks_per_seq
-        # Static decode inputs live in two device buffers (int64 and int32) with one pinned host
-        # mirror each, so a step's inputs cost two host->device copies. Views:
-        self._i64 = torch.zeros(3, n, dtype=torch.long, device=device)
+        # Static decode inputs live in two device buffers (int64 and int32), so a step's inputs
+        # cost two host->device copies. Views:
+        self._i64 = torch.zeros(5, n, dtype=torch.long, device=device)
         self._i32 = torch.zeros(n * (2 + mb), dtype=torch.int32, device=device)
-        pin = device.type == "cuda"
-        self._host_i64 = torch.zeros(self._i64.shape, dtype=torch.long, pin_memory=pin)
-        self._host_i32 = torch.zeros(self._i32.shape, dtype=torch.int32, pin_memory=pin)
-        self.input_ids, self.positions, self.slot_mapping = self._i64  # [n] each
+        self.input_ids, self.positions, self.slot_mapping = self._i64[:3]  # [n] each
+        # rows whose input id is a token still on the device (async steps): input_ids[dst[j]] =
+        # the previous step's tokens[src[j]] (not read by the graphs)
+        self._pending_dst, self._pending_src = self._i64[3], self._i64[4]
         self.context_lens, self.token_slots = self._i32[:n], self._i32[n:2 * n]  # [n] each
         self.block_tables = self._i32[2 * n:].view(n, mb)  # [n, max_blocks_per_seq]
         self.logits = torch.empty(n, cfg.vocab_size, dtype=torch.float32, device=device)  # [n, V]
-        # per row of the host block table: (the block_ids list it was written from, its length)
-        self._table_keys: list = [None] * n
+        # Two pinned host mirrors of each, used by turns: with async steps the host writes step
+        # n+1's inputs while step n may not have copied its own yet; step n-1's copies are done
+        # (the engine waited for its tokens) and it used the other pair.
+        pin = device.type == "cuda"
+        self._host = [(torch.zeros(self._i64.shape, dtype=torch.long, pin_memory=pin),
+                       torch.zeros(self._i32.shape, dtype=torch.int32, pin_memory=pin))
+                      for _ in range(2)]
+        self._turn = 0
+        # per pair, per row of its host block table: (the block_ids list it was written from,
+        # its length)
+        self._table_keys: list[list] = [[None] * n for _ in range(2)]
         self._graphs: GraphRunner | None = None  # capture_graphs()
         self._eager = False  # eager(): decode without graphs even when they are captured
         # The LoRA part of every fused LoRA decode step (the Triton path), captured graphs
@@ -98,14 +107,16 @@ class ModelRunner:
 
     # ---- decode -------------------------------------------------------------------------
     @torch.inference_mode()
-    def decode(self, seqs: list[Sequence]) -> torch.Tensor:
-        """One token per sequence -> fp32 logits [len(seqs), V]."""
+    def decode(self, seqs: list[Sequence], prev_tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """One token per sequence -> fp32 logits [len(seqs), V]. A row whose newest token is
+        still on the device (seq.num_pending) reads it from `prev_tokens`, the previous step's
+        sampled tokens, at seq.pending_row."""
         b = len(seqs)
         k = self.decode_slot_bound(seqs)
         graphs = None if self._eager else self._graphs
         key = graphs.dispatch(b, k) if graphs else None
         rows = key.padded_batch_size if key else b
-        lora = self._write_decode_inputs(seqs, rows, k)
+        lora = self._write_decode_inputs(seqs, rows, k, prev_tokens)
         if key is not None:
             return graphs.replay(key)[:b]
         return self.decode_forward(rows, lora)[:b]
@@ -130,26 +141,42 @@ class ModelRunner:
         # per-graph output alive in the pool (a [rows, vocab] fp32 tensor per graph otherwise)
         return self.model.compute_logits(hidden, out=self.logits[:rows])
 
-    def _write_decode_inputs(self, seqs: list[Sequence], rows: int,
-                             num_slots: int) -> LoRAStep | None:
+    def _write_decode_inputs(self, seqs: list[Sequence], rows: int, num_slots: int,
+                             prev_tokens: torch.Tensor | None) -> LoRAStep | None:
         n, bs = self.config.max_num_seqs, self.block_size
-        h64, h32 = self._host_i64.numpy(), self._host_i32.numpy()
+        turn = self._turn
+        self._turn ^= 1
+        host_i64, host_i32 = self._host[turn]
+        h64, h32 = host_i64.numpy(), host_i32.numpy()
         b = len(seqs)  # rows b..rows are padding: scratch block, no context, no LoRA
-        lens = [len(s.token_ids) for s in seqs]
+        lens = [s.num_tokens for s in seqs]
         lora = [s.lora_slot for s in seqs]
-        h64[0, :b] = [s.token_ids[-1] for s in seqs]
+        h64[0, :b] = [0 if s.num_pending else s.token_ids[-1] for s in seqs]
+        pending = [(i, s.pending_row) for i, s in enumerate(seqs) if s.num_pending]
         h64[1, :b] = [m - 1 for m in lens]
         slot = self.blocks.slot
         h64[2, :b] = [slot(s, m - 1) for s, m in zip(seqs, lens)]
         h32[:b], h32[n:n + b] = lens, lora
-        self._write_block_tables(seqs, rows)
+        self._write_block_tables(seqs, rows, turn)
         for s, m in zip(seqs, lens):
             s.num_computed = m
-        h64[:, b:rows] = 0
+        h64[:3, b:rows] = 0
         h64[2, b:rows] = SCRATCH_BLOCK * bs
         h32[b:rows], h32[n + b:n + rows] = 0, -1
-        self._i64.copy_(self._host_i64, non_blocking=True)
-        self._i32.copy_(self._host_i32, non_blocking=True)
+        in_order = len(pending) == b and all(i == j for i, j in pending)
+        if pending and not in_order:
+            h64[3, :len(pending)], h64[4, :len(pending)] = zip(*pending)
+        self._i64.copy_(host_i64, non_blocking=True)
+        self._i32.copy_(host_i32, non_blocking=True)
+        if pending:
+            if prev_tokens is None:
+                raise AssertionError("a decode row's newest token is pending but no previous step's tokens were given")
+            if in_order:  # the usual step: the previous step's rows, in the same order
+                self.input_ids[:b].copy_(prev_tokens[:b])
+            else:
+                m = len(pending)
+                self.input_ids.index_copy_(0, self._pending_dst[:m],
+                                           prev_tokens.index_select(0, self._pending_src[:m]))
         if not num_slots:  # slot bound 0: no adapter row
             return None
         # decode on the Triton path: LoRA deltas ride into the kernels after each projection,
@@ -158,14 +185,14 @@ class ModelRunner:
             return self._fused_decode_lora[num_slots]
         return self.lora.lora_step(lora + [-1] * (rows - b), has_lora=True, num_slots=num_slots)
 
-    def _write_block_tables(self, seqs: list[Sequence], rows: int) -> None:
-        """Rows of the host block table that changed since the last decode step: a row's
-        blocks only grow (extend) or are replaced by a new list (admission, preemption), so a
-        row still holding the same list at the same length is as it was. Padding rows
-        (len(seqs)..rows) point at the scratch block."""
+    def _write_block_tables(self, seqs: list[Sequence], rows: int, turn: int) -> None:
+        """Rows of the host block table of pair `turn` that changed since that pair's last
+        decode step: a row's blocks only grow (extend) or are replaced by a new list
+        (admission, preemption), so a row still holding the same list at the same length is as
+        it was. Padding rows (len(seqs)..rows) point at the scratch block."""
         n, mb = self.config.max_num_seqs, self.max_blocks_per_seq
-        tables = self._host_i32.numpy()[2 * n:].reshape(n, mb)
-        keys = self._table_keys
+        tables = self._host[turn][1].numpy()[2 * n:].reshape(n, mb)
+        keys = self._table_keys[turn]
         for i, s in enumerate(seqs):
             ids, key = s.block_ids, keys[i]
             if key is not None and key[0] is ids and key[1] == len(ids):
@@ -180,10 +207,11 @@ class ModelRunner:
 
     # ---- prefill (and mixed) -------------------------------------------------------------
     @torch.inference_mode()
-    def prefill(self, seqs: list[Sequence], counts: list[int],
-                num_decode: int = 0) -> tuple[list[int], torch.Tensor]:
+    def prefill(self, seqs: list[Sequence], counts: list[int], num_decode: int = 0,
+                prev_tokens: torch.Tensor | None = None) -> tuple[list[int], torch.Tensor]:
         """Compute `counts[i]` tokens of seqs[i] from its num_computed on. Returns the indices
         of sequences whose tokens are now all computed and their fp32 logits [len(done), V].
+        A decode row whose token is still on the device reads it from `prev_tokens` (decode()).
 
         A mixed step puts its decode rows first: seqs[:num_decode], one token each (the last
         sampled one); attention runs them through the decode kernel and the rest through the
@@ -197,13 +225,20 @@ class ModelRunner:
         slots = np.empty(total, dtype=np.int64)
         lora = np.empty(total, dtype=np.int32)
         table = np.zeros((len(seqs), self.max_blocks_per_seq), dtype=np.int32)
-        ctx_lens, done, last, t = [], [], [], 0
+        ctx_lens, done, last, t, pending = [], [], [], 0, []
         for i, (s, n) in enumerate(zip(seqs, counts)):
             start, end = s.num_computed, s.num_computed + n
             table[i, :len(s.block_ids)] = s.block_ids
             if n == 1:  # decode rows: plain ints beat numpy's per-call cost
-                ids[t], pos[t], slots[t] = s.token_ids[start], start, self.blocks.slot(s, start)
+                if start < len(s.token_ids):
+                    ids[t] = s.token_ids[start]
+                else:  # its newest token is on the device
+                    ids[t] = 0
+                    pending.append((t, s.pending_row))
+                pos[t], slots[t] = start, self.blocks.slot(s, start)
             else:
+                if end > len(s.token_ids):
+                    raise AssertionError("a prompt chunk reaches past the tokens known on the host")
                 p = np.arange(start, end)
                 ids[t:t + n] = s.token_ids[start:end]
                 pos[t:t + n] = p
@@ -225,8 +260,13 @@ class ModelRunner:
             fuse = use_triton(self._i64) and total <= self.config.lora_fused_max_tokens
             has = bool((lora >= 0).any())
             step_lora = self.lora.lora_step(lora.tolist() if has else [], has_lora=has, fuse=fuse)
-        hidden = self.model(torch.from_numpy(ids).to(dev), torch.from_numpy(pos).to(dev),
-                            Step(attn, step_lora))
+        ids_dev = torch.from_numpy(ids).to(dev)
+        if pending:
+            if prev_tokens is None:
+                raise AssertionError("a decode row's newest token is pending but no previous step's tokens were given")
+            dst, src = (torch.tensor(v, dtype=torch.long, device=dev) for v in zip(*pending))
+            ids_dev.index_copy_(0, dst, prev_tokens.index_select(0, src))
+        hidden = self.model(ids_dev, torch.from_numpy(pos).to(dev), Step(attn, step_lora))
         if not done:
             return done, hidden.new_empty(0)
         return done, self.model.compute_logits(hidden[torch.tensor(last, device=dev)])

@@ -56,6 +56,7 @@ class Scheduler:
     def __init__(self, config: EngineConfig, block_manager: BlockManager, lora=None):
         self.max_num_seqs = config.max_num_seqs
         self.max_batched = config.max_num_batched_tokens
+        self.max_model_len = config.max_model_len
         self.mixed = config.enable_mixed_steps
         self.blocks = block_manager
         self.lora = lora  # LoRAManager or None
@@ -108,6 +109,8 @@ class Scheduler:
         for seq in list(self.running):
             if seq.status is not SeqStatus.RUNNING or seq.needs_prefill:
                 continue  # preempted while making room for an earlier row / a prompt chunk
+            if seq.num_pending and seq.ends_by_length(self.max_model_len):
+                continue  # async steps: the step in flight gave it its last token
             if self._make_room(seq, seq.num_tokens):
                 rows.append(seq)
         return rows, self.num_preemptions > before
@@ -191,12 +194,19 @@ class Scheduler:
         self.running.remove(seq)
         self._release(seq)
         self.num_recomputed_tokens += seq.num_computed
+        seq.preempted_computed = seq.num_computed
         seq.reset_for_recompute()
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
     def finish(self, seq: Sequence, reason: str) -> None:
-        self.running.remove(seq)
+        if seq.status is SeqStatus.WAITING:
+            # async steps: preempted while its last token was on its way from the device; the
+            # tokens counted as to be recomputed never will be
+            self._take_waiting(seq)
+            self.num_recomputed_tokens -= seq.preempted_computed
+        else:
+            self.running.remove(seq)
         self._release(seq)
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason

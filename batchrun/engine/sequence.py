@@ -38,14 +38,28 @@ class Sequence:
         self.logprobs: list[float] = []  # sampling.logprobs: each output token's logprob ...
         self.top_logprobs: list[list[tuple[int, float]]] = []  # ... and the top k (id, logprob)
         self.grammar = None  # sampling.response_format: this row's xgrammar matcher (engine/grammar.py)
+        # async steps (engine.py): tokens sampled on the device but not yet read back into
+        # token_ids (at most one when a step is planned), and the row of the latest launched
+        # step's token tensor that holds this row's newest one (the next step's input id)
+        self.num_pending = 0
+        self.pending_row = -1
+        self.preempted_computed = 0  # num_computed when last preempted (see Scheduler.finish)
 
     @property
     def num_tokens(self) -> int:
-        return len(self.token_ids)
+        """Prompt + outputs, the ones still on their way from the device included."""
+        return len(self.token_ids) + self.num_pending
 
     @property
     def output_ids(self) -> list[int]:
+        """The outputs known on the host."""
         return self.token_ids[self.prompt_len:]
+
+    def ends_by_length(self, max_model_len: int) -> bool:
+        """Its newest (pending) token already reaches max_tokens or max_model_len: the step that
+        reads it back finishes the row, so no further step should carry it."""
+        return (self.num_tokens - self.prompt_len >= self.sampling.max_tokens
+                or self.num_tokens >= max_model_len)
 
     @property
     def num_output(self) -> int:

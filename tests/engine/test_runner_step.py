@@ -117,7 +117,7 @@ def test_decode_block_tables_follow_every_change_of_a_rows_blocks(engine):
         return s
 
     def check(seqs, rows):
-        runner._write_decode_inputs(seqs, rows, num_slots=0)
+        runner._write_decode_inputs(seqs, rows, num_slots=0, prev_tokens=None)
         got = runner.block_tables[:rows].tolist()
         want = [s.block_ids + [0] * (mb - len(s.block_ids)) for s in seqs]
         want += [[SCRATCH_BLOCK] * mb] * (rows - len(seqs))

@@ -102,6 +102,51 @@ def test_graph_replay_matches_eager(tmp_path, mixed):
     assert a == b
 
 
+def test_async_steps_match_sync_and_never_wait_for_the_device(tmp_path, monkeypatch):
+    """Graphs, adapters, rows ending on a stop token, seeded sampled rows with logprobs: the
+    async loop gives the synchronous loop's tokens, and launching a decode step (inputs, graph
+    replay, sampling, the copies of its tokens) never synchronises with the device, which is
+    what lets the host plan the next step while this one runs (torch's sync debug mode raises
+    on any synchronising call)."""
+    engine, adapters = _tiny_lora_engine(tmp_path, False)
+    assert engine.runner.graphs is not None
+    base = engine.generate(_requests(adapters, True))
+    reqs = []
+    for i, (r, b) in enumerate(zip(_requests(adapters, True), base)):
+        if i % 3 == 1:
+            sp = SamplingParams(max_tokens=24, stop_token_ids=(b.output_token_ids[5 + i % 4],))
+        elif i % 3 == 2:
+            sp = SamplingParams(max_tokens=20, temperature=0.7, top_k=20, top_p=0.9, seed=i,
+                                logprobs=2, ignore_eos=True)
+        else:
+            sp = r.sampling
+        reqs.append(Request(r.request_id, r.prompt_token_ids, sp, r.adapter))
+    engine.config.async_scheduling = False
+    want = engine.generate(reqs)
+    engine.config.async_scheduling = True
+    launched = []
+    orig = engine._launch
+
+    def launch(sched, batch, prev):
+        if batch.is_prefill:  # prefill steps copy their inputs from pageable memory: they wait
+            return orig(sched, batch, prev)
+        launched.append(sum(1 for s in batch.seqs if s.num_pending))
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return orig(sched, batch, prev)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    monkeypatch.setattr(engine, "_launch", launch)
+    got = engine.generate(reqs)
+    assert [r.output_token_ids for r in got] == [r.output_token_ids for r in want]
+    assert [r.finish_reason for r in got] == [r.finish_reason for r in want]
+    assert any(r.finish_reason == "stop" for r in want) and any(r.logprobs for r in want)
+    for g, w in zip(got, want):
+        if w.logprobs:
+            assert g.logprobs == pytest.approx(w.logprobs, abs=1e-4)
+    assert sum(launched) > 0  # decode steps did read tokens still on the device
+
+
 def _kernels_of_one_decode_step(engine, prompts):
     from torch.profiler import ProfilerActivity, profile
     from batchrun.engine.scheduler import Scheduler
