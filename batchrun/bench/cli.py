@@ -68,6 +68,8 @@ def _common(f):
         click.option("--lora-rank", type=int, default=16, show_default=True,
                      help="Rank of the random adapters (all 7 projections: q,k,v,o,gate,up,down)."),
         click.option("--enforce-eager", is_flag=True, help="No CUDA graphs."),
+        click.option("--async-scheduling/--no-async-scheduling", default=True, show_default=True,
+                     help="Engine async_scheduling: plan step n+1 while the device runs step n."),
         click.option("--seed", type=int, default=0, show_default=True),
         click.option("--max-num-seqs", type=int, default=None,
                      help="Engine max_num_seqs (also the largest CUDA-graph size). "
@@ -187,6 +189,8 @@ def lora_matrix(**kw):
               help="Job engine.enable_prefix_caching (both runs).")
 @click.option("--enable-mixed-steps/--no-enable-mixed-steps", default=False, show_default=True,
               help="Job engine.enable_mixed_steps: decode tokens and prompt chunks in one step.")
+@click.option("--async-scheduling/--no-async-scheduling", default=True, show_default=True,
+              help="Job engine.async_scheduling: plan step n+1 while the device runs step n.")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--workdir", type=click.Path(file_okay=False), default=None,
               help="Keep the model, adapters, inputs and job output here (a model written "

@@ -74,6 +74,7 @@ class ThroughputParams:
     enforce_eager: bool = False
     enable_prefix_caching: bool = True
     enable_mixed_steps: bool = False
+    async_scheduling: bool = True
     seed: int = 0
     workdir: str | None = None  # None: a temporary directory, removed afterwards
     output_json: str | None = None
@@ -120,7 +121,8 @@ class ThroughputParams:
              "gpu_memory_utilization": self.gpu_memory_utilization,
              "enforce_eager": self.enforce_eager,
              "enable_prefix_caching": self.enable_prefix_caching,
-             "enable_mixed_steps": self.enable_mixed_steps}
+             "enable_mixed_steps": self.enable_mixed_steps,
+             "async_scheduling": self.async_scheduling}
         if self.uses_lora:
             e["max_loras"] = self.max_loras or self.num_adapters
             e["max_lora_rank"] = self.lora_rank
