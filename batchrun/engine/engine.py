@@ -232,9 +232,10 @@ class Engine:
         """Run one scheduled step to its end (tokens read back); returns the sequences that
         finished. (`_run` overlaps steps instead: `_advance`.)"""
         t0 = time.perf_counter()
-        launched = self._launch(sched, self._schedule(sched), None)
-        if launched is None:
-            self._time_step(launched, t0, 0.0)
+        batch = self._schedule(sched)
+        launched = self._launch(sched, batch, None)
+        if launched is None:  # a prefill step that completes no prompt
+            self._time_step(None, t0, 0.0, batch)
             return []
         finished, wait = self._collect(sched, launched)
         self._time_step(launched, t0, wait)
