@@ -288,3 +288,47 @@ def test_bf16_lora_parity_with_peft(tmp_path):
           f"{rate(ours, fp32):.3f}, peft bf16 vs peft fp32 {rate(bf16, fp32):.3f}")
     assert rate(ours, fp32) >= 0.6 * rate(bf16, fp32)
     assert rate(ours, bf16) >= 0.6 * rate(bf16, fp32)
+
+
+@pytest.mark.parametrize("b_scale", [0.02, 0.15])
+def test_bf16_fused_lora_logits_track_fp32_as_closely_as_peft_bf16(tmp_path, b_scale):
+    """The fused LoRA path rounds each token's shrunk values x·Aᵀ to bf16 inside the stacked
+    [W; A] GEMM, as PEFT's bf16 lora_A does (the Punica shrink keeps fp32 partials). Judged
+    against the yardstick users have: the decode-step logits after a fused prefill, ours in
+    bf16 and PEFT's in bf16, each against PEFT in fp32 on the same token sequences. B ~ N(0,
+    0.02) is a trained adapter's scale, 0.15 the other tests' large one (it makes a projection's
+    output ~3x larger, which magnifies any rounding). Session 9 saw the fused prefill 10x
+    further from fp32 than shrink + expand at 0.15; the question here is whether it is further
+    than PEFT bf16 is."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from benchmarks.step_probe import decoding_batch
+    from tests.tiny_models import make_hf_model, save_hf_model
+    save_hf_model("llama3_gqa", tmp_path / "base")
+    peft = get_peft_model(make_hf_model("llama3_gqa"),
+                          LoraConfig(r=8, lora_alpha=16, target_modules="all-linear"))
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():  # A keeps PEFT's default (Kaiming-uniform) init; B gets b_scale
+        for name, p in peft.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * b_scale)
+    peft.save_pretrained(str(tmp_path / "ad"))
+    engine = Engine.from_config(
+        EngineConfig(model=str(tmp_path / "base"), device="cuda", dtype="bfloat16", max_model_len=128,
+                     max_num_seqs=8, enable_lora=True, max_loras=1, max_lora_rank=8),
+        adapters={"ad": str(tmp_path / "ad")})
+    prompts = [torch.randint(3, 200, (6 + 7 * i,), generator=g).tolist() for i in range(8)]
+    with decoding_batch(engine, prompts, ["ad"] * 8, graphs=True) as (runner, seqs):
+        ours = runner.decode(seqs).float().clone()
+        token_lists = [list(s.token_ids) for s in seqs]
+
+    def peft_logits(dtype):
+        m = PeftModel.from_pretrained(make_hf_model("llama3_gqa"), str(tmp_path / "ad"))
+        m = m.to("cuda", dtype).eval()
+        with torch.no_grad():
+            return torch.stack([m(torch.tensor([t], device="cuda")).logits[0, -1].float()
+                                for t in token_lists])
+    ref, peft_bf16 = peft_logits(torch.float32), peft_logits(torch.bfloat16)
+    err = lambda x: ((x - ref).norm() / ref.norm()).item()  # noqa: E731
+    print(f"B scale {b_scale}: decode logits rel err vs PEFT fp32: ours bf16 (fused) "
+          f"{err(ours):.3e}, PEFT bf16 {err(peft_bf16):.3e}")
+    assert err(ours) <= 1.5 * err(peft_bf16) + 1e-3
