@@ -105,7 +105,7 @@ class EngineConfig:
     enable_mixed_steps: bool = False
     cuda_graph_sizes: list[int] | None = None  # None = 1, 2, 4, 8, 16, 24, ... up to max_num_seqs
     # the host plans and launches step n+1 while the device runs step n, and reads step n's
-    # tokens back after (vLLM's async scheduling; engine.Engine._advance). Same outputs; a row
+    # tokens back after (vLLM's async scheduling; steps.StepLoop._advance). Same outputs; a row
     # that ends on EOS or a stop string runs one step more than it needs, and rows with
     # penalties or a response_format make their next step wait for their tokens.
     async_scheduling: bool = True

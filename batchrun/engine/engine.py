@@ -7,8 +7,6 @@
 from __future__ import annotations
 
 import os
-import time
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -18,25 +16,16 @@ from batchrun.engine.block_manager import BlockManager
 from batchrun.engine.kv_sizing import check_one_sequence_fits, num_kv_blocks, resolve_max_num_seqs
 from batchrun.engine.model_runner import ModelRunner
 from batchrun.engine.request import Request, Result
-from batchrun.engine.sampler import PendingSample, RowState, sample_async
-from batchrun.engine.stop import finished_result, stop_reason
-from batchrun.engine.scheduler import ScheduledBatch, Scheduler
-from batchrun.engine.sequence import Sequence, SeqStatus
+from batchrun.engine.stop import finished_result
+from batchrun.engine.steps import StepLoop
+from batchrun.engine.scheduler import Scheduler
+from batchrun.engine.sequence import Sequence
 from batchrun.engine.source import ListSource, RequestSource, as_source
 from batchrun.errors import ConfigError
 from batchrun.engine.request_check import RequestLimits, request_problem
 from batchrun.engine.models.loader import load_model, resolve_dtype
 from batchrun.engine.models.config import ModelConfig, check_context_length
 from batchrun.job.token_count import load_tokenizer  # one loader, shared with the pre-run checks
-
-
-@dataclass
-class _Launched:
-    """A step queued on the device whose tokens the host has not read yet."""
-    batch: ScheduledBatch
-    seqs: list[Sequence]  # the rows it samples, in the order of sampled.tokens
-    sampled: PendingSample
-    needs_sync: bool  # a row's next step needs its tokens on the host (penalties, grammar)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -71,7 +60,7 @@ def max_position(config: EngineConfig, mcfg: ModelConfig) -> int:
     return max(config.max_model_len, mcfg.max_position_embeddings)
 
 
-class Engine:
+class Engine(StepLoop):
     def __init__(self, config: EngineConfig, model, tokenizer, device, dtype, lora=None):
         config = resolve_max_num_seqs(model.config, config, device, dtype)
         self.config, self.model, self.tokenizer = config, model, tokenizer
@@ -227,134 +216,6 @@ class Engine:
         seed = req.sampling.seed
         g.manual_seed(seed if seed is not None else int(torch.randint(0, 2**62, ()).item()))
         return g
-
-    def step(self, sched: Scheduler) -> list[Sequence]:
-        """Run one scheduled step to its end (tokens read back); returns the sequences that
-        finished. (`_run` overlaps steps instead: `_advance`.)"""
-        t0 = time.perf_counter()
-        batch = self._schedule(sched)
-        launched = self._launch(sched, batch, None)
-        if launched is None:  # a prefill step that completes no prompt
-            self._time_step(None, t0, 0.0, batch)
-            return []
-        finished, wait = self._collect(sched, launched)
-        self._time_step(launched, t0, wait)
-        return finished
-
-    def _advance(self, sched: Scheduler, prev: "_Launched | None") -> tuple[list[Sequence], "_Launched | None"]:
-        """One turn of the loop: plan and launch the next step, then read back the tokens of
-        `prev` (the step launched last turn) while the device runs the new one.
-
-        With async_scheduling the host's work for step n+1 (planning, inputs, launches) and for
-        step n (appending its tokens, stop checks) overlaps the device running them, as vLLM's
-        async scheduling does. The plan of step n+1 cannot see step n's tokens: a row's newest
-        token is fed to step n+1 on the device (Sequence.num_pending), a row that step n ends
-        (EOS, stop) runs one step too many (that token is dropped) and its KV blocks and slot
-        free one step later; a row that step n ends by length is left out of step n+1. Rows
-        whose next step reads their tokens on the host (penalties, response_format) make the
-        loop wait for them first. Outputs are those of the synchronous loop."""
-        t0, wait, finished = time.perf_counter(), 0.0, []
-        if prev is not None and (prev.needs_sync or not self.config.async_scheduling):
-            finished, wait = self._collect(sched, prev)
-            self._time_step(prev, t0, wait)
-            return finished, None  # the loop plans the next step once it has taken more rows
-        batch = sched.schedule()
-        if not batch.seqs:
-            if prev is None:
-                self._schedule(sched)  # raises: an empty step with nothing in flight
-            done, w = self._collect(sched, prev)  # rows that only wait to end by length
-            self._time_step(prev, t0, wait + w)
-            return finished + done, None
-        cur = self._launch(sched, batch, prev)
-        if prev is not None:
-            done, w = self._collect(sched, prev)
-            finished, wait = finished + done, wait + w
-        if cur is not None and not self.config.async_scheduling:
-            done, w = self._collect(sched, cur)
-            finished, wait, cur = finished + done, wait + w, None
-        self._time_step(cur or prev, t0, wait, batch)
-        return finished, cur
-
-    def _schedule(self, sched: Scheduler):
-        batch = sched.schedule()
-        if not batch.seqs:
-            raise RuntimeError("scheduler produced an empty step with work pending "
-                               "(KV cache too small for any waiting sequence)")
-        return batch
-
-    def _launch(self, sched: Scheduler, batch, prev: "_Launched | None") -> "_Launched | None":
-        """Queue a scheduled step and its sampling on the device; None when it samples no row
-        (a prefill step that completes no prompt). Rows with a token pending read it from
-        `prev`'s tokens on the device."""
-        prev_tokens = None if prev is None else prev.sampled.tokens
-        self.stats["steps"] += 1
-        if batch.is_prefill:
-            self.stats["mixed_steps" if batch.is_mixed else "prefill_steps"] += 1
-            # rows in batch order: decode rows (always done) first, then finished prompts
-            done, logits = self.runner.prefill(batch.seqs, batch.num_tokens, batch.num_decode,
-                                               prev_tokens)
-            seqs = [batch.seqs[i] for i in done]
-        else:
-            self.stats["decode_steps"] += 1
-            seqs = batch.seqs
-            if self.lora is not None and any(s.lora_slot >= 0 for s in seqs):
-                # an adapter's rows side by side: each row tile of the LoRA kernels then holds
-                # one or two slots, so their slot loop runs once or twice (kernels/lora_delta.py)
-                seqs = sorted(seqs, key=lambda s: s.lora_slot)
-            logits = self.runner.decode(seqs, prev_tokens)
-        if not seqs:
-            return None
-        constrained = [i for i, s in enumerate(seqs) if s.sampling.response_format is not None]
-        if constrained:  # only rows with a response_format pay for the grammar mask
-            g = self._grammar_engine()
-            for i in constrained:
-                if seqs[i].grammar is None:
-                    seqs[i].grammar = g.matcher(seqs[i].sampling.response_format)
-            logits = g.mask(logits, constrained, [seqs[i].grammar for i in constrained])
-        rows = [RowState(s.sampling, s.generator.initial_seed() if s.generator else 0,
-                         s.token_ids, s.prompt_len, s.num_pending) for s in seqs]
-        sampled = sample_async(logits, rows, self.eos_ids)
-        for j, s in enumerate(seqs):
-            s.num_pending += 1
-            s.pending_row = j
-        needs_sync = bool(constrained) or any(s.sampling.penalized for s in seqs)
-        return _Launched(batch, seqs, sampled, needs_sync)
-
-    def _collect(self, sched: Scheduler, launched: "_Launched") -> tuple[list[Sequence], float]:
-        """Read a launched step's tokens back (waiting for them: the seconds waited are
-        returned), append them and run the stop checks; returns the rows that finished. A row
-        that finished at the step before (async steps) drops its token."""
-        t = time.perf_counter()
-        out = launched.sampled.result()
-        wait = time.perf_counter() - t
-        finished = []
-        for seq, tok, lp, top in zip(launched.seqs, out.tokens, out.logprobs, out.top_logprobs):
-            if seq.status is SeqStatus.FINISHED:
-                continue
-            seq.num_pending -= 1
-            seq.token_ids.append(tok)
-            if seq.grammar is not None:
-                seq.grammar.accept_token(tok)
-            if lp is not None:
-                seq.logprobs.append(lp)
-                seq.top_logprobs.append(top)
-            reason = stop_reason(seq, tok, self.eos_ids, self.tokenizer, self.max_model_len)
-            if reason:
-                sched.finish(seq, reason)
-                finished.append(seq)
-        return finished, wait
-
-    def _time_step(self, launched: "_Launched | None", t0: float, wait: float, batch=None) -> None:
-        """Charge the time since t0 to the kind of step launched (or read back, when none was
-        launched); decode_host_s gets the part not spent waiting for the device."""
-        batch = batch or (launched.batch if launched is not None else None)
-        if batch is None:
-            return
-        elapsed = time.perf_counter() - t0
-        kind = "decode" if not batch.is_prefill else "mixed" if batch.is_mixed else "prefill"
-        self.stats[f"{kind}_s"] += elapsed
-        if kind == "decode":
-            self.stats["decode_host_s"] += elapsed - wait
 
     def _grammar_engine(self):
         """The xgrammar compiler for this tokenizer, made on first use (jobs without

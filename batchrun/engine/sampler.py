@@ -43,7 +43,7 @@ class SampleOutput:
 def to_device(values, dtype: torch.dtype, dev: torch.device) -> torch.Tensor:
     """A small host list as a device tensor without waiting for the device: torch.tensor(...,
     device=cuda) copies from pageable memory, which synchronises the stream (and so would end
-    the overlap of the next step's planning with this one's kernels, engine.py)."""
+    the overlap of the next step's planning with this one's kernels, steps.py)."""
     t = torch.tensor(values, dtype=dtype, pin_memory=dev.type == "cuda")
     return t.to(dev, non_blocking=True) if dev.type == "cuda" else t
 

@@ -38,7 +38,7 @@ class Sequence:
         self.logprobs: list[float] = []  # sampling.logprobs: each output token's logprob ...
         self.top_logprobs: list[list[tuple[int, float]]] = []  # ... and the top k (id, logprob)
         self.grammar = None  # sampling.response_format: this row's xgrammar matcher (engine/grammar.py)
-        # async steps (engine.py): tokens sampled on the device but not yet read back into
+        # async steps (steps.py): tokens sampled on the device but not yet read back into
         # token_ids (at most one when a step is planned), and the row of the latest launched
         # step's token tensor that holds this row's newest one (the next step's input id)
         self.num_pending = 0

@@ -1,8 +1,9 @@
-"""Async scheduling (engine.async_scheduling, Engine._advance): the host plans step n+1 before it
-has read step n's tokens. Every row's result must equal the synchronous loop's, whatever ends it
-(length, EOS / stop token, stop string, min_tokens), however it samples (greedy, temperature /
-top-k / top-p with seeds, logprobs, penalties: those wait for their tokens), while rows join as
-others leave, under preemption, with prefix caching and mixed steps, and with LoRA (CPU fp32).
+"""Async scheduling (engine.async_scheduling, StepLoop._advance in engine/steps.py): the host
+plans step n+1 before it has read step n's tokens. Every row's result must equal the synchronous
+loop's, whatever ends it (length, EOS / stop token, stop string, min_tokens), however it samples
+(greedy, temperature / top-k / top-p with seeds, logprobs, penalties: those wait for their
+tokens), while rows join as others leave, under preemption, with prefix caching and mixed steps,
+and with LoRA (CPU fp32).
 """
 import pytest
 
