@@ -35,6 +35,7 @@ from itertools import islice
 from batchrun.engine.config import EngineConfig
 from batchrun.engine.block_manager import BlockManager
 from batchrun.engine.sequence import Sequence, SeqStatus
+from batchrun.engine.stop import reaches_length
 
 
 LORA_LOOKAHEAD = 64  # waiting rows admission looks through past rows that wait for a LoRA slot
@@ -109,7 +110,7 @@ class Scheduler:
         for seq in list(self.running):
             if seq.status is not SeqStatus.RUNNING or seq.needs_prefill:
                 continue  # preempted while making room for an earlier row / a prompt chunk
-            if seq.num_pending and seq.ends_by_length(self.max_model_len):
+            if seq.num_pending and reaches_length(seq, seq.num_tokens, self.max_model_len):
                 continue  # async steps: the step in flight gave it its last token
             if self._make_room(seq, seq.num_tokens):
                 rows.append(seq)

@@ -55,12 +55,6 @@ class Sequence:
         """The outputs known on the host."""
         return self.token_ids[self.prompt_len:]
 
-    def ends_by_length(self, max_model_len: int) -> bool:
-        """Its newest (pending) token already reaches max_tokens or max_model_len: the step that
-        reads it back finishes the row, so no further step should carry it."""
-        return (self.num_tokens - self.prompt_len >= self.sampling.max_tokens
-                or self.num_tokens >= max_model_len)
-
     @property
     def num_output(self) -> int:
         return self.num_tokens - self.prompt_len

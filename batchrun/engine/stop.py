@@ -39,6 +39,13 @@ def truncate_at_stop(text: str, stops: tuple[str, ...], include: bool, found: st
     return (text[:pos + len(s)] if include else text[:pos]), s
 
 
+def reaches_length(seq, num_tokens: int, max_model_len: int) -> bool:
+    """A row of `num_tokens` tokens (prompt + outputs) has its max_tokens outputs or fills
+    max_model_len: the "length" ending. The stop checks ask it of the tokens known on the host;
+    the scheduler (async steps) of those plus the one still on the device."""
+    return num_tokens - seq.prompt_len >= seq.sampling.max_tokens or num_tokens >= max_model_len
+
+
 def stop_reason(seq, tok: int, eos_ids, tokenizer, max_model_len: int) -> str | None:
     """"stop" or "length" when seq (whose last token is tok) is done, else None; a stop token
     id or stop string that ended it goes to seq.stop_reason."""
@@ -58,7 +65,7 @@ def stop_reason(seq, tok: int, eos_ids, tokenizer, max_model_len: int) -> str | 
             if hit is not None:
                 seq.stop_reason = hit
                 return "stop"
-    if num_output >= sp.max_tokens or num_tokens >= max_model_len:
+    if reaches_length(seq, num_tokens, max_model_len):
         return "length"
     return None
 
