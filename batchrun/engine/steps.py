@@ -19,6 +19,10 @@ from batchrun.engine.sequence import Sequence, SeqStatus
 from batchrun.engine.stop import stop_reason
 
 
+EMPTY_STEP = ("scheduler produced an empty step with work pending "
+              "(KV cache too small for any waiting sequence)")
+
+
 @dataclass
 class Launched:
     """A step queued on the device whose tokens the host has not read yet."""
@@ -35,13 +39,12 @@ class StepLoop:
         """Run one scheduled step to its end (tokens read back); returns the sequences that
         finished. (`_run` overlaps steps instead: `_advance`.)"""
         t0 = time.perf_counter()
-        batch = self._schedule(sched)
+        batch = sched.schedule()
+        if not batch.seqs:
+            raise RuntimeError(EMPTY_STEP)
         launched = self._launch(sched, batch, None)
-        if launched is None:  # a prefill step that completes no prompt
-            self._time_step(None, t0, 0.0, batch)
-            return []
-        finished, wait = self._collect(sched, launched)
-        self._time_step(launched, t0, wait)
+        finished, wait = ([], 0.0) if launched is None else self._collect(sched, launched)
+        self._time_step(batch, t0, wait)
         return finished
 
     def _advance(self, sched: Scheduler, prev: "Launched | None") -> tuple[list[Sequence], "Launched | None"]:
@@ -56,34 +59,25 @@ class StepLoop:
         free one step later; a row that step n ends by length is left out of step n+1. Rows
         whose next step reads their tokens on the host (penalties, response_format) make the
         loop wait for them first. Outputs are those of the synchronous loop."""
-        t0, wait, finished = time.perf_counter(), 0.0, []
+        t0 = time.perf_counter()
         if prev is not None and (prev.needs_sync or not self.config.async_scheduling):
             finished, wait = self._collect(sched, prev)
-            self._time_step(prev, t0, wait)
+            self._time_step(prev.batch, t0, wait)
             return finished, None  # the loop plans the next step once it has taken more rows
         batch = sched.schedule()
         if not batch.seqs:
             if prev is None:
-                self._schedule(sched)  # raises: an empty step with nothing in flight
-            done, w = self._collect(sched, prev)  # rows that only wait to end by length
-            self._time_step(prev, t0, wait + w)
-            return finished + done, None
+                raise RuntimeError(EMPTY_STEP)
+            finished, wait = self._collect(sched, prev)  # rows that only wait to end by length
+            self._time_step(prev.batch, t0, wait)
+            return finished, None
         cur = self._launch(sched, batch, prev)
-        if prev is not None:
-            done, w = self._collect(sched, prev)
-            finished, wait = finished + done, wait + w
+        finished, wait = ([], 0.0) if prev is None else self._collect(sched, prev)
         if cur is not None and not self.config.async_scheduling:
             done, w = self._collect(sched, cur)
             finished, wait, cur = finished + done, wait + w, None
-        self._time_step(cur or prev, t0, wait, batch)
+        self._time_step(batch, t0, wait)
         return finished, cur
-
-    def _schedule(self, sched: Scheduler):
-        batch = sched.schedule()
-        if not batch.seqs:
-            raise RuntimeError("scheduler produced an empty step with work pending "
-                               "(KV cache too small for any waiting sequence)")
-        return batch
 
     def _launch(self, sched: Scheduler, batch, prev: "Launched | None") -> "Launched | None":
         """Queue a scheduled step and its sampling on the device; None when it samples no row
@@ -147,12 +141,9 @@ class StepLoop:
                 finished.append(seq)
         return finished, wait
 
-    def _time_step(self, launched: "Launched | None", t0: float, wait: float, batch=None) -> None:
-        """Charge the time since t0 to the kind of step launched (or read back, when none was
-        launched); decode_host_s gets the part not spent waiting for the device."""
-        batch = batch or (launched.batch if launched is not None else None)
-        if batch is None:
-            return
+    def _time_step(self, batch: ScheduledBatch, t0: float, wait: float) -> None:
+        """Charge the time since t0 to the kind of `batch` (the step launched, or read back when
+        none was launched); decode_host_s gets the part not spent waiting for the device."""
         elapsed = time.perf_counter() - t0
         kind = "decode" if not batch.is_prefill else "mixed" if batch.is_mixed else "prefill"
         self.stats[f"{kind}_s"] += elapsed
