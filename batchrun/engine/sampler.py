@@ -93,7 +93,8 @@ def sample_async(logits: torch.Tensor, rows: list[RowState], eos_ids=()) -> Pend
     n, vocab = logits.shape
     dev = logits.device
     want = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
-    raw_lp = logits[to_device(want, torch.long, dev)].float().log_softmax(dim=-1) if want else None
+    want_idx = to_device(want, torch.long, dev) if want else None
+    raw_lp = logits[want_idx].float().log_softmax(dim=-1) if want else None
 
     logits = _mask_min_tokens(logits, rows, eos_ids)
     logits = _apply_penalties(logits, rows)
@@ -111,7 +112,7 @@ def sample_async(logits: torch.Tensor, rows: list[RowState], eos_ids=()) -> Pend
     ks = [rows[i].params.logprobs for i in want]
     picked = top_v = top_i = None
     if want:
-        picked = raw_lp.gather(1, tokens[to_device(want, torch.long, dev)][:, None])[:, 0]
+        picked = raw_lp.gather(1, tokens[want_idx][:, None])[:, 0]
         if max(ks):
             top_v, top_i = raw_lp.topk(min(max(ks), vocab), dim=-1)
     return PendingSample(tokens, want, ks, picked, top_v, top_i)

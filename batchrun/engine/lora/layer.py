@@ -12,8 +12,9 @@ the step's `LoRAStep` and has two cases:
 
 - a fused step (`LoRAStep.fuse`, set on the Triton path for decode steps and for prefill steps
   of up to `lora_fused_max_tokens` tokens) and a caller that can fuse (`defer`): one GEMM with
-  the first N + k*S*R rows of `weight_full` computes y and the shrink of slots < k together, and the delta (shrunk . B) is returned as a
-  LoRADelta for the next kernel to add: no LoRA launch of its own;
+  the first N + k*S*R rows of `weight_full` computes y and the shrink of slots < k together,
+  and the delta (shrunk . B) is returned as a LoRADelta for the next kernel to add: no LoRA
+  launch of its own;
 - otherwise (larger prefills, CPU, callers without a fusing consumer): y = x W.T, then the
   Punica shrink + expand add the delta in place (kernels on CUDA, torch references on CPU).
 """
