@@ -1,13 +1,15 @@
-"""engine.async_scheduling on and off on ONE engine, rounds interleaved (the order flips every
+"""An engine switch on and off on ONE engine, rounds interleaved (the order flips every
 round), so host noise and clock drift hit both alike: the latency workload (`bench latency`'s:
 batch 8, in 32, out 128) and the offline one (`bench throughput --preset 7b`'s: 1024 x
 (256 -> 128), max_num_seqs 256, max_num_batched_tokens 8192), the engine alone. RANDOM weights.
 
-    PYTHONPATH=. python3 benchmarks/async_ab.py [--model llama-2-7b] [--latency-rounds 10]
-        [--offline-rounds 2] [--output-json FILE]
+    PYTHONPATH=. python3 benchmarks/async_ab.py [--switch async_scheduling] [--model llama-2-7b]
+        [--latency-rounds 10] [--offline-rounds 2] [--output-json FILE]
 
-The official figures stay `batchrun bench latency` / `bench throughput`; this script measures the
-difference between the two loops where that difference is a few percent.
+Switches: `async_scheduling` (the step loop; flipped between calls) and `triton_decode_gemm`
+(the GEMM of steps of <= 16 rows; captured graphs hold their kernels, so the engine captures one
+graph set per setting and swaps them). The official figures stay `batchrun bench latency` /
+`bench throughput`; this script measures a difference of a few percent.
 """
 from __future__ import annotations
 
@@ -23,20 +25,38 @@ from batchrun.engine.config import EngineConfig
 STAT_KEYS = ("decode_steps", "decode_s", "decode_host_s", "prefill_s", "prefill_steps")
 
 
-def timed(engine, reqs, on: bool, check_len: int) -> tuple[float, dict]:
-    engine.config.async_scheduling = on
+def switcher(engine, name: str):
+    """set(on) for the engine switch `name`."""
+    if name == "async_scheduling":
+        return lambda on: setattr(engine.config, "async_scheduling", on)
+    from batchrun.engine.layers.gemm import set_decode_gemm
+    runner, sets = engine.runner, {}
+    for on in (True, False):  # decode graphs capture the GEMM kernels: one set per setting
+        set_decode_gemm(engine.model, on)
+        runner._graphs = None
+        runner.capture_graphs()
+        sets[on] = runner._graphs
+
+    def set_(on: bool) -> None:
+        set_decode_gemm(engine.model, on)
+        runner._graphs = sets[on]
+    return set_
+
+
+def timed(engine, reqs, set_, on: bool, check_len: int) -> tuple[float, dict]:
+    set_(on)
     before = dict(engine.stats)
     t = time_generate(engine, reqs, check_len=check_len)
     return t, {k: engine.stats[k] - before[k] for k in STAT_KEYS}
 
 
-def ab(engine, rounds: int, make, check_len: int, log) -> dict:
+def ab(engine, set_, rounds: int, make, check_len: int, log) -> dict:
     """`rounds` rounds of (on, off) or (off, on) on the same requests; medians and ratios."""
     runs = {True: [], False: []}
     for r in range(rounds):
         reqs = make(r)
         for on in ((True, False) if r % 2 == 0 else (False, True)):
-            t, st = timed(engine, reqs, on, check_len)
+            t, st = timed(engine, reqs, set_, on, check_len)
             runs[on].append({"s": t, **st})
         log(f"  round {r + 1}/{rounds}: on {runs[True][-1]['s']:.4f} s, off {runs[False][-1]['s']:.4f} s")
     med = {on: statistics.median(x["s"] for x in runs[on]) for on in runs}
@@ -47,6 +67,8 @@ def ab(engine, rounds: int, make, check_len: int, log) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--switch", choices=["async_scheduling", "triton_decode_gemm"],
+                    default="async_scheduling")
     ap.add_argument("--model", default="llama-2-7b")
     ap.add_argument("--latency-rounds", type=int, default=10)
     ap.add_argument("--offline-rounds", type=int, default=2)
@@ -60,27 +82,34 @@ def main() -> None:
     engine = built.engine
     vocab = engine.model.config.vocab_size
     log(f"*** RANDOM WEIGHTS ({a.model} shape) *** engine built in {built.build_s:.1f} s")
+    set_ = switcher(engine, a.switch)
     lat = lambda r: make_requests(random_prompts(8, 32, vocab, 1000 + r), 128, tag=f"l{r}-")  # noqa: E731
     off = lambda r: make_requests(random_prompts(a.num_prompts, 256, vocab, 2000 + r), 128, tag=f"o{r}-")  # noqa: E731
     for on in (True, False):  # warm-up: every graph size and kernel once in each loop
-        timed(engine, lat(-1), on, 128)
-        timed(engine, make_requests(random_prompts(64, 256, vocab, 7), 16, tag="w"), on, 16)
+        timed(engine, lat(-1), set_, on, 128)
+        timed(engine, make_requests(random_prompts(64, 256, vocab, 7), 16, tag="w"), set_, on, 16)
     log("latency workload (batch 8, in 32, out 128):")
-    latency = ab(engine, a.latency_rounds, lat, 128, log)
+    latency = ab(engine, set_, a.latency_rounds, lat, 128, log)
     log(f"offline workload ({a.num_prompts} x (256 -> 128), engine alone):")
-    offline = ab(engine, a.offline_rounds, off, 128, log)
+    offline = ab(engine, set_, a.offline_rounds, off, 128, log) if a.offline_rounds else None
     tokens = a.num_prompts * (256 + 128)
-    result = {"benchmark": "async_ab", "weights": built.weights, "model": a.model,
-              **environment(engine.device, " ".join(sys.argv)), "latency": latency, "offline": offline,
-              "offline_tok_s": {"on": tokens / offline["median_on_s"], "off": tokens / offline["median_off_s"]}}
+    result = {"benchmark": "async_ab", "switch": a.switch, "weights": built.weights, "model": a.model,
+              **environment(engine.device, " ".join(sys.argv)), "latency": latency, "offline": offline}
+    if offline:
+        result["offline_tok_s"] = {"on": tokens / offline["median_on_s"],
+                                   "off": tokens / offline["median_off_s"]}
     write_json(a.output_json, result)
-    print(f"{'workload':<28}{'async on':>12}{'async off':>12}{'on/off':>10}")
+    print(f"{a.switch}: {'workload':<28}{'on':>12}{'off':>12}{'on/off':>10}")
     print(f"{'latency b8 (s)':<28}{latency['median_on_s']:>12.4f}{latency['median_off_s']:>12.4f}"
           f"{latency['median_ratio_on_over_off']:>10.4f}")
-    print(f"{f'offline {a.num_prompts} (s)':<28}{offline['median_on_s']:>12.3f}{offline['median_off_s']:>12.3f}"
-          f"{offline['median_ratio_on_over_off']:>10.4f}")
-    print(f"{'offline tok/s':<28}{result['offline_tok_s']['on']:>12.0f}{result['offline_tok_s']['off']:>12.0f}")
+    if offline:
+        print(f"{f'offline {a.num_prompts} (s)':<28}{offline['median_on_s']:>12.3f}"
+              f"{offline['median_off_s']:>12.3f}{offline['median_ratio_on_over_off']:>10.4f}")
+        print(f"{'offline tok/s':<28}{result['offline_tok_s']['on']:>12.0f}"
+              f"{result['offline_tok_s']['off']:>12.0f}")
     for name, res in (("latency", latency), ("offline", offline)):
+        if not res:
+            continue
         for on in ("on", "off"):
             st = res[on][-1]
             if st["decode_steps"]:

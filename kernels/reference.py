@@ -147,3 +147,20 @@ def ref_silu_and_mul(gate_up: Tensor) -> Tensor:
     # gate_up: [T, 2I] -> [T, I]: F.silu(gate) (rounded to the input dtype) * up, like HF's MLP.
     gate, up = gate_up.chunk(2, dim=-1)
     return torch.nn.functional.silu(gate) * up
+
+
+# --- decode GEMMs of few rows (skinny_gemm, skinny_gate_up_silu) ---
+
+def ref_linear(x: Tensor, w: Tensor, bias: Tensor | None = None) -> Tensor:
+    # x: [M, K], w: [N, K], bias: [N] or None -> [M, N] in x's dtype: fp32 products and sums,
+    # bias added in fp32, one rounding (what a GEMM with an fp32 accumulator computes).
+    y = x.float() @ w.float().t()
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
+
+
+def ref_gate_up_silu(x: Tensor, w: Tensor) -> Tensor:
+    # x: [M, K], w: [2I, K] (gate rows, then up rows) -> [M, I]: the gate_up projection rounded
+    # to x's dtype, then SiLU-and-mul as HF's MLP computes it.
+    return ref_silu_and_mul(ref_linear(x, w))

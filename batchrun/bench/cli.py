@@ -70,6 +70,10 @@ def _common(f):
         click.option("--enforce-eager", is_flag=True, help="No CUDA graphs."),
         click.option("--async-scheduling/--no-async-scheduling", default=True, show_default=True,
                      help="Engine async_scheduling: plan step n+1 while the device runs step n."),
+        click.option("--triton-decode-gemm/--no-triton-decode-gemm", default=True,
+                     show_default=True,
+                     help="Engine triton_decode_gemm: steps of <= 16 rows run their projections "
+                          "in batchrun's Triton GEMM instead of cuBLAS."),
         click.option("--seed", type=int, default=0, show_default=True),
         click.option("--max-num-seqs", type=int, default=None,
                      help="Engine max_num_seqs (also the largest CUDA-graph size). "

@@ -39,6 +39,7 @@ class LatencyParams:
     num_active_loras: int = 0
     enforce_eager: bool = False
     async_scheduling: bool = True
+    triton_decode_gemm: bool = True
     seed: int = 0
     max_num_seqs: int | None = None  # None = max(64, batch_size)
     max_num_batched_tokens: int = 2048
@@ -77,6 +78,7 @@ class LatencyParams:
             model=self.model, device=self.device, dtype=self.dtype, seed=self.seed,
             enable_lora=self.enable_lora, max_loras=self.loras, max_lora_rank=self.max_lora_rank,
             enforce_eager=self.enforce_eager, async_scheduling=self.async_scheduling,
+            triton_decode_gemm=self.triton_decode_gemm,
             max_num_seqs=self.max_num_seqs if self.max_num_seqs is not None else max(64, self.batch_size),
             max_model_len=self.input_len + self.output_len,
             max_num_batched_tokens=self.max_num_batched_tokens,

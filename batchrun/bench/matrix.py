@@ -71,6 +71,7 @@ class MatrixParams:
     lora_rank: int = 16
     enforce_eager: bool = False
     async_scheduling: bool = True
+    triton_decode_gemm: bool = True
     no_eager: bool = False
     profile_kernels: bool = False
     seed: int = 0
@@ -111,6 +112,7 @@ class MatrixParams:
                              enable_lora=enable_lora, max_loras=self.max_loras,
                              max_lora_rank=self.max_lora_rank, enforce_eager=self.enforce_eager,
                              async_scheduling=self.async_scheduling,
+                             triton_decode_gemm=self.triton_decode_gemm,
                              max_num_seqs=self.max_num_seqs if self.max_num_seqs is not None else max(64, self.batch_size),
                              max_model_len=self.input_len + self.output_len,
                              max_num_batched_tokens=self.max_num_batched_tokens,

@@ -109,6 +109,11 @@ class EngineConfig:
     # that ends on EOS or a stop string runs one step more than it needs, and rows with
     # penalties or a response_format make their next step wait for their tokens.
     async_scheduling: bool = True
+    # steps of at most 16 rows (decode at latency batch sizes) run the q/k/v, gate/up and down
+    # projections in batchrun's Triton GEMM, which only streams the weight (SiLU-and-mul fused
+    # into gate/up), instead of cuBLAS; fp16/bf16 on CUDA only (layers/gemm.py). Outputs
+    # differ from cuBLAS's by rounding only.
+    triton_decode_gemm: bool = True
     seed: int = 0
 
     def __post_init__(self):

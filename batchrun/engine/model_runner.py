@@ -23,6 +23,7 @@ import torch
 from batchrun.engine.config import EngineConfig
 from batchrun.engine.block_manager import SCRATCH_BLOCK, BlockManager
 from batchrun.engine.graphs import GraphRunner
+from batchrun.engine.layers.gemm import set_decode_gemm
 from batchrun.engine.sequence import Sequence
 from batchrun.engine.layers.attention import AttnMetadata, query_start_tensor
 from batchrun.engine.layers.backend import use_triton
@@ -37,6 +38,7 @@ class ModelRunner:
                  blocks: BlockManager, lora=None):
         self.model, self.config, self.device, self.dtype = model, config, device, dtype
         self.blocks, self.lora = blocks, lora
+        set_decode_gemm(model, config.triton_decode_gemm)
         cfg = model.config
         self.block_size = blocks.block_size
         self.max_blocks_per_seq = -(-config.max_model_len // self.block_size)

@@ -7,6 +7,9 @@ The hook runs only when the step has LoRA tokens (`lora_step`, the step's `Step.
 None): a step without adapters runs exactly the base matmul, whatever hooks are attached (and a
 graph captured for it holds exactly the base kernels).
 
+The matmul itself is layers/gemm.py's `linear`: cuBLAS, or on steps of at most 16 rows the Triton
+GEMM that only streams the weight, when `decode_gemm` is on (EngineConfig.triton_decode_gemm).
+
 `defer=True` is for callers whose next op can fuse a LoRA delta (rotary, RMSNorm, SiLU-and-mul
 take a `lora=` argument): they get `(y, delta)` where delta is a LoRADelta to pass on, or None
 when there is nothing left to add (no LoRA this step, or the hook already added it to y).
@@ -14,9 +17,9 @@ when there is nothing left to add (no LoRA this step, or the hook already added 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from batchrun.engine.layers.gemm import linear, takes_skinny
 from batchrun.engine.layers.step import LoRAStep
 
 
@@ -32,11 +35,16 @@ class Linear(nn.Module):
         self.bias = (nn.Parameter(torch.empty(self.out_features), requires_grad=False)
                      if bias else None)
         self.lora = None  # set by batchrun.engine.lora (LoRALinear)
+        self.decode_gemm = False  # layers/gemm.set_decode_gemm
+
+    def skinny(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> bool:
+        # whether x @ weight.T (default: this layer's weight) runs in the Triton skinny GEMM
+        return takes_skinny(self.decode_gemm, x, self.weight if weight is None else weight)
 
     def forward(self, x: torch.Tensor, lora_step: LoRAStep | None = None, defer: bool = False):
         # x: [T, in_features] -> y: [T, out_features], or (y, LoRADelta | None) with defer
         if self.lora is None or lora_step is None:
-            y, delta = F.linear(x, self.weight, self.bias), None
+            y, delta = linear(x, self.weight, self.bias, self.skinny(x)), None
         else:
             y, delta = self.lora.forward(self, x, lora_step, defer)
         return (y, delta) if defer else y

@@ -7,7 +7,7 @@ slots 0..k-1 are one contiguous block right under the weight, so a fused step wh
 only slots below k (`LoRAStep.num_slots`) streams k slots' A rows, not all L.
 
 A step without LoRA tokens (`Step.lora is None`) never reaches the hook: `Linear.forward`
-runs F.linear with `linear.weight`, the same call (and kernel) as without LoRA. The hook gets
+runs its GEMM on `linear.weight`, the same call (and kernel) as without LoRA. The hook gets
 the step's `LoRAStep` and has two cases:
 
 - a fused step (`LoRAStep.fuse`, set on the Triton path for decode steps and for prefill steps
@@ -21,10 +21,10 @@ the step's `LoRAStep` and has two cases:
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from batchrun.kernels.lora_meta import LoRADelta
+from batchrun.engine.layers import gemm
 from batchrun.engine.layers.step import LoRAStep
 from batchrun.engine.lora import punica
 
@@ -91,10 +91,11 @@ class LoRALinear:
             N = linear.out_features
             rows = N + step.num_slots * self.num_slices * self.lora_b.shape[2]
             bias = None if self.bias_full is None else self.bias_full[:rows]
-            full = F.linear(x, self.weight_full[:rows], bias)  # [T, N + k*S*R]
+            w = self.weight_full[:rows]
+            full = gemm.linear(x, w, bias, linear.skinny(x, w))  # [T, N + k*S*R]
             return full[:, :N], LoRADelta(full[:, N:], self.lora_b, step.token_slots,
                                           self.slice_offsets)
-        y = F.linear(x, linear.weight, linear.bias)
+        y = gemm.linear(x, linear.weight, linear.bias, linear.skinny(x))
         # m.shrink_buffer: flat fp32 scratch shared by all layers; add_lora views its split-K
         # partials [splits, S, T, R] out of it.
         punica.add_lora(x, y, self.lora_a, self.lora_b, m.shrink_buffer, self.slice_offsets,

@@ -10,6 +10,7 @@ from torch import nn
 
 from batchrun.engine.layers.activation import silu_and_mul
 from batchrun.engine.layers.attention import PagedAttention
+from batchrun.engine.layers.gemm import gate_up_silu
 from batchrun.engine.layers.linear import Linear
 from batchrun.engine.layers.norm import RMSNorm
 from batchrun.engine.layers.rotary import RotaryEmbedding
@@ -52,8 +53,12 @@ class MLP(nn.Module):
 
     def forward(self, x, lora: LoRAStep | None):
         # x: [T, H] -> (down_proj output [T, H], its pending LoRA delta or None)
-        gate_up, delta = self.gate_up_proj(x, lora, defer=True)
-        return self.down_proj(silu_and_mul(gate_up, lora=delta), lora, defer=True)
+        if lora is None and self.gate_up_proj.skinny(x):  # few rows: SiLU in the GEMM's epilogue
+            h = gate_up_silu(x, self.gate_up_proj.weight)
+        else:
+            gate_up, delta = self.gate_up_proj(x, lora, defer=True)
+            h = silu_and_mul(gate_up, lora=delta)
+        return self.down_proj(h, lora, defer=True)
 
 
 class DecoderLayer(nn.Module):

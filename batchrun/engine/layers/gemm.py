@@ -1,0 +1,59 @@
+"""Which GEMM a projection runs: cuBLAS (F.linear), or, on steps of a few rows, batchrun's Triton
+GEMM that only streams the weight (kernels/skinny_gemm.py; for gate_up with SiLU-and-mul in its
+epilogue, kernels/skinny_gate_up_silu.py).
+
+`EngineConfig.triton_decode_gemm` (on by default) turns it on for a model's Linears
+(`set_decode_gemm`). A Linear then takes the Triton GEMM when all of these hold:
+
+- the step has at most 16 rows (decode at latency batch sizes: what a captured graph of batch
+  <= 16 replays);
+- Triton runs (CUDA, or BATCHRUN_FORCE_TRITON on CPU for tests) and the dtype is fp16 / bf16;
+- the weight has at least MIN_WEIGHT_ELEMENTS elements. Below that each of the N / 32 programs
+  streams too little of W to hide its start-up, and cuBLAS (with split-K) was faster: on the H200
+  at M = 8 Llama-2-7b's o_proj ([4096, 4096]) took 10.2 us in Triton against 9.1 us in cuBLAS,
+  while qkv (12288 x 4096), gate_up (22016 x 4096) and down (4096 x 11008) were 4-9 % faster
+  in Triton (docs/benchmarks.md, session 8 and 11).
+
+The result differs from cuBLAS's by at most rounding (an ulp where cuBLAS splits K), as any two
+GEMMs do; a given step shape always takes the same kernel, so graph replay equals eager, and the
+no-LoRA graph of a LoRA engine launches exactly the LoRA-disabled engine's kernels.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from batchrun.engine.layers.backend import use_triton
+
+MAX_ROWS = 16  # kernels/skinny_gemm.py's MAX_ROWS
+MIN_WEIGHT_ELEMENTS = 1 << 25  # 32M: Llama-2-7b's o_proj (16.8M) stays on cuBLAS
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def takes_skinny(enabled: bool, x: Tensor, weight: Tensor) -> bool:
+    """Whether x @ weight.T runs in the Triton skinny GEMM (see the module docstring)."""
+    return (enabled and x.shape[0] <= MAX_ROWS and x.dtype in _HALF and use_triton(x)
+            and weight.numel() >= MIN_WEIGHT_ELEMENTS)
+
+
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None, skinny: bool) -> Tensor:
+    # x [T, K] @ weight [N, K].T (+ bias) -> [T, N]; skinny: takes_skinny's answer
+    if skinny:
+        from batchrun.kernels.skinny_gemm import skinny_gemm
+        return skinny_gemm(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+def gate_up_silu(x: Tensor, weight: Tensor) -> Tensor:
+    # x [T <= 16, K], the gate_up weight [2I, K] -> silu(gate) * up [T, I], one launch
+    from batchrun.kernels.skinny_gate_up_silu import skinny_gate_up_silu
+    return skinny_gate_up_silu(x, weight)
+
+
+def set_decode_gemm(model: torch.nn.Module, enabled: bool) -> None:
+    """Turn the Triton decode GEMM on or off for every Linear of `model`."""
+    from batchrun.engine.layers.linear import Linear
+    for m in model.modules():
+        if isinstance(m, Linear):
+            m.decode_gemm = enabled

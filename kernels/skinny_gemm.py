@@ -1,0 +1,97 @@
+"""y = x @ W.T (+ bias) for decode's few rows: a GEMM that does nothing but stream W.
+
+At M <= 16 rows a decode GEMM is bound by reading the weight once from HBM. cuBLAS reaches
+75-88 % of the copy rate there and splits K over programs for the narrower weights, which costs
+a second (reduce) launch per GEMM. This kernel gives each program BLOCK_N output columns and
+walks all of K: one [16, BLOCK_K] tile of x (rows past M masked; x is a few KB and stays in L2)
+and one [BLOCK_N, BLOCK_K] tile of W per step, a tensor-core dot into an fp32 [16, BLOCK_N]
+accumulator, bias added in fp32, rounded once to the output dtype (what cuBLAS without split-K
+computes). One launch, no workspace; grid from static shapes, so CUDA-graph capturable.
+
+Each output column is the same sum whatever N is, so the columns W shares with a longer stacked
+weight (LoRA's [W; A] rows) come out bit-identical in both GEMMs.
+
+`_stream_dot` is the K loop, shared with kernels/skinny_gate_up_silu.py.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from batchrun.kernels.utils import check
+
+MAX_ROWS = 16  # x's rows: one tl.dot tile (its minimum M)
+HALF_DTYPES = (torch.float16, torch.bfloat16)  # fp32 would need ieee dots: not worth a path
+# (BLOCK_N, BLOCK_K, num_stages, num_warps): the best of the configurations timed on the H200
+# for the Llama-2-7b decode shapes (benchmarks/skinny_gemm.py)
+CONFIG = (32, 256, 4, 4)
+
+
+@triton.jit
+def _stream_dot(acc, x_ptr, w_ptr, rows, cols, M, N, K, stride_xm, stride_wn,
+                BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    # acc [16, BLOCK_N] fp32 += x[rows, :K] @ w[cols, :K].T
+    offs_k = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + rows[:, None] * stride_xm + offs_k[None, :]
+    w_ptrs = w_ptr + cols[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
+    row_mask, col_mask = (rows < M)[:, None], (cols < N)[:, None]
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            x = tl.load(x_ptrs, mask=row_mask, other=0.0)
+            w = tl.load(w_ptrs, mask=col_mask, other=0.0)
+        else:
+            k_mask = (k0 + offs_k < K)[None, :]
+            x = tl.load(x_ptrs, mask=row_mask & k_mask, other=0.0)
+            w = tl.load(w_ptrs, mask=col_mask & k_mask, other=0.0)
+        acc = tl.dot(x, tl.trans(w), acc)
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    return acc
+
+
+@triton.jit
+def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
+                        HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        EVEN_K: tl.constexpr):
+    rows = tl.arange(0, 16)
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = tl.zeros((16, BLOCK_N), dtype=tl.float32)
+    acc = _stream_dot(acc, x_ptr, w_ptr, rows, cols, M, N, K, stride_xm, stride_wn,
+                      BLOCK_K, EVEN_K)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+    tl.store(y_ptr + rows[:, None] * stride_ym + cols[None, :], acc.to(y_ptr.dtype.element_ty),
+             mask=(rows < M)[:, None] & (cols < N)[None, :])
+
+
+def check_operands(x: Tensor, w: Tensor, what: str) -> tuple[int, int, int]:
+    """The checks both skinny launchers share; returns (M, N, K)."""
+    check(x.dim() == 2 and w.dim() == 2 and x.shape[1] == w.shape[1],
+          f"{what} needs x [M, K] and w [N, K], got {tuple(x.shape)} and {tuple(w.shape)}")
+    check(x.shape[0] <= MAX_ROWS, f"{what} takes M <= {MAX_ROWS} rows, got {x.shape[0]}")
+    check(x.dtype in HALF_DTYPES and w.dtype == x.dtype,
+          f"{what} needs fp16/bf16 x and w of one dtype, got {x.dtype} and {w.dtype}")
+    check(x.stride(1) == 1 and w.stride(1) == 1, f"{what} needs x and w with contiguous rows")
+    return x.shape[0], w.shape[0], x.shape[1]
+
+
+def skinny_gemm(x: Tensor, w: Tensor, bias: Tensor | None = None, out: Tensor | None = None,
+                config: tuple[int, int, int, int] = CONFIG) -> Tensor:
+    # x [M <= 16, K] @ w [N, K].T (+ bias [N]) -> [M, N] in x's dtype
+    M, N, K = check_operands(x, w, "skinny_gemm")
+    check(bias is None or (bias.shape == (N,) and bias.stride(0) == 1),
+          f"bias must be a contiguous [{N}], got {None if bias is None else tuple(bias.shape)}")
+    if out is None:
+        out = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    check(out.shape == (M, N) and out.dtype == x.dtype and out.stride(1) == 1,
+          f"out must be [{M}, {N}] {x.dtype} with contiguous rows")
+    if M == 0 or N == 0:
+        return out
+    bn, bk, stages, warps = config
+    _skinny_gemm_kernel[(triton.cdiv(N, bn),)](
+        x, w, x if bias is None else bias, out, M, N, K, x.stride(0), w.stride(0), out.stride(0),
+        HAS_BIAS=bias is not None, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=K % bk == 0,
+        num_stages=stages, num_warps=warps)
+    return out

@@ -1,0 +1,76 @@
+"""engine.triton_decode_gemm: steps of at most 16 rows run their projections in the Triton skinny
+GEMM (SiLU fused into gate/up), bigger steps and small weights stay on torch's GEMM, LoRA steps
+stream [W; A] through it, and the tokens are those of the engine without it.
+
+CPU, fp16, every Triton kernel of the GPU path under the interpreter (BATCHRUN_FORCE_TRITON);
+MIN_WEIGHT_ELEMENTS is lowered so the tiny model's projections qualify (its o_proj is kept out
+to check the size rule)."""
+import collections
+
+import pytest
+import torch
+
+import batchrun.engine.layers.gemm as gemm
+import batchrun.kernels.skinny_gate_up_silu as fused_kernel
+import batchrun.kernels.skinny_gemm as skinny_kernel
+from batchrun.engine.config import EngineConfig, SamplingParams
+from batchrun.engine.engine import Engine
+from batchrun.engine.request import Request
+from tests.tiny_models import random_prompts, save_hf_model, save_peft_adapters
+
+pytest.importorskip("triton")
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("decode_gemm")
+    save_hf_model("qwen2_bias", root / "base")  # qkv has a bias
+    adapters = save_peft_adapters(root, ["a", "b"], variant="qwen2_bias", targets=("q_proj", "v_proj", "gate_proj",
+                                                             "down_proj", "o_proj"))
+    return root, adapters
+
+
+def _run(monkeypatch, dirs, decode_gemm: bool, lora: bool):
+    root, adapters = dirs
+    monkeypatch.setenv("BATCHRUN_FORCE_TRITON", "1")
+    import batchrun.engine.model_runner as model_runner
+    monkeypatch.setattr(model_runner, "use_triton", lambda t: True)
+    engine = Engine.from_config(
+        EngineConfig(model=str(root / "base"), device="cpu", dtype="float16", max_model_len=96,
+                     max_num_seqs=24, max_num_batched_tokens=256, enable_lora=lora, max_loras=2,
+                     max_lora_rank=4, triton_decode_gemm=decode_gemm),
+        adapters if lora else None)
+    o_proj = engine.model.model.layers[0].self_attn.o_proj.weight.numel()
+    monkeypatch.setattr(gemm, "MIN_WEIGHT_ELEMENTS", o_proj + 1)  # o_proj (the smallest) stays out
+    calls = collections.Counter()
+    for mod, name in ((skinny_kernel, "skinny_gemm"), (fused_kernel, "skinny_gate_up_silu")):
+        orig = getattr(mod, name)
+        monkeypatch.setattr(mod, name, lambda x, w, *a, _o=orig, _n=name, **k: (
+            calls.update([(_n, x.shape[0] <= 16, w.shape[0])]), _o(x, w, *a, **k))[1])
+    # 20 rows: the first steps decode 20 rows (torch's GEMM), the last ones fewer (Triton)
+    prompts = random_prompts(20, [5, 11, 3, 8], engine.model.config.vocab_size, seed=4)
+    names = [None, "a", "b", None] if lora else [None]
+    reqs = [Request(i, p, SamplingParams(max_tokens=3 + i % 7, ignore_eos=True),
+                    adapter=names[i % len(names)]) for i, p in enumerate(prompts)]
+    tokens = {r.request_id: r.output_token_ids for r in engine.generate(reqs)}
+    return tokens, calls, engine
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_few_row_steps_take_the_triton_gemm_with_the_same_tokens(monkeypatch, dirs, lora):
+    with monkeypatch.context() as m:
+        ref, ref_calls, _ = _run(m, dirs, decode_gemm=False, lora=lora)
+    got, calls, engine = _run(monkeypatch, dirs, decode_gemm=True, lora=lora)
+    assert not ref_calls  # off: never
+    assert got == ref
+    cfg = engine.model.config
+    q_kv = (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim
+    assert all(small for (_, small, _) in calls), calls  # only steps of <= 16 rows
+    plain = {n for (k, _, n) in calls if k == "skinny_gemm"}
+    fused = {n for (k, _, n) in calls if k == "skinny_gate_up_silu"}
+    if not lora:  # qkv and down; gate_up always with its SiLU; o_proj below the size rule
+        assert plain == {q_kv, cfg.hidden_size} and fused == {2 * cfg.intermediate_size}, calls
+    else:  # LoRA steps stream [W; A] (rows past N), gate_up unfused (the delta precedes SiLU)
+        assert any(n > q_kv and n != 2 * cfg.intermediate_size for n in plain), calls
+        assert any(n > 2 * cfg.intermediate_size for n in plain), calls
+    assert sum(calls.values()) > 0

@@ -1,0 +1,100 @@
+"""The decode GEMMs of few rows (kernels/skinny_gemm.py, kernels/skinny_gate_up_silu.py) against
+their torch references, over odd shapes (M below 16, N and K off the tiles, strided rows, bias)
+with fresh random inputs: under the Triton interpreter on CPU (fp16) and in bf16 on a GPU at the
+Llama 7B/8B decode shapes."""
+import pytest
+import torch
+
+from batchrun.kernels.reference import ref_gate_up_silu, ref_linear
+from batchrun.kernels.silu_and_mul import silu_and_mul
+from batchrun.kernels.skinny_gate_up_silu import skinny_gate_up_silu
+from batchrun.kernels.skinny_gemm import skinny_gemm
+from kernel_testutils import DEVICE, POISON, randn, rounding_tol
+
+SHAPES = [(1, 16, 32), (5, 50, 70), (8, 96, 512), (13, 33, 300), (16, 64, 256)]
+
+
+def _operands(M, N, K, dtype, seed, pad=0):
+    g = torch.Generator().manual_seed(seed)
+    x = randn(M, K + pad, dtype=dtype, gen=g)[:, :K]           # pad > 0: strided rows
+    w = randn(N, K + pad, dtype=dtype, gen=g, scale=K ** -0.5)[:, :K]
+    return x, w, g
+
+
+def _assert_gemm_close(got, x, w, bias=None):
+    ref = ref_linear(x, w, bias)
+    bound = x.float().abs() @ w.float().abs().t() + (0 if bias is None else bias.float().abs())
+    tol = rounding_tol(bound, x.dtype, x.shape[1])
+    err = (got.float() - ref.float()).abs()
+    assert (err <= tol).all(), (err - tol).max().item()
+
+
+@pytest.mark.parametrize("M,N,K", SHAPES)
+@pytest.mark.parametrize("bias", [False, True])
+def test_skinny_gemm(M, N, K, bias):
+    x, w, g = _operands(M, N, K, torch.float16, seed=M * 1000 + N + K)
+    b = randn(N, dtype=torch.float16, gen=g) if bias else None
+    out = torch.full((M, N), POISON, dtype=torch.float16, device=DEVICE)
+    assert skinny_gemm(x, w, b, out=out) is out
+    _assert_gemm_close(out, x, w, b)
+
+
+def test_skinny_gemm_strided_rows_and_out():
+    x, w, g = _operands(6, 40, 130, torch.float16, seed=3, pad=9)
+    big = torch.full((6, 50), POISON, dtype=torch.float16, device=DEVICE)
+    skinny_gemm(x, w, out=big[:, 5:45])
+    _assert_gemm_close(big[:, 5:45], x, w)
+    assert (big[:, :5] == POISON).all() and (big[:, 45:] == POISON).all()
+
+
+def test_columns_do_not_depend_on_the_rest_of_the_weight():
+    # LoRA's fused step runs the GEMM on [W; A]: its first N columns must equal the plain GEMM's
+    x, w, g = _operands(7, 48, 200, torch.float16, seed=5)
+    stacked = torch.cat([w, randn(40, 200, dtype=torch.float16, gen=g)])
+    assert torch.equal(skinny_gemm(x, stacked)[:, :48], skinny_gemm(x, w))
+
+
+@pytest.mark.parametrize("M,N,K", SHAPES)
+def test_skinny_gate_up_silu(M, N, K):
+    x, w, _ = _operands(M, 2 * N, K, torch.float16, seed=M + N * 7 + K)
+    out = torch.full((M, N), POISON, dtype=torch.float16, device=DEVICE)
+    assert skinny_gate_up_silu(x, w, out=out) is out
+    # bit for bit the unfused pair it replaces (same K loop, same rounding points)
+    assert torch.equal(out, silu_and_mul(skinny_gemm(x, w)))
+    ref = ref_gate_up_silu(x, w)
+    # gate/up may round one ulp apart from the reference's, which silu and the product carry
+    tol = 4 * torch.finfo(torch.float16).eps * ref.float().abs() + 1e-3
+    assert ((out.float() - ref.float()).abs() <= tol).all()
+
+
+def test_bad_args():
+    x = torch.randn(17, 8, device=DEVICE, dtype=torch.float16)
+    w = torch.randn(4, 8, device=DEVICE, dtype=torch.float16)
+    with pytest.raises(ValueError, match="M <= 16"):
+        skinny_gemm(x, w)
+    with pytest.raises(ValueError, match="fp16/bf16"):
+        skinny_gemm(x[:4].float(), w.float())
+    with pytest.raises(ValueError, match="2\\*I rows"):
+        skinny_gate_up_silu(x[:4], w[:3])
+    with pytest.raises(ValueError, match="bias"):
+        skinny_gemm(x[:4], w, torch.ones(3, dtype=torch.float16, device=DEVICE))
+    assert skinny_gemm(x[:0], w).shape == (0, 4)
+
+
+# Llama-2-7b (qkv, o, gate_up, down, lm_head) and Llama-3-8b GQA shapes, [N, K]
+GPU_SHAPES = [(12288, 4096), (4096, 4096), (22016, 4096), (4096, 11008), (32000, 4096),
+              (6144, 4096), (28672, 4096), (4096, 14336), (100, 4096)]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("M", [1, 8, 13, 16])
+def test_bf16_gpu_decode_shapes(M):
+    for N, K in GPU_SHAPES:
+        x, w, g = _operands(M, N, K, torch.bfloat16, seed=M + N + K)
+        _assert_gemm_close(skinny_gemm(x, w), x, w)
+        b = randn(N, dtype=torch.bfloat16, gen=g)
+        _assert_gemm_close(skinny_gemm(x, w, b), x, w, b)
+        if N % 2 == 0:
+            fused = skinny_gate_up_silu(x, w)
+            assert torch.equal(fused, silu_and_mul(skinny_gemm(x, w))), (N, K)
