@@ -5,8 +5,8 @@ w is the fused gate_up weight [2*I, K] (gate rows first, as Linear stores it). E
 streams BLOCK_N rows of W_gate and the same BLOCK_N rows of W_up (the K loop of
 kernels/skinny_gemm.py, twice), rounds each accumulator to the output dtype (the gate_up tensor
 the unfused path would have written) and applies kernels/silu_and_mul.py's `_silu_mul` to them:
-so the result is bit-for-bit skinny_gemm followed by silu_and_mul, without writing or reading
-the [M, 2*I] intermediate or paying the second launch. LoRA steps do not come here: their delta
+so the result is bit-for-bit skinny_gemm (with the same BLOCK_K) followed by silu_and_mul,
+without writing or reading the [M, 2*I] intermediate or paying the second launch. LoRA steps do not come here: their delta
 must reach gate and up before the SiLU (silu_and_mul's LoRA kernel does that).
 """
 from __future__ import annotations
@@ -20,8 +20,9 @@ from batchrun.kernels.silu_and_mul import _silu_mul
 from batchrun.kernels.skinny_gemm import _stream_dot, check_operands
 from batchrun.kernels.utils import check
 
-# (BLOCK_N, BLOCK_K, num_stages, num_warps): BLOCK_N columns of gate and of up per program
-CONFIG = (16, 256, 4, 4)
+# (BLOCK_N, BLOCK_K, num_stages, num_warps): BLOCK_N columns of gate and of up per program; the
+# best of those timed on the H100 (benchmarks/skinny_gemm.py; (16, 256, 4, 4) was 28 % slower)
+CONFIG = (32, 256, 3, 4)
 
 
 @triton.jit

@@ -24,9 +24,9 @@ from batchrun.kernels.utils import check
 
 MAX_ROWS = 16  # x's rows: one tl.dot tile (its minimum M)
 HALF_DTYPES = (torch.float16, torch.bfloat16)  # fp32 would need ieee dots: not worth a path
-# (BLOCK_N, BLOCK_K, num_stages, num_warps): the best of the configurations timed on the H200
-# for the Llama-2-7b decode shapes (benchmarks/skinny_gemm.py)
-CONFIG = (32, 256, 4, 4)
+# (BLOCK_N, BLOCK_K, num_stages, num_warps): the best of the configurations timed on the H100
+# for the Llama-2-7b / 3-8b decode shapes at M = 1, 8, 16 (benchmarks/skinny_gemm.py)
+CONFIG = (32, 128, 6, 4)
 
 
 @triton.jit

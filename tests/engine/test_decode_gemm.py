@@ -1,5 +1,5 @@
-"""engine.triton_decode_gemm: steps of at most 16 rows run their projections in the Triton skinny
-GEMM (SiLU fused into gate/up), bigger steps and small weights stay on torch's GEMM, LoRA steps
+"""engine.triton_decode_gemm: steps of at most 16 rows run their projections and lm_head in the
+Triton skinny GEMM (SiLU fused into gate/up), bigger steps and small weights stay on torch's GEMM, LoRA steps
 stream [W; A] through it, and the tokens are those of the engine without it.
 
 CPU, fp16, every Triton kernel of the GPU path under the interpreter (BATCHRUN_FORCE_TRITON);
@@ -68,8 +68,9 @@ def test_few_row_steps_take_the_triton_gemm_with_the_same_tokens(monkeypatch, di
     assert all(small for (_, small, _) in calls), calls  # only steps of <= 16 rows
     plain = {n for (k, _, n) in calls if k == "skinny_gemm"}
     fused = {n for (k, _, n) in calls if k == "skinny_gate_up_silu"}
-    if not lora:  # qkv and down; gate_up always with its SiLU; o_proj below the size rule
-        assert plain == {q_kv, cfg.hidden_size} and fused == {2 * cfg.intermediate_size}, calls
+    if not lora:  # qkv, down, lm_head; gate_up always with its SiLU; o_proj below the size rule
+        assert plain == {q_kv, cfg.hidden_size, cfg.vocab_size}, calls
+        assert fused == {2 * cfg.intermediate_size}, calls
     else:  # LoRA steps stream [W; A] (rows past N), gate_up unfused (the delta precedes SiLU)
         assert any(n > q_kv and n != 2 * cfg.intermediate_size for n in plain), calls
         assert any(n > 2 * cfg.intermediate_size for n in plain), calls

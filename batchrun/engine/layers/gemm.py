@@ -8,11 +8,12 @@ epilogue, kernels/skinny_gate_up_silu.py).
 - the step has at most 16 rows (decode at latency batch sizes: what a captured graph of batch
   <= 16 replays);
 - Triton runs (CUDA, or BATCHRUN_FORCE_TRITON on CPU for tests) and the dtype is fp16 / bf16;
-- the weight has at least MIN_WEIGHT_ELEMENTS elements. Below that each of the N / 32 programs
-  streams too little of W to hide its start-up, and cuBLAS (with split-K) was faster: on the H200
-  at M = 8 Llama-2-7b's o_proj ([4096, 4096]) took 10.2 us in Triton against 9.1 us in cuBLAS,
-  while qkv (12288 x 4096), gate_up (22016 x 4096) and down (4096 x 11008) were 4-9 % faster
-  in Triton (docs/benchmarks.md, session 8 and 11).
+- the weight has at least MIN_WEIGHT_ELEMENTS (48M) elements. Narrower weights give too few
+  programs (N / 32) too little of W each, and cuBLAS (with split-K) kept up or won: at M = 8
+  Llama-2-7b's o_proj ([4096, 4096]) took 9.7 us in Triton against 9.5 in cuBLAS on the H100
+  (10.2 vs 9.1 on the H200), its down_proj ([4096, 11008], 45M) 37.6 against 36.1 on the H100
+  (26.1 vs 28.6 on the H200); while qkv ([12288, 4096]) was 8 % faster, gate_up with its SiLU
+  ([22016, 4096]) 9 % and lm_head ([32000, 4096]) 7 % (docs/benchmarks.md, sessions 8 and 11).
 
 The result differs from cuBLAS's by at most rounding (an ulp where cuBLAS splits K), as any two
 GEMMs do; a given step shape always takes the same kernel, so graph replay equals eager, and the
@@ -27,7 +28,7 @@ from torch import Tensor
 from batchrun.engine.layers.backend import use_triton
 
 MAX_ROWS = 16  # kernels/skinny_gemm.py's MAX_ROWS
-MIN_WEIGHT_ELEMENTS = 1 << 25  # 32M: Llama-2-7b's o_proj (16.8M) stays on cuBLAS
+MIN_WEIGHT_ELEMENTS = 12288 * 4096  # 48M: Llama-2-7b's qkv_proj takes it, down_proj (45M) not
 _HALF = (torch.float16, torch.bfloat16)
 
 
@@ -52,8 +53,8 @@ def gate_up_silu(x: Tensor, weight: Tensor) -> Tensor:
 
 
 def set_decode_gemm(model: torch.nn.Module, enabled: bool) -> None:
-    """Turn the Triton decode GEMM on or off for every Linear of `model`."""
-    from batchrun.engine.layers.linear import Linear
+    """Turn the Triton decode GEMM on or off for every projection of `model` (the modules with a
+    `decode_gemm` attribute: each Linear, and the model itself for lm_head)."""
     for m in model.modules():
-        if isinstance(m, Linear):
+        if hasattr(m, "decode_gemm"):
             m.decode_gemm = enabled
