@@ -90,8 +90,10 @@ def main() -> None:
         timed(engine, make_requests(random_prompts(64, 256, vocab, 7), 16, tag="w"), set_, on, 16)
     log("latency workload (batch 8, in 32, out 128):")
     latency = ab(engine, set_, a.latency_rounds, lat, 128, log)
-    log(f"offline workload ({a.num_prompts} x (256 -> 128), engine alone):")
-    offline = ab(engine, set_, a.offline_rounds, off, 128, log) if a.offline_rounds else None
+    offline = None
+    if a.offline_rounds:
+        log(f"offline workload ({a.num_prompts} x (256 -> 128), engine alone):")
+        offline = ab(engine, set_, a.offline_rounds, off, 128, log)
     tokens = a.num_prompts * (256 + 128)
     result = {"benchmark": "async_ab", "switch": a.switch, "weights": built.weights, "model": a.model,
               **environment(engine.device, " ".join(sys.argv)), "latency": latency, "offline": offline}
