@@ -45,6 +45,8 @@ def graph_step_us(engine, prompts, adapters, n: int = 60) -> tuple[float, float]
 
 
 def _short(name: str) -> str:
+    if name.startswith("_skinny"):  # batchrun's Triton decode GEMMs (kernels/skinny_*.py)
+        return name.split("(")[0][:48]
     for key in ("gemm", "gemv", "cutlass", "nvjet", "sm90"):
         if key in name.lower():
             return "GEMM (cuBLAS)"
