@@ -6,18 +6,18 @@ streams BLOCK_N rows of W_gate and the same BLOCK_N rows of W_up (the K loop of
 kernels/skinny_gemm.py, twice), rounds each accumulator to the output dtype (the gate_up tensor
 the unfused path would have written) and applies kernels/silu_and_mul.py's `_silu_mul` to them:
 so the result is bit-for-bit skinny_gemm (with the same BLOCK_K) followed by silu_and_mul,
-without writing or reading the [M, 2*I] intermediate or paying the second launch. LoRA steps do not come here: their delta
-must reach gate and up before the SiLU (silu_and_mul's LoRA kernel does that).
+without writing or reading the [M, 2*I] intermediate or paying the second launch. LoRA steps do
+not come here: their delta must reach gate and up before the SiLU (silu_and_mul's LoRA kernel
+does that).
 """
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
 from batchrun.kernels.silu_and_mul import _silu_mul
-from batchrun.kernels.skinny_gemm import _stream_dot, check_operands
+from batchrun.kernels.skinny_gemm import _stream_dot, check_operands, output
 from batchrun.kernels.utils import check
 
 # (BLOCK_N, BLOCK_K, num_stages, num_warps): BLOCK_N columns of gate and of up per program; the
@@ -46,10 +46,7 @@ def skinny_gate_up_silu(x: Tensor, w: Tensor, out: Tensor | None = None,
     M, N, K = check_operands(x, w, "skinny_gate_up_silu")
     check(N % 2 == 0, f"the gate_up weight must have 2*I rows, got {N}")
     I = N // 2
-    if out is None:
-        out = torch.empty(M, I, dtype=x.dtype, device=x.device)
-    check(out.shape == (M, I) and out.dtype == x.dtype and out.stride(1) == 1,
-          f"out must be [{M}, {I}] {x.dtype} with contiguous rows")
+    out = output(x, out, M, I)
     if M == 0 or I == 0:
         return out
     bn, bk, stages, warps = config

@@ -77,16 +77,22 @@ def check_operands(x: Tensor, w: Tensor, what: str) -> tuple[int, int, int]:
     return x.shape[0], w.shape[0], x.shape[1]
 
 
+def output(x: Tensor, out: Tensor | None, M: int, N: int) -> Tensor:
+    """`out` checked to be [M, N] in x's dtype with contiguous rows, or a new one."""
+    if out is None:
+        return torch.empty(M, N, dtype=x.dtype, device=x.device)
+    check(out.shape == (M, N) and out.dtype == x.dtype and out.stride(1) == 1,
+          f"out must be [{M}, {N}] {x.dtype} with contiguous rows")
+    return out
+
+
 def skinny_gemm(x: Tensor, w: Tensor, bias: Tensor | None = None, out: Tensor | None = None,
                 config: tuple[int, int, int, int] = CONFIG) -> Tensor:
     # x [M <= 16, K] @ w [N, K].T (+ bias [N]) -> [M, N] in x's dtype
     M, N, K = check_operands(x, w, "skinny_gemm")
     check(bias is None or (bias.shape == (N,) and bias.stride(0) == 1),
           f"bias must be a contiguous [{N}], got {None if bias is None else tuple(bias.shape)}")
-    if out is None:
-        out = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    check(out.shape == (M, N) and out.dtype == x.dtype and out.stride(1) == 1,
-          f"out must be [{M}, {N}] {x.dtype} with contiguous rows")
+    out = output(x, out, M, N)
     if M == 0 or N == 0:
         return out
     bn, bk, stages, warps = config

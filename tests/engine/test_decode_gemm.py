@@ -8,7 +8,6 @@ to check the size rule)."""
 import collections
 
 import pytest
-import torch
 
 import batchrun.engine.layers.gemm as gemm
 import batchrun.kernels.skinny_gate_up_silu as fused_kernel
@@ -25,8 +24,8 @@ pytest.importorskip("triton")
 def dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("decode_gemm")
     save_hf_model("qwen2_bias", root / "base")  # qkv has a bias
-    adapters = save_peft_adapters(root, ["a", "b"], variant="qwen2_bias", targets=("q_proj", "v_proj", "gate_proj",
-                                                             "down_proj", "o_proj"))
+    adapters = save_peft_adapters(root, ["a", "b"], variant="qwen2_bias",
+                                  targets=("q_proj", "v_proj", "gate_proj", "down_proj", "o_proj"))
     return root, adapters
 
 
