@@ -37,9 +37,9 @@ class Linear(nn.Module):
         self.lora = None  # set by batchrun.engine.lora (LoRALinear)
         self.decode_gemm = False  # layers/gemm.set_decode_gemm
 
-    def skinny(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> bool:
-        # whether x @ weight.T (default: this layer's weight) runs in the Triton skinny GEMM
-        return takes_skinny(self.decode_gemm, x, self.weight if weight is None else weight)
+    def skinny(self, x: torch.Tensor) -> bool:
+        # whether x @ weight.T runs in the Triton skinny GEMM (a LoRA step's [W; A] too)
+        return takes_skinny(self.decode_gemm, x, self.weight)
 
     def forward(self, x: torch.Tensor, lora_step: LoRAStep | None = None, defer: bool = False):
         # x: [T, in_features] -> y: [T, out_features], or (y, LoRADelta | None) with defer

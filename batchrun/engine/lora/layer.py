@@ -91,8 +91,8 @@ class LoRALinear:
             N = linear.out_features
             rows = N + step.num_slots * self.num_slices * self.lora_b.shape[2]
             bias = None if self.bias_full is None else self.bias_full[:rows]
-            w = self.weight_full[:rows]
-            full = gemm.linear(x, w, bias, linear.skinny(x, w))  # [T, N + k*S*R]
+            # the kernel is chosen by W alone, so W's columns come out as in a no-LoRA step
+            full = gemm.linear(x, self.weight_full[:rows], bias, linear.skinny(x))  # [T, N + k*S*R]
             return full[:, :N], LoRADelta(full[:, N:], self.lora_b, step.token_slots,
                                           self.slice_offsets)
         y = gemm.linear(x, linear.weight, linear.bias, linear.skinny(x))
