@@ -14,6 +14,7 @@ from batchrun.bench.flags import engine_config, fused_max_tokens
 from batchrun.bench.engine_stats import MIB, graph_stats, memory_stats
 from batchrun.bench.lora_memory import format_lora_memory
 from batchrun.bench.record import environment, write_json
+from batchrun.bench.roofline import decode_roofline, format_roofline
 from batchrun.bench.timing import percentile, summarize, time_generate
 from batchrun.engine.config import EngineConfig
 
@@ -114,13 +115,16 @@ def run_latency(p: LatencyParams, log=print, command: str | None = None) -> dict
         # prefill estimate: the same batch with one output token (prefill + one sample)
         one = make_requests(prompts, 1, round_robin(names, p.batch_size), tag="prefill")
         prefill = percentile([time_generate(engine, one) for _ in range(5)], 50)
-        result = {"benchmark": "latency", **environment(engine.device, command),
+        env = environment(engine.device, command)
+        tokens = per_token(sum(lat) / len(lat), prefill, p.output_len)
+        result = {"benchmark": "latency", **env,
                   "weights": built.weights, "model": p.model, "params": asdict(p),
                   "engine": {**asdict(config), "num_adapters": p.num_adapters},
                   "active_adapters": names, **summarize(lat),
-                  "prefill_latency_s": prefill, **per_token(sum(lat) / len(lat), prefill,
-                                                            p.output_len),
+                  "prefill_latency_s": prefill, **tokens,
                   "graphs": graph_stats(engine), "memory": memory_stats(engine, built),
+                  "decode_roofline": decode_roofline(engine, env["device"], p.batch_size, p.input_len,
+                                                     p.output_len, tokens["decode_ms_per_token"]),
                   "engine_stats": dict(engine.stats)}
     write_json(p.output_json, result)
     return result
@@ -148,6 +152,8 @@ def print_latency(r: dict, echo=print) -> None:
     echo(f"prefill (batch, 1 output token): {r['prefill_latency_s'] * 1e3:.2f} ms; decode "
          f"~{_fmt(r['decode_ms_per_token'])} ms/token ((avg - prefill) / (output_len - 1)); "
          f"{r['ms_per_token_incl_prefill']:.3f} ms/token incl. prefill")
+    if "decode_roofline" in r:
+        echo(format_roofline(r["decode_roofline"]))
     g = r["graphs"]
     if g["enabled"]:
         pools = ", ".join(f"{k} {v:.1f} MiB" for k, v in g["pool_mib"].items())

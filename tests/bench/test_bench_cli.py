@@ -32,6 +32,11 @@ def test_latency_tiny_writes_json(tmp_path):
     assert set(r["percentiles"]) == {"10", "25", "50", "75", "90", "99"}
     assert r["graphs"] == {"enabled": False}
     assert r["memory"]["weights_gib"] > 0 and r["decode_ms_per_token"] is not None
+    roof = r["decode_roofline"]  # CPU: the achieved rate, no HBM peak to compare with
+    assert roof["fraction_of_peak"] is None and "decode roofline" in res.output
+    assert roof["bytes_per_step"] == roof["weights_bytes"] + roof["kv_bytes"] > 0
+    assert abs(roof["achieved_bytes_per_s"] * r["decode_ms_per_token"] * 1e-3
+               - roof["bytes_per_step"]) <= 1e-6 * roof["bytes_per_step"]
 
 
 def test_latency_with_active_loras(tmp_path):

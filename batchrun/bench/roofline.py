@@ -1,0 +1,63 @@
+"""How close `bench latency`'s decode gets to its physical limit: a decode step must read every
+weight it multiplies by (all projections and lm_head; the embedding table only for the step's
+rows) and the K/V of every row's context once, so at small batches its floor is those bytes at
+the GPU's HBM bandwidth. Peak bandwidths are the vendors' figures for the cards we run on; on
+another card (or CPU) the achieved rate is reported without a fraction.
+"""
+from __future__ import annotations
+
+# HBM peak, bytes/s, by a substring of torch.cuda.get_device_name() (first match wins)
+HBM_PEAK = (("H200", 4.8e12), ("H100 PCIe", 2.0e12), ("H100", 3.35e12),
+            ("A100-SXM4-80GB", 2.039e12), ("A100 80GB PCIe", 1.935e12), ("A100", 1.555e12))
+
+
+def hbm_peak(device_name: str) -> float | None:
+    for key, peak in HBM_PEAK:
+        if key in device_name:
+            return peak
+    return None
+
+
+def decode_bytes_per_step(engine, batch_size: int, avg_context: float) -> dict:
+    """Bytes one decode step of `batch_size` rows must read: the weights of every projection
+    and lm_head (a tied lm_head reads the embedding table), and each row's K/V."""
+    model = engine.model
+    embed = model.model.embed_tokens.weight
+    seen, weights = {embed.data_ptr()}, 0
+    for p in model.parameters():
+        if p.data_ptr() not in seen and p.dim() >= 1:
+            seen.add(p.data_ptr())
+            weights += p.numel() * p.element_size()
+    if model.lm_head.weight.data_ptr() == embed.data_ptr():  # tied: lm_head streams the table
+        weights += embed.numel() * embed.element_size()
+    cfg = model.config
+    kv_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * \
+        engine.runner.kv_cache.element_size()
+    return {"weights_bytes": weights, "kv_bytes": int(batch_size * avg_context * kv_per_token)}
+
+
+def decode_roofline(engine, device_name: str, batch_size: int, input_len: int, output_len: int,
+                    decode_ms: float | None) -> dict | None:
+    """The decode step's floor and the fraction of it a measured `decode_ms` reaches."""
+    if decode_ms is None or decode_ms <= 0:
+        return None
+    avg_context = input_len + output_len / 2  # contexts grow from input_len to input_len + output_len
+    b = decode_bytes_per_step(engine, batch_size, avg_context)
+    total = b["weights_bytes"] + b["kv_bytes"]
+    rate = total / (decode_ms * 1e-3)
+    peak = hbm_peak(device_name)
+    return {**b, "bytes_per_step": total, "achieved_bytes_per_s": rate, "hbm_peak_bytes_per_s": peak,
+            "floor_ms": None if peak is None else total / peak * 1e3,
+            "fraction_of_peak": None if peak is None else rate / peak}
+
+
+def format_roofline(r: dict | None) -> str:
+    if r is None:
+        return "roofline: n/a (no decode time)"
+    head = (f"decode roofline: {r['bytes_per_step'] / 1e9:.2f} GB a step (weights "
+            f"{r['weights_bytes'] / 1e9:.2f}, K/V {r['kv_bytes'] / 1e9:.2f}) at "
+            f"{r['achieved_bytes_per_s'] / 1e12:.2f} TB/s")
+    if r["hbm_peak_bytes_per_s"] is None:
+        return head + " (HBM peak of this device unknown)"
+    return (head + f" = {r['fraction_of_peak']:.1%} of the {r['hbm_peak_bytes_per_s'] / 1e12:.2f} "
+            f"TB/s HBM peak (floor {r['floor_ms']:.3f} ms a step)")
