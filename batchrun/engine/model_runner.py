@@ -170,15 +170,11 @@ class ModelRunner:
             h64[3, :len(pending)], h64[4, :len(pending)] = zip(*pending)
         self._i64.copy_(host_i64, non_blocking=True)
         self._i32.copy_(host_i32, non_blocking=True)
-        if pending:
-            if prev_tokens is None:
-                raise AssertionError("a decode row's newest token is pending but no previous step's tokens were given")
-            if in_order:  # the usual step: the previous step's rows, in the same order
-                self.input_ids[:b].copy_(prev_tokens[:b])
-            else:
-                m = len(pending)
-                self.input_ids.index_copy_(0, self._pending_dst[:m],
-                                           prev_tokens.index_select(0, self._pending_src[:m]))
+        if in_order:  # the usual step: the previous step's rows, in the same order
+            self.input_ids[:b].copy_(_prev_tokens(prev_tokens)[:b])
+        elif pending:
+            m = len(pending)
+            _take_pending(self.input_ids, self._pending_dst[:m], self._pending_src[:m], prev_tokens)
         if not num_slots:  # slot bound 0: no adapter row
             return None
         # decode on the Triton path: LoRA deltas ride into the kernels after each projection,
@@ -264,11 +260,22 @@ class ModelRunner:
             step_lora = self.lora.lora_step(lora.tolist() if has else [], has_lora=has, fuse=fuse)
         ids_dev = torch.from_numpy(ids).to(dev)
         if pending:
-            if prev_tokens is None:
-                raise AssertionError("a decode row's newest token is pending but no previous step's tokens were given")
             dst, src = (torch.tensor(v, dtype=torch.long, device=dev) for v in zip(*pending))
-            ids_dev.index_copy_(0, dst, prev_tokens.index_select(0, src))
+            _take_pending(ids_dev, dst, src, prev_tokens)
         hidden = self.model(ids_dev, torch.from_numpy(pos).to(dev), Step(attn, step_lora))
         if not done:
             return done, hidden.new_empty(0)
         return done, self.model.compute_logits(hidden[torch.tensor(last, device=dev)])
+
+
+def _prev_tokens(prev_tokens: torch.Tensor | None) -> torch.Tensor:
+    if prev_tokens is None:
+        raise AssertionError("a decode row's newest token is pending but no previous step's tokens were given")
+    return prev_tokens
+
+
+def _take_pending(ids: torch.Tensor, dst: torch.Tensor, src: torch.Tensor,
+                  prev_tokens: torch.Tensor | None) -> None:
+    """ids[dst[j]] = prev_tokens[src[j]], on the device: the input ids of rows whose newest
+    token the previous step sampled and the host has not read yet (async steps)."""
+    ids.index_copy_(0, dst, _prev_tokens(prev_tokens).index_select(0, src))
