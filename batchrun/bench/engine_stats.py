@@ -21,14 +21,21 @@ def graph_stats(engine) -> dict:
             "pool_mib": {k: v / MIB for k, v in pools.items()}}
 
 
+def weight_bytes(model) -> int:
+    """Bytes of the model's parameters, each storage counted once (a tied lm_head is the
+    embedding table)."""
+    seen, total = set(), 0
+    for p in model.parameters():
+        if p.data_ptr() not in seen:
+            seen.add(p.data_ptr())
+            total += p.numel() * p.element_size()
+    return total
+
+
 def memory_stats(engine, built=None) -> dict:
     """Weights, KV cache, LoRA buffers (lora_memory.py, by category) and, on CUDA, what building
     the engine allocated beyond its weights and KV cache (`other_allocated_bytes`)."""
-    seen, weights = set(), 0
-    for p in engine.model.parameters():
-        if p.data_ptr() not in seen:
-            seen.add(p.data_ptr())
-            weights += p.numel() * p.element_size()
+    weights = weight_bytes(engine.model)
     kv = engine.runner.kv_cache
     lora = 0
     if engine.lora is not None:

@@ -6,6 +6,8 @@ another card (or CPU) the achieved rate is reported without a fraction.
 """
 from __future__ import annotations
 
+from batchrun.bench.engine_stats import weight_bytes
+
 # HBM peak, bytes/s, by a substring of torch.cuda.get_device_name() (first match wins)
 HBM_PEAK = (("H200", 4.8e12), ("H100 PCIe", 2.0e12), ("H100", 3.35e12),
             ("A100-SXM4-80GB", 2.039e12), ("A100 80GB PCIe", 1.935e12), ("A100", 1.555e12))
@@ -23,13 +25,9 @@ def decode_bytes_per_step(engine, batch_size: int, avg_context: float) -> dict:
     and lm_head (a tied lm_head reads the embedding table), and each row's K/V."""
     model = engine.model
     embed = model.model.embed_tokens.weight
-    seen, weights = {embed.data_ptr()}, 0
-    for p in model.parameters():
-        if p.data_ptr() not in seen and p.dim() >= 1:
-            seen.add(p.data_ptr())
-            weights += p.numel() * p.element_size()
-    if model.lm_head.weight.data_ptr() == embed.data_ptr():  # tied: lm_head streams the table
-        weights += embed.numel() * embed.element_size()
+    weights = weight_bytes(model)  # the embedding table once: read by a tied lm_head only
+    if model.lm_head.weight.data_ptr() != embed.data_ptr():
+        weights -= embed.numel() * embed.element_size()
     cfg = model.config
     kv_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * \
         engine.runner.kv_cache.element_size()
