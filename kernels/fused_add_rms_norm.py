@@ -16,6 +16,10 @@ delta kernel first makes x = rnd(x + delta), exactly the x a separate LoRA expan
 written, and adds the residual (written to `residual`, or staged in `out`); the plain kernel
 then normalises those rows. A LoRA step thus runs no separate expand for o_proj / down_proj;
 the no-LoRA path is the one plain launch, untouched.
+
+With `shrink` (a LoRAShrink, kernels/rms_norm_shrink.py) the norm launch is the one that also
+computes the next projection's LoRA shrink x . A of each row's slot: a fused LoRA decode step
+then streams only W in gate_up's fused GEMM + SiLU.
 """
 from __future__ import annotations
 
@@ -26,7 +30,7 @@ from torch import Tensor
 
 from batchrun.kernels.lora_delta import (delta_args, gather_consts, lora_delta_rows,
                                         lora_delta_tile, row_block, tile_shrunk, tile_slots)
-from batchrun.kernels.lora_meta import LoRADelta
+from batchrun.kernels.lora_meta import LoRADelta, LoRAShrink
 from batchrun.kernels.utils import FLOAT_DTYPES, check
 
 DELTA_CHUNKS = 32  # column chunks per row of the LoRA delta kernel (at least 128 columns each)
@@ -52,12 +56,19 @@ def _rms_norm_kernel(
         r = tl.load(r_ptrs, mask=mask, other=0.0)
         x = (r.to(tl.float32) + x.to(tl.float32)).to(x.dtype)    # add in the model dtype
         tl.store(r_ptrs, x, mask=mask)
+    tl.store(out_ptr + row * stride_o + offs, norm_row(x, w_ptr, offs, mask, H, eps, out_ptr),
+             mask=mask)
+
+
+@triton.jit
+def norm_row(x, w_ptr, offs, mask, H, eps, out_ptr):
+    # one row x [BLOCK_N] (model dtype, masked lanes 0) -> weight * n in out_ptr's dtype
     xf = x.to(tl.float32)
     var = tl.sum(xf * xf, axis=0) / H
     rstd = tl.math.rsqrt(var + eps)
     n = (xf * rstd).to(x.dtype).to(tl.float32)                   # HF: cast before the weight
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_o + offs, (w * n).to(out_ptr.dtype.element_ty), mask=mask)
+    return (w * n).to(out_ptr.dtype.element_ty)
 
 
 @triton.jit
@@ -100,7 +111,7 @@ def _add_lora_delta_kernel(
 
 
 def _launch(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float,
-            out: Tensor | None, lora: LoRADelta | None) -> Tensor:
+            out: Tensor | None, lora: LoRADelta | None, shrink: LoRAShrink | None) -> Tensor:
     check(x.dim() == 2, f"x must be [T, H], got {tuple(x.shape)}")
     T, H = x.shape
     check(x.dtype in FLOAT_DTYPES and weight.dtype in FLOAT_DTYPES, "unsupported dtype")
@@ -122,6 +133,11 @@ def _launch(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float,
     block = triton.next_power_of_2(H)
     num_warps = 4 if block <= 1024 else (8 if block <= 4096 else 16)
     res = residual if residual is not None else x
+    if shrink is not None:
+        from batchrun.kernels.rms_norm_shrink import norm_and_shrink
+    if lora is None and shrink is not None:
+        norm_and_shrink(x, residual, weight, eps, out, shrink, num_warps)
+        return out
     if lora is None:
         _rms_norm_kernel[(T,)](
             x, res, weight, out, H, eps, x.stride(0), res.stride(0), out.stride(0),
@@ -138,14 +154,17 @@ def _launch(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float,
     chunk = max(128, triton.next_power_of_2(triton.cdiv(H, DELTA_CHUNKS)))
     if residual is not None:
         h = residual                                            # becomes res + rnd(x + delta)
-    elif out.dtype == x.dtype:
-        h = out                                                 # staged; normalised in place
+    elif out.dtype == x.dtype and shrink is None:
+        h = out      # staged; normalised in place (not with shrink: a row's programs would race)
     else:
         h = torch.empty((T, H), dtype=x.dtype, device=x.device)  # n rounds to x's dtype (HF)
     _add_lora_delta_kernel[(triton.cdiv(T, bm), triton.cdiv(H, chunk))](
         x, res, h, T, H, x.stride(0), res.stride(0), h.stride(0), *largs,
         FUSED_ADD=residual is not None, BLOCK_M=bm, CHUNK=chunk, **consts,
         **gather_consts(T, bm, chunk, consts["BLOCK_R"]), num_warps=4, num_stages=1)
+    if shrink is not None:
+        norm_and_shrink(h, None, weight, eps, out, shrink, num_warps)
+        return out
     _rms_norm_kernel[(T,)](
         h, h, weight, out, H, eps, h.stride(0), h.stride(0), out.stride(0),
         FUSED_ADD=False, BLOCK_N=block, num_warps=num_warps)
@@ -153,16 +172,17 @@ def _launch(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float,
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float, out: Tensor | None = None,
-             lora: LoRADelta | None = None) -> Tensor:
+             lora: LoRADelta | None = None, shrink: LoRAShrink | None = None) -> Tensor:
     # x: [T, H], weight: [H] -> normed [T, H] (new tensor unless `out` is given); with `lora`,
-    # normed rnd(x + delta) (x itself is not written).
-    return _launch(x, None, weight, eps, out, lora)
+    # normed rnd(x + delta) (x itself is not written); with `shrink`, also the next
+    # projection's LoRA shrink of the normed rows into shrink.out (kernels/rms_norm_shrink.py).
+    return _launch(x, None, weight, eps, out, lora, shrink)
 
 
 def fused_add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float,
-                       out: Tensor | None = None,
-                       lora: LoRADelta | None = None) -> tuple[Tensor, Tensor]:
+                       out: Tensor | None = None, lora: LoRADelta | None = None,
+                       shrink: LoRAShrink | None = None) -> tuple[Tensor, Tensor]:
     # x, residual: [T, H], weight: [H] -> (normed [T, H], residual). `residual` is updated in
     # place to x + residual (model dtype) and returned; normed goes to a new tensor / `out`.
-    # With `lora`, x + delta (rounded) takes x's place.
-    return _launch(x, residual, weight, eps, out, lora), residual
+    # With `lora`, x + delta (rounded) takes x's place; with `shrink`, as rms_norm.
+    return _launch(x, residual, weight, eps, out, lora, shrink), residual

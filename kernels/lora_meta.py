@@ -164,3 +164,36 @@ class LoRADelta:
         """y [T, N] -> new y + delta (torch reference: fp32 math, one rounding)."""
         from batchrun.kernels.reference import ref_lora_delta
         return ref_lora_delta(y, self.shrunk, self.lora_b, self.slice_offsets, self.token_slots)
+
+
+@dataclass(frozen=True)
+class LoRAShrink:
+    """The shrink of the projection after a norm, for the norm kernel to compute beside its
+    output (kernels/rms_norm_shrink.py): on a fused LoRA decode step whose gate_up runs as the
+    fused GEMM + SiLU kernel, which can stream only W, the norm that produces x also writes
+    `out[t, (slot*S + s)*R + r] = rnd(x[t] . A[s, slot, r])` for each row's own slot (the
+    columns a LoRADelta's consumer reads; other slots' columns are left unwritten)."""
+    lora_a: Tensor       # [S, L, R, K] (a LoRALinear's strided view of its slot-major A rows)
+    token_slots: Tensor  # int32 [>= T] slot per row, -1 = no LoRA (also padding), else < k
+    out: Tensor          # [T, k*S*R] in x's dtype, k = the step's slot bound
+
+    @property
+    def num_slots(self) -> int:
+        """k: the slots whose columns `out` has room for."""
+        S, _, R, _ = self.lora_a.shape
+        return self.out.shape[1] // (S * R)
+
+    def validate(self, T: int, K: int, dtype, device) -> None:
+        S, L, R, Ka = self.lora_a.shape
+        ok = (Ka == K and self.lora_a.stride(3) == 1 and self.out.dim() == 2
+              and self.out.shape[0] == T and self.out.shape[1] % (S * R) == 0
+              and 1 <= self.out.shape[1] // (S * R) <= L and self.out.stride(1) == 1
+              and self.out.dtype == dtype and self.lora_a.dtype == dtype
+              and self.token_slots.dtype == torch.int32 and self.token_slots.numel() >= T
+              and self.lora_a.device == self.out.device == self.token_slots.device == device)
+        if not ok:
+            raise ValueError(
+                f"LoRA shrink does not fit its norm: want T={T}, K={K}, {dtype} on {device}; got "
+                f"lora_a {tuple(self.lora_a.shape)} {self.lora_a.dtype}, out "
+                f"{tuple(self.out.shape)} {self.out.dtype}, {self.token_slots.numel()} "
+                f"{self.token_slots.dtype} slots")

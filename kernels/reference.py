@@ -43,6 +43,21 @@ def ref_lora_expand(y: Tensor, buf: Tensor, lora_b: Tensor, slice_offsets, token
     return new
 
 
+def ref_lora_shrink_rows(x: Tensor, lora_a: Tensor, token_slots: Tensor, k: int) -> Tensor:
+    # x: [T, K], lora_a: [S, L, R, K], token_slots: int [>= T] (-1 = no LoRA, else < k)
+    # returns [T, k*S*R] in x's dtype laid out like LoRADelta.shrunk: row t's own slot l holds
+    # columns (l*S + s)*R + r = rnd(x[t] . A[s, l, r]) (fp32 sum, one rounding); every other
+    # column is 0 (kernels/rms_norm_shrink.py leaves those unwritten).
+    T = x.shape[0]
+    S, _, R, _ = lora_a.shape
+    slots = token_slots[:T].to(device=x.device, dtype=torch.long)
+    own = ref_lora_shrink(x, lora_a, slots).permute(1, 0, 2).reshape(T, S * R)  # [T, S*R]
+    out = torch.zeros(T, k, S * R, dtype=x.dtype, device=x.device)
+    has = (slots >= 0).nonzero().squeeze(1)
+    out[has, slots[has]] = own[has].to(x.dtype)
+    return out.reshape(T, k * S * R)
+
+
 def ref_lora_delta(y: Tensor, shrunk: Tensor, lora_b: Tensor, slice_offsets, token_slots: Tensor) -> Tensor:
     # y: [T, N]; shrunk: [T, k*S*R], k <= L, with column (l*S + s)*R + r = x[t] . A[s, l, r]
     # (the fused base GEMM's extra columns, slots 0..k-1); lora_b: [L, N, R]; token_slots:

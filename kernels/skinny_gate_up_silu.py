@@ -6,9 +6,13 @@ streams BLOCK_N rows of W_gate and the same BLOCK_N rows of W_up (the K loop of
 kernels/skinny_gemm.py, twice), rounds each accumulator to the output dtype (the gate_up tensor
 the unfused path would have written) and applies kernels/silu_and_mul.py's `_silu_mul` to them:
 so the result is bit-for-bit skinny_gemm (with the same BLOCK_K) followed by silu_and_mul,
-without writing or reading the [M, 2*I] intermediate or paying the second launch. LoRA steps do
-not come here: their delta must reach gate and up before the SiLU (silu_and_mul's LoRA kernel
-does that).
+without writing or reading the [M, 2*I] intermediate or paying the second launch.
+
+With `lora` (a LoRADelta of the gate and up slices) the epilogue adds each row's delta to the
+rounded gate and up before the SiLU, as silu_and_mul's LoRA kernel does after a GEMM over
+[W; A]: so the result is bit-for-bit skinny_gemm + silu_and_mul(lora=) given the same shrunk
+values. The shrink x . A comes from the norm before gate_up (kernels/rms_norm_shrink.py), so a
+LoRA decode step streams only W here. Rows with slot -1 get exactly the no-LoRA kernel's values.
 """
 from __future__ import annotations
 
@@ -16,6 +20,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from batchrun.kernels.lora_delta import (delta_args, gather_consts, lora_delta_rows,
+                                        lora_delta_tile, tile_shrunk, tile_slots)
+from batchrun.kernels.lora_meta import LoRADelta
 from batchrun.kernels.silu_and_mul import _silu_mul
 from batchrun.kernels.skinny_gemm import _stream_dot, check_operands, output
 from batchrun.kernels.utils import check
@@ -27,8 +34,11 @@ CONFIG = (32, 256, 3, 4)
 
 @triton.jit
 def _skinny_gate_up_silu_kernel(x_ptr, w_ptr, y_ptr, M, I, K, stride_xm, stride_wn, stride_ym,
+                                s_ptr, stride_s, b_ptr, slot_ptr, LN, LS, LR,   # HAS_LORA only
                                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                                EVEN_K: tl.constexpr):
+                                EVEN_K: tl.constexpr, HAS_LORA: tl.constexpr,
+                                BLOCK_R: tl.constexpr, DOT_IEEE: tl.constexpr,
+                                GATHER: tl.constexpr, R_CHUNK: tl.constexpr):
     rows = tl.arange(0, 16)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     g = _stream_dot(tl.zeros((16, BLOCK_N), dtype=tl.float32), x_ptr, w_ptr, rows, cols, M, I, K,
@@ -36,21 +46,46 @@ def _skinny_gate_up_silu_kernel(x_ptr, w_ptr, y_ptr, M, I, K, stride_xm, stride_
     u = _stream_dot(tl.zeros((16, BLOCK_N), dtype=tl.float32), x_ptr, w_ptr + I * stride_wn,
                     rows, cols, M, I, K, stride_xm, stride_wn, BLOCK_K, EVEN_K)
     dt = y_ptr.dtype.element_ty
-    tl.store(y_ptr + rows[:, None] * stride_ym + cols[None, :], _silu_mul(g.to(dt), u.to(dt), dt),
-             mask=(rows < M)[:, None] & (cols < I)[None, :])
+    g = g.to(dt)
+    u = u.to(dt)
+    col_mask = cols < I
+    if HAS_LORA:  # silu_and_mul's LoRA kernel's epilogue: gate and up + their delta, rounded
+        slot, lo, hi = tile_slots(slot_ptr, rows, rows < M)
+        if GATHER:
+            dg, du = lora_delta_rows(s_ptr, stride_s, b_ptr, rows, slot, 0, 1, cols, cols + I,
+                                     col_mask, LN, LS, LR, 16, BLOCK_N, BLOCK_R, R_CHUNK,
+                                     PAIR=True)
+        else:
+            sg = tile_shrunk(s_ptr, stride_s, rows, slot, 0, LS, LR, BLOCK_R, DOT_IEEE)
+            su = tile_shrunk(s_ptr, stride_s, rows, slot, 1, LS, LR, BLOCK_R, DOT_IEEE)
+            dg, du = lora_delta_tile(sg, su, b_ptr, slot, lo, hi, cols, cols + I, col_mask, LN,
+                                     LR, 16, BLOCK_N, BLOCK_R, DOT_IEEE, PAIR=True)
+        g = (g.to(tl.float32) + dg).to(dt)
+        u = (u.to(tl.float32) + du).to(dt)
+    tl.store(y_ptr + rows[:, None] * stride_ym + cols[None, :], _silu_mul(g, u, dt),
+             mask=(rows < M)[:, None] & col_mask[None, :])
 
 
 def skinny_gate_up_silu(x: Tensor, w: Tensor, out: Tensor | None = None,
-                        config: tuple[int, int, int, int] = CONFIG) -> Tensor:
-    # x [M <= 16, K], w [2*I, K] (gate; up) -> silu(x @ w[:I].T) * (x @ w[I:].T), [M, I]
+                        config: tuple[int, int, int, int] = CONFIG,
+                        lora: LoRADelta | None = None) -> Tensor:
+    # x [M <= 16, K], w [2*I, K] (gate; up) -> silu(x @ w[:I].T) * (x @ w[I:].T), [M, I];
+    # lora: the delta of gate_up's two slices, added to gate and up before the SiLU
     M, N, K = check_operands(x, w, "skinny_gate_up_silu")
     check(N % 2 == 0, f"the gate_up weight must have 2*I rows, got {N}")
     I = N // 2
     out = output(x, out, M, I)
+    if lora is not None:
+        largs, consts = delta_args(lora, M, N, 2, x.device)
+        consts.update(gather_consts(M, 16, config[0], consts["BLOCK_R"], pairs=2))
+    else:
+        largs = (x, 0, x, x, 0, 0, 0)
+        consts = dict(BLOCK_R=16, DOT_IEEE=False, GATHER=False, R_CHUNK=1)
     if M == 0 or I == 0:
         return out
     bn, bk, stages, warps = config
     _skinny_gate_up_silu_kernel[(triton.cdiv(I, bn),)](
-        x, w, out, M, I, K, x.stride(0), w.stride(0), out.stride(0),
-        BLOCK_N=bn, BLOCK_K=bk, EVEN_K=K % bk == 0, num_stages=stages, num_warps=warps)
+        x, w, out, M, I, K, x.stride(0), w.stride(0), out.stride(0), *largs,
+        BLOCK_N=bn, BLOCK_K=bk, EVEN_K=K % bk == 0, HAS_LORA=lora is not None, **consts,
+        num_stages=stages, num_warps=warps)
     return out

@@ -5,11 +5,12 @@ Llama 7B/8B decode shapes."""
 import pytest
 import torch
 
-from batchrun.kernels.reference import ref_gate_up_silu, ref_linear
+from batchrun.kernels.lora_meta import LoRADelta
+from batchrun.kernels.reference import ref_gate_up_silu, ref_linear, ref_silu_and_mul
 from batchrun.kernels.silu_and_mul import silu_and_mul
 from batchrun.kernels.skinny_gate_up_silu import CONFIG as FUSED_CONFIG, skinny_gate_up_silu
 from batchrun.kernels.skinny_gemm import skinny_gemm
-from kernel_testutils import DEVICE, POISON, randn, rounding_tol
+from kernel_testutils import DEVICE, POISON, mixed_slots, randn, rounding_tol
 
 SAME_K_STEPS = (32, FUSED_CONFIG[1], 3, 4)  # skinny_gemm's K loop with the fused kernel's BLOCK_K
 SHAPES = [(1, 16, 32), (5, 50, 70), (8, 96, 512), (13, 33, 300), (16, 64, 256)]
@@ -68,6 +69,48 @@ def test_skinny_gate_up_silu(M, N, K):
     assert ((out.float() - ref.float()).abs() <= tol).all()
 
 
+def _gate_up_lora(M, I, K, L, R, k, dtype, seed, pattern):
+    # x, w [2I, K], and a LoRADelta of gate_up's two slices as the norm kernel leaves it
+    # (shrunk [M, k*2*R], strided rows), slots < k: "mixed" (-1 and every slot), "one", "none"
+    x, w, g = _operands(M, 2 * I, K, dtype, seed=seed)
+    shrunk = randn(M, k * 2 * R + 3, dtype=dtype, gen=g)[:, :k * 2 * R]
+    lora_b = randn(L, 2 * I, R, dtype=dtype, gen=g, scale=R ** -0.5)
+    if pattern == "mixed":
+        slots = mixed_slots(M, k, g)
+    else:
+        slots = torch.full((M,), k - 1 if pattern == "one" else -1, dtype=torch.int32)
+    slots = torch.cat([slots, torch.zeros(4, dtype=torch.int32)]).to(DEVICE)  # a buffer >= M
+    return x, w, LoRADelta(shrunk, lora_b, slots, (0, I, 2 * I)), slots[:M]
+
+
+# (M, I, K, L, R, k, slot pattern): gather (M <= 8) and tile (9..16 rows) forms of the delta
+LORA_SHAPES = [(1, 16, 32, 1, 4, 1, "one"), (5, 50, 70, 3, 5, 3, "mixed"),
+               (8, 96, 512, 8, 16, 8, "mixed"), (8, 40, 256, 8, 16, 1, "one"),
+               (13, 33, 300, 4, 20, 2, "mixed"), (16, 64, 256, 2, 3, 2, "none")]
+
+
+@pytest.mark.parametrize("M,I,K,L,R,k,pattern", LORA_SHAPES)
+def test_skinny_gate_up_silu_lora(M, I, K, L, R, k, pattern):
+    x, w, delta, slots = _gate_up_lora(M, I, K, L, R, k, torch.float16, M * 31 + I + R, pattern)
+    out = torch.full((M, I), POISON, dtype=torch.float16, device=DEVICE)
+    assert skinny_gate_up_silu(x, w, out=out, lora=delta) is out
+    # what a LoRA step computed before: the GEMM, then silu_and_mul's LoRA kernel (the delta
+    # forms may sum the R products in another order: an ulp of gate / up apart)
+    unfused = silu_and_mul(skinny_gemm(x, w, config=SAME_K_STEPS), lora=delta)
+    ref = ref_silu_and_mul(delta.apply_reference(ref_linear(x, w)))
+    tol = 8 * torch.finfo(torch.float16).eps * ref.float().abs() + 2e-3
+    assert ((out.float() - ref.float()).abs() <= tol).all()
+    assert ((out.float() - unfused.float()).abs() <= tol).all()
+    none = (slots < 0).nonzero().squeeze(1)  # rows without an adapter: the no-LoRA kernel's values
+    assert torch.equal(out[none], skinny_gate_up_silu(x, w)[none]) or out.is_cuda
+
+
+def test_skinny_gate_up_silu_lora_bad_delta():
+    x, w, delta, _ = _gate_up_lora(4, 16, 32, 2, 4, 2, torch.float16, 1, "mixed")
+    with pytest.raises(ValueError, match="LoRA delta does not fit"):
+        skinny_gate_up_silu(x, w[:30], lora=delta)
+
+
 def test_bad_args():
     x = torch.randn(17, 8, device=DEVICE, dtype=torch.float16)
     w = torch.randn(4, 8, device=DEVICE, dtype=torch.float16)
@@ -99,3 +142,19 @@ def test_bf16_gpu_decode_shapes(M):
         if N % 2 == 0:
             fused = skinny_gate_up_silu(x, w)
             assert torch.equal(fused, silu_and_mul(skinny_gemm(x, w, config=SAME_K_STEPS))), (N, K)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("M", [1, 8, 13, 16])
+@pytest.mark.parametrize("k", [1, 8])
+def test_bf16_gpu_gate_up_lora(M, k):
+    # 7b and 8b gate_up, rank 16, 8 slots
+    for I, K in [(11008, 4096), (14336, 4096)]:
+        x, w, delta, slots = _gate_up_lora(M, I, K, 8, 16, k, torch.bfloat16, M + k + I, "mixed")
+        out = skinny_gate_up_silu(x, w, lora=delta)
+        ref = ref_silu_and_mul(delta.apply_reference(ref_linear(x, w)))
+        tol = 8 * torch.finfo(torch.bfloat16).eps * ref.float().abs() + 1e-2
+        assert ((out.float() - ref.float()).abs() <= tol).all(), (M, k, I)
+        none = (slots < 0).nonzero().squeeze(1)
+        assert torch.equal(out[none], skinny_gate_up_silu(x, w)[none]), (M, k, I)
