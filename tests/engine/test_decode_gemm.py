@@ -1,6 +1,7 @@
 """engine.triton_decode_gemm: steps of at most 16 rows run their projections and lm_head in the
 Triton skinny GEMM (SiLU fused into gate/up), bigger steps and small weights stay on torch's GEMM, LoRA steps
-stream [W; A] through it, and the tokens are those of the engine without it.
+stream [W; A] through it (gate_up: W, with the norm's shrink), and the tokens are those of the
+engine without it.
 
 CPU, fp16, every Triton kernel of the GPU path under the interpreter (BATCHRUN_FORCE_TRITON);
 MIN_WEIGHT_ELEMENTS is lowered so the tiny model's projections qualify (its o_proj is kept out
@@ -45,7 +46,8 @@ def _run(monkeypatch, dirs, decode_gemm: bool, lora: bool):
     for mod, name in ((skinny_kernel, "skinny_gemm"), (fused_kernel, "skinny_gate_up_silu")):
         orig = getattr(mod, name)
         monkeypatch.setattr(mod, name, lambda x, w, *a, _o=orig, _n=name, **k: (
-            calls.update([(_n, x.shape[0] <= 16, w.shape[0])]), _o(x, w, *a, **k))[1])
+            calls.update([(_n, x.shape[0] <= 16, w.shape[0], k.get("lora") is not None)]),
+            _o(x, w, *a, **k))[1])
     # 20 rows: the first steps decode 20 rows (torch's GEMM), the last ones fewer (Triton)
     prompts = random_prompts(20, [5, 11, 3, 8], engine.model.config.vocab_size, seed=4)
     names = [None, "a", "b", None] if lora else [None]
@@ -64,13 +66,15 @@ def test_few_row_steps_take_the_triton_gemm_with_the_same_tokens(monkeypatch, di
     assert got == ref
     cfg = engine.model.config
     q_kv = (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim
-    assert all(small for (_, small, _) in calls), calls  # only steps of <= 16 rows
-    plain = {n for (k, _, n) in calls if k == "skinny_gemm"}
-    fused = {n for (k, _, n) in calls if k == "skinny_gate_up_silu"}
+    assert all(small for (_, small, _, _) in calls), calls  # only steps of <= 16 rows
+    plain = {n for (k, _, n, _) in calls if k == "skinny_gemm"}
+    fused = {(n, d) for (k, _, n, d) in calls if k == "skinny_gate_up_silu"}
+    I2 = 2 * cfg.intermediate_size
     if not lora:  # qkv, down, lm_head; gate_up always with its SiLU; o_proj below the size rule
         assert plain == {q_kv, cfg.hidden_size, cfg.vocab_size}, calls
-        assert fused == {2 * cfg.intermediate_size}, calls
-    else:  # LoRA steps stream [W; A] (rows past N), gate_up unfused (the delta precedes SiLU)
-        assert any(n > q_kv and n != 2 * cfg.intermediate_size for n in plain), calls
-        assert any(n > 2 * cfg.intermediate_size for n in plain), calls
+        assert fused == {(I2, False)}, calls
+    else:  # LoRA steps stream [W; A] (rows past N) for qkv and down; gate_up streams W alone
+        # with the delta in its epilogue (the shrink from the norm before)
+        assert any(n > q_kv for n in plain) and any(cfg.hidden_size < n < q_kv for n in plain)
+        assert (I2, True) in fused and {n for n, _ in fused} == {I2}, calls
     assert sum(calls.values()) > 0

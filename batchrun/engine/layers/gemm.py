@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from batchrun.engine.layers.backend import use_triton
+from batchrun.kernels.lora_meta import LoRADelta
 
 MAX_ROWS = 16  # kernels/skinny_gemm.py's MAX_ROWS
 MIN_WEIGHT_ELEMENTS = 12288 * 4096  # 48M: Llama-2-7b's qkv_proj takes it, down_proj (45M) not
@@ -46,10 +47,11 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None, skinny: bool) -> Tens
     return F.linear(x, weight, bias)
 
 
-def gate_up_silu(x: Tensor, weight: Tensor) -> Tensor:
-    # x [T <= 16, K], the gate_up weight [2I, K] -> silu(gate) * up [T, I], one launch
+def gate_up_silu(x: Tensor, weight: Tensor, lora: LoRADelta | None = None) -> Tensor:
+    # x [T <= 16, K], the gate_up weight [2I, K] -> silu(gate) * up [T, I], one launch;
+    # lora: gate_up's delta (its shrink computed by the norm before), added before the SiLU
     from batchrun.kernels.skinny_gate_up_silu import skinny_gate_up_silu
-    return skinny_gate_up_silu(x, weight)
+    return skinny_gate_up_silu(x, weight, lora=lora)
 
 
 def set_decode_gemm(model: torch.nn.Module, enabled: bool) -> None:

@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from batchrun.kernels.lora_meta import LoRADelta
-from batchrun.kernels.reference import ref_fused_add_rms_norm, ref_rms_norm
+from batchrun.kernels.lora_meta import LoRADelta, LoRAShrink
+from batchrun.kernels.reference import ref_fused_add_rms_norm, ref_lora_shrink_rows, ref_rms_norm
 from batchrun.engine.layers.backend import use_triton
 
 
@@ -22,16 +22,24 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(hidden_size), requires_grad=False)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None,
-                lora: LoRADelta | None = None):
+                lora: LoRADelta | None = None, shrink: LoRAShrink | None = None):
         # x: [T, H] -> normed [T, H]; with residual [T, H]: (normed, x + residual).
         # lora: the pending LoRA delta of the projection that produced x (x + delta is normed).
+        # shrink: the next projection's LoRA shrink of the normed rows, written to shrink.out.
         if use_triton(x):
             from batchrun.kernels.fused_add_rms_norm import fused_add_rms_norm, rms_norm
             if residual is None:
-                return rms_norm(x, self.weight, self.eps, lora=lora)
-            return fused_add_rms_norm(x, residual, self.weight, self.eps, lora=lora)
+                return rms_norm(x, self.weight, self.eps, lora=lora, shrink=shrink)
+            return fused_add_rms_norm(x, residual, self.weight, self.eps, lora=lora,
+                                      shrink=shrink)
         if lora is not None:
             x = lora.apply_reference(x)
         if residual is None:
-            return ref_rms_norm(x, self.weight, self.eps)
-        return ref_fused_add_rms_norm(x, residual, self.weight, self.eps)
+            out = ref_rms_norm(x, self.weight, self.eps)
+        else:
+            out = ref_fused_add_rms_norm(x, residual, self.weight, self.eps)
+        if shrink is not None:
+            normed = out if residual is None else out[0]
+            shrink.out.copy_(ref_lora_shrink_rows(normed, shrink.lora_a, shrink.token_slots,
+                                                  shrink.num_slots))
+        return out

@@ -17,13 +17,17 @@ the step's `LoRAStep` and has two cases:
   launch of its own;
 - otherwise (larger prefills, CPU, callers without a fusing consumer): y = x W.T, then the
   Punica shrink + expand add the delta in place (kernels on CUDA, torch references on CPU).
+
+gate_up on a fused step of few rows does not call the hook: its fused GEMM + SiLU kernel
+streams only W, the norm before it computes the shrink (`shrink_for`, kernels/rms_norm_shrink.py)
+and the kernel's epilogue adds the delta (`delta_from`) before the SiLU (models/llama.py's MLP).
 """
 from __future__ import annotations
 
 import torch
 from torch import Tensor, nn
 
-from batchrun.kernels.lora_meta import LoRADelta
+from batchrun.kernels.lora_meta import LoRADelta, LoRAShrink
 from batchrun.engine.layers import gemm
 from batchrun.engine.layers.step import LoRAStep
 from batchrun.engine.lora import punica
@@ -82,6 +86,19 @@ class LoRALinear:
     def clear_slot(self, slot: int) -> None:
         self.lora_a[:, slot].zero_()
         self.lora_b[slot].zero_()
+
+    def shrink_for(self, x: Tensor, step: LoRAStep) -> LoRAShrink:
+        """What the norm before this projection computes on a fused step whose GEMM streams
+        only W (gate_up's fused GEMM + SiLU, models/llama.py): x . A of each row's own slot,
+        into a new [T, k*S*R] buffer laid out as the stacked GEMM's extra columns (x: the
+        norm's input, for its row count and dtype)."""
+        cols = step.num_slots * self.num_slices * self.lora_b.shape[2]
+        out = torch.empty(x.shape[0], cols, dtype=x.dtype, device=x.device)
+        return LoRAShrink(self.lora_a, step.token_slots, out)
+
+    def delta_from(self, shrink: LoRAShrink, step: LoRAStep) -> LoRADelta:
+        """The LoRADelta for this projection's consumer once the norm has filled shrink.out."""
+        return LoRADelta(shrink.out, self.lora_b, step.token_slots, self.slice_offsets)
 
     def forward(self, linear, x: Tensor, step: LoRAStep,
                 defer: bool) -> tuple[Tensor, LoRADelta | None]:

@@ -16,6 +16,7 @@ from batchrun.engine.layers.norm import RMSNorm
 from batchrun.engine.layers.rotary import RotaryEmbedding
 from batchrun.engine.layers.step import LoRAStep, Step
 from batchrun.engine.models.config import ModelConfig
+from batchrun.kernels.lora_meta import LoRAShrink
 
 
 class Attention(nn.Module):
@@ -51,12 +52,25 @@ class MLP(nn.Module):
         self.gate_up_proj = Linear(cfg.hidden_size, [i, i], name="gate_up_proj")
         self.down_proj = Linear(i, [cfg.hidden_size], name="down_proj")
 
-    def forward(self, x, lora: LoRAStep | None):
-        # x: [T, H] -> (down_proj output [T, H], its pending LoRA delta or None)
-        if lora is None and self.gate_up_proj.skinny(x):  # few rows: SiLU in the GEMM's epilogue
-            h = gate_up_silu(x, self.gate_up_proj.weight)
+    def shrink(self, x, lora: LoRAStep | None) -> LoRAShrink | None:
+        # x: the input of the norm before this MLP. On a fused LoRA step of few rows, the
+        # gate_up shrink x . A for that norm to compute beside its output (RMSNorm's shrink=),
+        # so gate_up runs in the fused GEMM + SiLU kernel, streaming only W; else None.
+        hook = self.gate_up_proj.lora
+        if lora is None or hook is None or not lora.fuse or not self.gate_up_proj.skinny(x):
+            return None
+        return hook.shrink_for(x, lora)
+
+    def forward(self, x, lora: LoRAStep | None, shrink: LoRAShrink | None = None):
+        # x: [T, H] -> (down_proj output [T, H], its pending LoRA delta or None); shrink: what
+        # self.shrink returned, filled in by the norm
+        gu = self.gate_up_proj
+        if gu.skinny(x) and (lora is None or gu.lora is None or shrink is not None):
+            # few rows: SiLU (and the LoRA delta, from the norm's shrink) in the GEMM's epilogue
+            delta = None if shrink is None else gu.lora.delta_from(shrink, lora)
+            h = gate_up_silu(x, gu.weight, delta)
         else:
-            gate_up, delta = self.gate_up_proj(x, lora, defer=True)
+            gate_up, delta = gu(x, lora, defer=True)
             h = silu_and_mul(gate_up, lora=delta)
         return self.down_proj(h, lora, defer=True)
 
@@ -82,8 +96,9 @@ class DecoderLayer(nn.Module):
         else:
             x, residual = self.input_layernorm(x, residual, lora=delta)
         x, delta = self.self_attn(positions, x, step)
-        x, residual = self.post_attention_layernorm(x, residual, lora=delta)
-        x, delta = self.mlp(x, step.lora)
+        shrink = self.mlp.shrink(x, step.lora)  # gate_up's LoRA shrink, for the norm to compute
+        x, residual = self.post_attention_layernorm(x, residual, lora=delta, shrink=shrink)
+        x, delta = self.mlp(x, step.lora, shrink)
         return x, residual, delta
 
 
