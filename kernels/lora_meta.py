@@ -118,6 +118,14 @@ class LoRAKernelMeta:
         self.flat.copy_(self.staging, non_blocking=True)
 
 
+def _slot_columns_ok(cols: Tensor, token_slots: Tensor, T: int, S: int, L: int, R: int) -> bool:
+    # cols: [T, k*S*R] shrunk values with 1 <= k <= L and contiguous rows' columns; token_slots:
+    # int32 with a slot for each of the T rows
+    return (cols.dim() == 2 and cols.shape[0] == T and cols.shape[1] % (S * R) == 0
+            and 1 <= cols.shape[1] // (S * R) <= L and cols.stride(1) == 1
+            and token_slots.dtype == torch.int32 and token_slots.numel() >= T)
+
+
 @dataclass
 class LoRADelta:
     """A projection's LoRA delta, left for the kernel that consumes the projection's output.
@@ -147,11 +155,8 @@ class LoRADelta:
         L, Nb, R = self.lora_b.shape
         S = self.num_slices
         ok = (Nb == N and S == num_slices and self.slice_offsets[0] == 0
-              and self.slice_offsets[-1] == N and self.shrunk.dim() == 2
-              and self.shrunk.shape[0] == T and self.shrunk.shape[1] % (S * R) == 0
-              and 1 <= self.shrunk.shape[1] // (S * R) <= L
-              and self.shrunk.stride(1) == 1 and self.lora_b.is_contiguous()
-              and self.token_slots.dtype == torch.int32 and self.token_slots.numel() >= T
+              and self.slice_offsets[-1] == N and self.lora_b.is_contiguous()
+              and _slot_columns_ok(self.shrunk, self.token_slots, T, S, L, R)
               and self.shrunk.device == self.lora_b.device == self.token_slots.device == device)
         if not ok:
             raise ValueError(
@@ -185,11 +190,9 @@ class LoRAShrink:
 
     def validate(self, T: int, K: int, dtype, device) -> None:
         S, L, R, Ka = self.lora_a.shape
-        ok = (Ka == K and self.lora_a.stride(3) == 1 and self.out.dim() == 2
-              and self.out.shape[0] == T and self.out.shape[1] % (S * R) == 0
-              and 1 <= self.out.shape[1] // (S * R) <= L and self.out.stride(1) == 1
-              and self.out.dtype == dtype and self.lora_a.dtype == dtype
-              and self.token_slots.dtype == torch.int32 and self.token_slots.numel() >= T
+        ok = (Ka == K and self.lora_a.stride(3) == 1 and self.out.dtype == dtype
+              and self.lora_a.dtype == dtype
+              and _slot_columns_ok(self.out, self.token_slots, T, S, L, R)
               and self.lora_a.device == self.out.device == self.token_slots.device == device)
         if not ok:
             raise ValueError(
