@@ -186,6 +186,7 @@ def test_no_lora_step_launches_exactly_the_lora_disabled_kernels(tmp_path, skinn
     k_base = _kernels_of_one_decode_step(base, prompts)
     k_lora = _kernels_of_one_decode_step(lora, prompts)
     assert sum(k_base.values()) > 0
+    assert any("skinny" in k for k in k_base) == skinny, k_base  # the fixture took effect
     assert k_lora == k_base, f"extra: {k_lora - k_base}, missing: {k_base - k_lora}"
 
 
