@@ -78,3 +78,16 @@ def test_few_row_steps_take_the_triton_gemm_with_the_same_tokens(monkeypatch, di
         assert any(n > q_kv for n in plain) and any(cfg.hidden_size < n < q_kv for n in plain)
         assert (I2, True) in fused and {n for n, _ in fused} == {I2}, calls
     assert sum(calls.values()) > 0
+
+
+def test_lora_gate_up_shrink_with_the_residual_add(monkeypatch, tmp_path):
+    # adapters on up_proj only: o_proj has no hook, so the post-attention norm adds the residual
+    # itself (one program a row) while it computes gate_up's shrink
+    save_hf_model("qwen2_bias", tmp_path / "base")
+    adapters = save_peft_adapters(tmp_path, ["a", "b"], variant="qwen2_bias", targets=("up_proj",))
+    with monkeypatch.context() as m:
+        ref, _, _ = _run(m, (tmp_path, adapters), decode_gemm=False, lora=True)
+    got, calls, engine = _run(monkeypatch, (tmp_path, adapters), decode_gemm=True, lora=True)
+    assert engine.model.model.layers[0].self_attn.o_proj.lora is None
+    assert got == ref
+    assert any(k == "skinny_gate_up_silu" and d for (k, _, _, d) in calls), calls
