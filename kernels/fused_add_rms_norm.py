@@ -128,6 +128,8 @@ def _launch(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float,
         check(residual.data_ptr() != out.data_ptr(), "out must not alias residual")
     if lora is not None:
         largs, consts = delta_args(lora, T, H, 1, x.device)
+    if shrink is not None:  # before any launch: the delta kernel updates the residual in place
+        shrink.validate(T, H, out_dtype, x.device)
     if T == 0:
         return out
     block = triton.next_power_of_2(H)

@@ -68,12 +68,9 @@ def _rms_norm_shrink_kernel(
 def norm_and_shrink(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float, out: Tensor,
                     shrink: LoRAShrink, num_warps: int) -> None:
     """The launch behind fused_add_rms_norm / rms_norm's `shrink=` (which check x, residual,
-    weight and out): normed rows to `out` (residual updated in place to x + residual when
-    given) and the shrink of each row's slot to `shrink.out`."""
+    weight, out and shrink, and skip T = 0): normed rows to `out` (residual updated in place to
+    x + residual when given) and the shrink of each row's slot to `shrink.out`."""
     T, H = x.shape
-    shrink.validate(T, H, out.dtype, x.device)
-    if T == 0:
-        return
     S, _, R, _ = shrink.lora_a.shape
     sr = S * R
     j_per = triton.cdiv(sr, BLOCK_J) * BLOCK_J if residual is not None else BLOCK_J

@@ -100,6 +100,15 @@ def test_bad_shrink():
     with pytest.raises(ValueError, match="LoRA shrink does not fit"):   # A of another width
         rms_norm(x[:, :32], w[:32], EPS, shrink=LoRAShrink(a, slots, torch.empty(
             4, 16, dtype=torch.float16, device=DEVICE)))
+    # refused before any launch: a pending delta's kernel would update the residual in place
+    res = randn(4, 64, dtype=torch.float16, gen=gen)
+    before = res.clone()
+    delta = LoRADelta(randn(4, 2 * 4, dtype=torch.float16, gen=gen),
+                      randn(2, 64, 4, dtype=torch.float16, gen=gen), slots, (0, 64))
+    with pytest.raises(ValueError, match="LoRA shrink does not fit"):
+        fused_add_rms_norm(x, res, w, EPS, lora=delta, shrink=LoRAShrink(a, slots, torch.empty(
+            4, 7, dtype=torch.float16, device=DEVICE)))
+    assert torch.equal(res, before)
 
 
 @pytest.mark.gpu
