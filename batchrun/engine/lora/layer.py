@@ -87,13 +87,16 @@ class LoRALinear:
         self.lora_a[:, slot].zero_()
         self.lora_b[slot].zero_()
 
+    def _shrunk_cols(self, step: LoRAStep) -> int:
+        # k*S*R: the shrink columns of the step's slots 0..k-1 (the A rows a fused GEMM stacks)
+        return step.num_slots * self.num_slices * self.lora_b.shape[2]
+
     def shrink_for(self, x: Tensor, step: LoRAStep) -> LoRAShrink:
         """What the norm before this projection computes on a fused step whose GEMM streams
         only W (gate_up's fused GEMM + SiLU, models/llama.py): x . A of each row's own slot,
         into a new [T, k*S*R] buffer laid out as the stacked GEMM's extra columns (x: the
         norm's input, for its row count and dtype)."""
-        cols = step.num_slots * self.num_slices * self.lora_b.shape[2]
-        out = torch.empty(x.shape[0], cols, dtype=x.dtype, device=x.device)
+        out = torch.empty(x.shape[0], self._shrunk_cols(step), dtype=x.dtype, device=x.device)
         return LoRAShrink(self.lora_a, step.token_slots, out)
 
     def delta_from(self, shrink: LoRAShrink, step: LoRAStep) -> LoRADelta:
@@ -106,7 +109,7 @@ class LoRALinear:
         m = self.manager
         if defer and step.fuse:
             N = linear.out_features
-            rows = N + step.num_slots * self.num_slices * self.lora_b.shape[2]
+            rows = N + self._shrunk_cols(step)
             bias = None if self.bias_full is None else self.bias_full[:rows]
             # the kernel is chosen by W alone, so W's columns come out as in a no-LoRA step
             full = gemm.linear(x, self.weight_full[:rows], bias, linear.skinny(x))  # [T, N + k*S*R]
