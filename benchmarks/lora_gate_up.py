@@ -7,9 +7,8 @@ slots, RANDOM bf16 weights:
 - stacked: what a LoRA step ran before 52a9e41: the norm (delta kernel + norm), the Triton GEMM
   over [W; A of slots < k], silu_and_mul's LoRA kernel;
 - shrink-norm: the norm computes gate_up's shrink (kernels/rms_norm_shrink.py), the fused GEMM
-  adds the delta before the SiLU (what a LoRA step runs since 790ad03);
-
-and the pieces alone, at slot bounds 1 and 8.
+  adds the delta before the SiLU; at slot bound 1 with the LoRA operands loaded before the K
+  loop ("prefetch") and without ("epilogue").
 
     PYTHONPATH=. python3 benchmarks/lora_gate_up.py [--m 8 16] [--json out.json]
 """
@@ -21,6 +20,7 @@ import json
 import torch
 import triton
 
+import batchrun.kernels.skinny_gate_up_silu as fused_mod
 from batchrun.kernels.fused_add_rms_norm import fused_add_rms_norm
 from batchrun.kernels.lora_meta import LoRADelta, LoRAShrink
 from batchrun.kernels.silu_and_mul import silu_and_mul
@@ -88,10 +88,17 @@ def main() -> None:
     for m in a.m:
         for k in (1, L):
             whole, parts = cases(m, k)
-            for label, fn in list(whole.items()) + list(parts.items()):
-                us = bench(fn)
-                rows.append({"M": m, "slot_bound": k, "case": label, "us": round(us, 2)})
-                print(f"M={m:<3d} k={k}  {label:34s} {us:8.2f} us")
+            for prefetch in ((True, False) if k == 1 else (True,)):
+                fused_mod.PREFETCH_ONE_SLOT = prefetch
+                tag = "" if k > 1 else (" prefetch" if prefetch else " epilogue")
+                for label, fn in list(whole.items()) + list(parts.items()):
+                    if not prefetch and label not in ("shrink-norm", "fused gate_up + delta"):
+                        continue
+                    us = bench(fn)
+                    name = label + (tag if label in ("shrink-norm", "fused gate_up + delta") else "")
+                    rows.append({"M": m, "slot_bound": k, "case": name, "us": round(us, 2)})
+                    print(f"M={m:<3d} k={k}  {name:34s} {us:8.2f} us")
+            fused_mod.PREFETCH_ONE_SLOT = True
     if a.json:
         with open(a.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -30,6 +30,9 @@ from batchrun.kernels.utils import check
 # (BLOCK_N, BLOCK_K, num_stages, num_warps): BLOCK_N columns of gate and of up per program; the
 # best of those timed on the H100 (benchmarks/skinny_gemm.py; (16, 256, 4, 4) was 28 % slower)
 CONFIG = (32, 256, 3, 4)
+# slot bound 1 (one adapter in use): the LoRA operands are loaded before the K loop (see the
+# kernel). Read at launch time, so a benchmark can compare it with the epilogue-only form.
+PREFETCH_ONE_SLOT = True
 
 
 @triton.jit
@@ -38,9 +41,25 @@ def _skinny_gate_up_silu_kernel(x_ptr, w_ptr, y_ptr, M, I, K, stride_xm, stride_
                                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                                 EVEN_K: tl.constexpr, HAS_LORA: tl.constexpr,
                                 BLOCK_R: tl.constexpr, DOT_IEEE: tl.constexpr,
-                                GATHER: tl.constexpr, R_CHUNK: tl.constexpr):
+                                GATHER: tl.constexpr, R_CHUNK: tl.constexpr,
+                                ONE_SLOT: tl.constexpr):
     rows = tl.arange(0, 16)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < I
+    if HAS_LORA and ONE_SLOT:
+        # slot bound 1: every LoRA row is in slot 0, so the tile's LoRA operands are one [16, R]
+        # shrunk tile and one [R, BLOCK_N] B tile per slice. Loaded before the K loop and used
+        # after it, their latency hides behind the weight stream instead of following it.
+        slot = tl.load(slot_ptr + rows, mask=rows < M, other=-1)
+        offs_r = tl.arange(0, BLOCK_R)
+        s_mask = (slot >= 0)[:, None] & (offs_r < LR)[None, :]
+        s_at = s_ptr + rows[:, None] * stride_s + offs_r[None, :]
+        sg = tl.load(s_at, mask=s_mask, other=0.0)
+        su = tl.load(s_at + LR, mask=s_mask, other=0.0)
+        b_mask = (offs_r < LR)[:, None] & col_mask[None, :]
+        b_at = b_ptr + cols.to(tl.int64)[None, :] * LR + offs_r[:, None]
+        bg = tl.load(b_at, mask=b_mask, other=0.0)
+        bu = tl.load(b_at + I * LR, mask=b_mask, other=0.0)
     g = _stream_dot(tl.zeros((16, BLOCK_N), dtype=tl.float32), x_ptr, w_ptr, rows, cols, M, I, K,
                     stride_xm, stride_wn, BLOCK_K, EVEN_K)
     u = _stream_dot(tl.zeros((16, BLOCK_N), dtype=tl.float32), x_ptr, w_ptr + I * stride_wn,
@@ -48,14 +67,21 @@ def _skinny_gate_up_silu_kernel(x_ptr, w_ptr, y_ptr, M, I, K, stride_xm, stride_
     dt = y_ptr.dtype.element_ty
     g = g.to(dt)
     u = u.to(dt)
-    col_mask = cols < I
     if HAS_LORA:  # silu_and_mul's LoRA kernel's epilogue: gate and up + their delta, rounded
-        slot, lo, hi = tile_slots(slot_ptr, rows, rows < M)
-        if GATHER:
+        if ONE_SLOT:  # lora_delta_tile's one-slot dot
+            if DOT_IEEE:
+                dg = tl.dot(sg.to(tl.float32), bg.to(tl.float32), input_precision="ieee")
+                du = tl.dot(su.to(tl.float32), bu.to(tl.float32), input_precision="ieee")
+            else:
+                dg = tl.dot(sg, bg)
+                du = tl.dot(su, bu)
+        elif GATHER:
+            slot, lo, hi = tile_slots(slot_ptr, rows, rows < M)
             dg, du = lora_delta_rows(s_ptr, stride_s, b_ptr, rows, slot, 0, 1, cols, cols + I,
                                      col_mask, LN, LS, LR, 16, BLOCK_N, BLOCK_R, R_CHUNK,
                                      PAIR=True)
         else:
+            slot, lo, hi = tile_slots(slot_ptr, rows, rows < M)
             sg = tile_shrunk(s_ptr, stride_s, rows, slot, 0, LS, LR, BLOCK_R, DOT_IEEE)
             su = tile_shrunk(s_ptr, stride_s, rows, slot, 1, LS, LR, BLOCK_R, DOT_IEEE)
             dg, du = lora_delta_tile(sg, su, b_ptr, slot, lo, hi, cols, cols + I, col_mask, LN,
@@ -77,10 +103,11 @@ def skinny_gate_up_silu(x: Tensor, w: Tensor, out: Tensor | None = None,
     out = output(x, out, M, I)
     if lora is not None:
         largs, consts = delta_args(lora, M, N, 2, x.device)
-        consts.update(gather_consts(M, 16, config[0], consts["BLOCK_R"], pairs=2))
+        consts.update(gather_consts(M, 16, config[0], consts["BLOCK_R"], pairs=2),
+                      ONE_SLOT=PREFETCH_ONE_SLOT and lora.num_slots == 1)
     else:
         largs = (x, 0, x, x, 0, 0, 0)
-        consts = dict(BLOCK_R=16, DOT_IEEE=False, GATHER=False, R_CHUNK=1)
+        consts = dict(BLOCK_R=16, DOT_IEEE=False, GATHER=False, R_CHUNK=1, ONE_SLOT=False)
     if M == 0 or I == 0:
         return out
     bn, bk, stages, warps = config

@@ -99,7 +99,7 @@ def _silu_mul_tol(gate_up, base, out_dtype):
 
 
 # (M, I, K, L, R, k, slot pattern): gather (M <= 8) and tile (9..16 rows) forms of the delta,
-# slot bounds 1 to 8
+# and slot bound 1 (k = 1: the LoRA operands are loaded before the K loop)
 LORA_SHAPES = [(1, 16, 32, 1, 4, 1, "one"), (5, 50, 70, 3, 5, 3, "mixed"),
                (8, 96, 512, 8, 16, 8, "mixed"), (8, 40, 256, 8, 16, 1, "one"),
                (13, 33, 300, 4, 20, 2, "mixed"), (16, 64, 256, 2, 3, 2, "none"),
