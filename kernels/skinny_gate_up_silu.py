@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from batchrun.kernels.lora_delta import (delta_args, gather_consts, lora_delta_rows,
+from batchrun.kernels.lora_delta import (_slot_dot, delta_args, gather_consts, lora_delta_rows,
                                         lora_delta_tile, tile_shrunk, tile_slots)
 from batchrun.kernels.lora_meta import LoRADelta
 from batchrun.kernels.silu_and_mul import _silu_mul
@@ -50,12 +50,10 @@ def _skinny_gate_up_silu_kernel(x_ptr, w_ptr, y_ptr, M, I, K, stride_xm, stride_
         # slot bound 1: every LoRA row is in slot 0, so the tile's LoRA operands are one [16, R]
         # shrunk tile and one [R, BLOCK_N] B tile per slice. Loaded before the K loop and used
         # after it, their latency hides behind the weight stream instead of following it.
-        slot = tl.load(slot_ptr + rows, mask=rows < M, other=-1)
+        slot, lo, hi = tile_slots(slot_ptr, rows, rows < M)
+        sg = tile_shrunk(s_ptr, stride_s, rows, slot, 0, LS, LR, BLOCK_R, DOT_IEEE)
+        su = tile_shrunk(s_ptr, stride_s, rows, slot, 1, LS, LR, BLOCK_R, DOT_IEEE)
         offs_r = tl.arange(0, BLOCK_R)
-        s_mask = (slot >= 0)[:, None] & (offs_r < LR)[None, :]
-        s_at = s_ptr + rows[:, None] * stride_s + offs_r[None, :]
-        sg = tl.load(s_at, mask=s_mask, other=0.0)
-        su = tl.load(s_at + LR, mask=s_mask, other=0.0)
         b_mask = (offs_r < LR)[:, None] & col_mask[None, :]
         b_at = b_ptr + cols.to(tl.int64)[None, :] * LR + offs_r[:, None]
         bg = tl.load(b_at, mask=b_mask, other=0.0)
@@ -68,24 +66,21 @@ def _skinny_gate_up_silu_kernel(x_ptr, w_ptr, y_ptr, M, I, K, stride_xm, stride_
     g = g.to(dt)
     u = u.to(dt)
     if HAS_LORA:  # silu_and_mul's LoRA kernel's epilogue: gate and up + their delta, rounded
-        if ONE_SLOT:  # lora_delta_tile's one-slot dot
-            if DOT_IEEE:
-                dg = tl.dot(sg.to(tl.float32), bg.to(tl.float32), input_precision="ieee")
-                du = tl.dot(su.to(tl.float32), bu.to(tl.float32), input_precision="ieee")
-            else:
-                dg = tl.dot(sg, bg)
-                du = tl.dot(su, bu)
-        elif GATHER:
-            slot, lo, hi = tile_slots(slot_ptr, rows, rows < M)
-            dg, du = lora_delta_rows(s_ptr, stride_s, b_ptr, rows, slot, 0, 1, cols, cols + I,
-                                     col_mask, LN, LS, LR, 16, BLOCK_N, BLOCK_R, R_CHUNK,
-                                     PAIR=True)
+        if ONE_SLOT:  # lora_delta_tile's one iteration, slot 0, on the prefetched operands
+            zero = tl.zeros((16, BLOCK_N), dtype=tl.float32)
+            dg = _slot_dot(zero, sg, slot == 0, bg, DOT_IEEE)
+            du = _slot_dot(zero, su, slot == 0, bu, DOT_IEEE)
         else:
             slot, lo, hi = tile_slots(slot_ptr, rows, rows < M)
-            sg = tile_shrunk(s_ptr, stride_s, rows, slot, 0, LS, LR, BLOCK_R, DOT_IEEE)
-            su = tile_shrunk(s_ptr, stride_s, rows, slot, 1, LS, LR, BLOCK_R, DOT_IEEE)
-            dg, du = lora_delta_tile(sg, su, b_ptr, slot, lo, hi, cols, cols + I, col_mask, LN,
-                                     LR, 16, BLOCK_N, BLOCK_R, DOT_IEEE, PAIR=True)
+            if GATHER:
+                dg, du = lora_delta_rows(s_ptr, stride_s, b_ptr, rows, slot, 0, 1, cols,
+                                         cols + I, col_mask, LN, LS, LR, 16, BLOCK_N, BLOCK_R,
+                                         R_CHUNK, PAIR=True)
+            else:
+                sg = tile_shrunk(s_ptr, stride_s, rows, slot, 0, LS, LR, BLOCK_R, DOT_IEEE)
+                su = tile_shrunk(s_ptr, stride_s, rows, slot, 1, LS, LR, BLOCK_R, DOT_IEEE)
+                dg, du = lora_delta_tile(sg, su, b_ptr, slot, lo, hi, cols, cols + I, col_mask,
+                                         LN, LR, 16, BLOCK_N, BLOCK_R, DOT_IEEE, PAIR=True)
         g = (g.to(tl.float32) + dg).to(dt)
         u = (u.to(tl.float32) + du).to(dt)
     tl.store(y_ptr + rows[:, None] * stride_ym + cols[None, :], _silu_mul(g, u, dt),
