@@ -28,6 +28,7 @@ from batchrun.kernels.skinny_gate_up_silu import skinny_gate_up_silu
 from batchrun.kernels.skinny_gemm import skinny_gemm
 
 H, I, L, R = 4096, 11008, 8, 16
+PREFETCH_CASES = ("shrink-norm", "fused gate_up + delta")  # timed with and without the prefetch
 
 
 def bench(fn) -> float:
@@ -92,10 +93,10 @@ def main() -> None:
                 fused_mod.PREFETCH_ONE_SLOT = prefetch
                 tag = "" if k > 1 else (" prefetch" if prefetch else " epilogue")
                 for label, fn in list(whole.items()) + list(parts.items()):
-                    if not prefetch and label not in ("shrink-norm", "fused gate_up + delta"):
+                    if not prefetch and label not in PREFETCH_CASES:
                         continue
                     us = bench(fn)
-                    name = label + (tag if label in ("shrink-norm", "fused gate_up + delta") else "")
+                    name = label + (tag if label in PREFETCH_CASES else "")
                     rows.append({"M": m, "slot_bound": k, "case": name, "us": round(us, 2)})
                     print(f"M={m:<3d} k={k}  {name:34s} {us:8.2f} us")
             fused_mod.PREFETCH_ONE_SLOT = True
