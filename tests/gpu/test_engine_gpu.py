@@ -102,6 +102,35 @@ def test_graph_replay_matches_eager(tmp_path, mixed):
     assert a == b
 
 
+@pytest.mark.parametrize("mixed", [False, True])
+def test_pdl_changes_no_bit(tmp_path, mixed):
+    # bf16, captured graphs: programmatic dependent launch (EngineConfig.pdl, on) against plain
+    # launches, same engine, graphs recaptured per setting (and PDL on twice). The math is the
+    # same, so the tokens and every decode step's logits must be bit-equal; a kernel that read
+    # or wrote before its gdc_wait would race and show here.
+    from batchrun.kernels.pdl import set_pdl
+    engine, adapters = _tiny_lora_engine(tmp_path, False, dtype="bfloat16")
+    runner, reqs, runs = engine.runner, _requests(adapters, mixed), {}
+    logits = []  # every decode step's logits (graph replays included)
+    orig = runner.decode
+    runner.decode = lambda *a, **k: (lambda r: (logits.append(r.clone()), r)[1])(orig(*a, **k))
+    try:
+        for on in (True, False, True):
+            set_pdl(on)
+            runner._graphs = None
+            runner.capture_graphs()
+            logits.clear()
+            toks = [r.output_token_ids for r in engine.generate(reqs)]
+            runs.setdefault(on, []).append((toks, [t.cpu() for t in logits]))
+    finally:
+        set_pdl(True)
+        runner.decode = orig
+    (a_toks, a_logits), (b_toks, b_logits) = runs[True][0], runs[False][0]
+    assert a_toks == b_toks == runs[True][1][0]
+    assert len(a_logits) == len(b_logits) > 0
+    assert all(torch.equal(x, y) for x, y in zip(a_logits, b_logits))
+
+
 def test_async_steps_match_sync_and_never_wait_for_the_device(tmp_path, monkeypatch):
     """Graphs, adapters, rows ending on a stop token, seeded sampled rows with logprobs: the
     async loop gives the synchronous loop's tokens, and launching a decode step (inputs, graph
