@@ -28,7 +28,7 @@ import triton.language as tl
 from torch import Tensor
 
 ENABLED = False  # set_pdl(); read at launch time, so CUDA graphs hold what was set at capture
-PREFETCH_COLS = 256  # W columns a skinny GEMM program asks L2 for before it waits (probe's best)
+PREFETCH_COLS = tl.constexpr(256)  # W columns a skinny GEMM program asks L2 for before it waits (probe's best)
 
 
 def set_pdl(enabled: bool) -> None:
