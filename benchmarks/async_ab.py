@@ -6,9 +6,10 @@ batch 8, in 32, out 128) and the offline one (`bench throughput --preset 7b`'s: 
     PYTHONPATH=. python3 benchmarks/async_ab.py [--switch async_scheduling] [--model llama-2-7b]
         [--latency-rounds 10] [--offline-rounds 2] [--output-json FILE]
 
-Switches: `async_scheduling` (the step loop; flipped between calls) and `triton_decode_gemm`
-(the GEMM of steps of <= 16 rows; captured graphs hold their kernels, so the engine captures one
-graph set per setting and swaps them). The official figures stay `batchrun bench latency` /
+Switches: `async_scheduling` (the step loop; flipped between calls), `triton_decode_gemm` (the
+GEMM of steps of <= 16 rows) and `pdl` (programmatic dependent launch of the Triton kernels);
+captured graphs hold the kernels and their launches of the last two, so the engine captures one
+graph set per setting and swaps them. Prefill steps run eagerly with whatever was set last. The official figures stay `batchrun bench latency` /
 `bench throughput`; this script measures a difference of a few percent.
 """
 from __future__ import annotations
@@ -30,15 +31,18 @@ def switcher(engine, name: str):
     if name == "async_scheduling":
         return lambda on: setattr(engine.config, "async_scheduling", on)
     from batchrun.engine.layers.gemm import set_decode_gemm
+    from batchrun.kernels.pdl import set_pdl
+    flip = {"triton_decode_gemm": lambda on: set_decode_gemm(engine.model, on),
+            "pdl": set_pdl}[name]
     runner, sets = engine.runner, {}
-    for on in (True, False):  # decode graphs capture the GEMM kernels: one set per setting
-        set_decode_gemm(engine.model, on)
+    for on in (True, False):  # decode graphs capture the kernels and launches: a set per setting
+        flip(on)
         runner._graphs = None
         runner.capture_graphs()
         sets[on] = runner._graphs
 
     def set_(on: bool) -> None:
-        set_decode_gemm(engine.model, on)
+        flip(on)
         runner._graphs = sets[on]
     return set_
 
@@ -67,7 +71,7 @@ def ab(engine, set_, rounds: int, make, check_len: int, log) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--switch", choices=["async_scheduling", "triton_decode_gemm"],
+    ap.add_argument("--switch", choices=["async_scheduling", "triton_decode_gemm", "pdl"],
                     default="async_scheduling")
     ap.add_argument("--model", default="llama-2-7b")
     ap.add_argument("--latency-rounds", type=int, default=10)

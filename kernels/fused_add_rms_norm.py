@@ -31,6 +31,7 @@ from torch import Tensor
 from batchrun.kernels.lora_delta import (delta_args, gather_consts, lora_delta_rows,
                                         lora_delta_tile, row_block, tile_shrunk, tile_slots)
 from batchrun.kernels.lora_meta import LoRADelta, LoRAShrink
+from batchrun.kernels.pdl import pdl_enter, pdl_kwargs
 from batchrun.kernels.utils import FLOAT_DTYPES, check
 
 DELTA_CHUNKS = 32  # column chunks per row of the LoRA delta kernel (at least 128 columns each)
@@ -46,7 +47,9 @@ def _rms_norm_kernel(
     stride_x, stride_r, stride_o,   # row strides (last dim contiguous)
     FUSED_ADD: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_N)
     mask = offs < H
@@ -80,9 +83,11 @@ def _add_lora_delta_kernel(
     FUSED_ADD: tl.constexpr,
     BLOCK_M: tl.constexpr, CHUNK: tl.constexpr,
     BLOCK_R: tl.constexpr, DOT_IEEE: tl.constexpr, GATHER: tl.constexpr, R_CHUNK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     # Grid (row tiles, column chunks), every program independent: B is read once per tile and
     # slot of its rows' range, and the tile's delta is one tensor-core dot per slot.
+    pdl_enter(PDL)
     tile = tl.program_id(0)
     c = tl.program_id(1)
     xdt = x_ptr.dtype.element_ty
@@ -143,7 +148,7 @@ def _launch(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float,
     if lora is None:
         _rms_norm_kernel[(T,)](
             x, res, weight, out, H, eps, x.stride(0), res.stride(0), out.stride(0),
-            FUSED_ADD=residual is not None, BLOCK_N=block, num_warps=num_warps)
+            FUSED_ADD=residual is not None, BLOCK_N=block, num_warps=num_warps, **pdl_kwargs(x))
         return out
     # Two launches: the delta (and residual add) on 16-32-row x CHUNK tiles, in parallel over the
     # whole [T, H], then the plain row norm of the result. One launch lost every time it was
@@ -163,13 +168,14 @@ def _launch(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float,
     _add_lora_delta_kernel[(triton.cdiv(T, bm), triton.cdiv(H, chunk))](
         x, res, h, T, H, x.stride(0), res.stride(0), h.stride(0), *largs,
         FUSED_ADD=residual is not None, BLOCK_M=bm, CHUNK=chunk, **consts,
-        **gather_consts(T, bm, chunk, consts["BLOCK_R"]), num_warps=4, num_stages=1)
+        **gather_consts(T, bm, chunk, consts["BLOCK_R"]), num_warps=4, num_stages=1,
+        **pdl_kwargs(x))
     if shrink is not None:
         norm_and_shrink(h, None, weight, eps, out, shrink, num_warps)
         return out
     _rms_norm_kernel[(T,)](
         h, h, weight, out, H, eps, h.stride(0), h.stride(0), out.stride(0),
-        FUSED_ADD=False, BLOCK_N=block, num_warps=num_warps)
+        FUSED_ADD=False, BLOCK_N=block, num_warps=num_warps, **pdl_kwargs(x))
     return out
 
 

@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from batchrun.kernels.pdl import pdl_enter, pdl_kwargs
 from batchrun.kernels.utils import check, check_attention_inputs
 
 LOG2E = 1.4426950408889634
@@ -49,7 +50,9 @@ def _paged_decode_kernel(
     BLOCK_N: tl.constexpr,      # context tokens per loop iteration
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_enter(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     sp = tl.program_id(2)
@@ -119,7 +122,9 @@ def _merge_splits_kernel(
     stride_ob, stride_oh,
     # constexprs
     NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_enter(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     row = b.to(tl.int64) * Hq + h
@@ -217,7 +222,7 @@ def paged_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_ta
         out.stride(0), out.stride(1),
         BLOCK_SIZE=block_size, BLOCK_N=block_n, BLOCK_G=block_g, BLOCK_D=block_d,
         NUM_SPLITS=splits,
-        num_warps=warps, num_stages=stages,
+        num_warps=warps, num_stages=stages, **pdl_kwargs(q),
     )
     if splits > 1:
         _merge_splits_kernel[(B, Hq)](
@@ -225,5 +230,5 @@ def paged_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_ta
             Hq, D,
             out.stride(0), out.stride(1),
             NUM_SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d,
-            num_warps=4,
+            num_warps=4, **pdl_kwargs(q),
         )

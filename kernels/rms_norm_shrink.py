@@ -23,6 +23,7 @@ from torch import Tensor
 
 from batchrun.kernels.fused_add_rms_norm import norm_row
 from batchrun.kernels.lora_meta import LoRAShrink
+from batchrun.kernels.pdl import pdl_enter, pdl_kwargs
 
 BLOCK_J = 4  # shrink values per program (A rows read together)
 
@@ -35,7 +36,9 @@ def _rms_norm_shrink_kernel(
     slot_ptr, s_ptr, stride_s, R, SR,         # slots [>= T]; shrunk [T, k*S*R]; SR = S*R
     FUSED_ADD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_J: tl.constexpr,
     J_PER: tl.constexpr,                      # shrink values per program (a multiple of BLOCK_J)
+    PDL: tl.constexpr,
 ):
+    pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
     offs = tl.arange(0, BLOCK_N)
@@ -81,4 +84,4 @@ def norm_and_shrink(x: Tensor, residual: Tensor | None, weight: Tensor, eps: flo
         a, a.stride(0), a.stride(1), a.stride(2),
         shrink.token_slots, shrink.out, shrink.out.stride(0), R, sr,
         FUSED_ADD=residual is not None, BLOCK_N=triton.next_power_of_2(H), BLOCK_J=BLOCK_J,
-        J_PER=j_per, num_warps=num_warps)
+        J_PER=j_per, num_warps=num_warps, **pdl_kwargs(x))

@@ -32,6 +32,7 @@ from torch import Tensor
 from batchrun.kernels.lora_delta import (delta_args, gather_consts, lora_delta_rows,
                                         lora_delta_tile, row_block, tile_shrunk, tile_slots)
 from batchrun.kernels.lora_meta import LoRADelta
+from batchrun.kernels.pdl import pdl_enter, pdl_kwargs
 from batchrun.kernels.utils import FLOAT_DTYPES, check
 
 
@@ -82,7 +83,9 @@ def _rotary_kernel(
     KV_BLOCKS,        # cdiv(Hkv, BLOCK_H)
     HALF: tl.constexpr,       # D / 2
     BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, TO_CACHE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     hb = tl.program_id(1)
     offs_h = tl.arange(0, BLOCK_H)
@@ -167,7 +170,9 @@ def _rotary_lora_kernel(
     BLOCK_N: tl.constexpr,    # BLOCK_H * BLOCK_HALF
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, DOT_IEEE: tl.constexpr,
     GATHER: tl.constexpr, R_CHUNK: tl.constexpr, TO_CACHE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_enter(PDL)
     # Grid (row tiles, head blocks of q | k | v): B[the block's columns] is read once per
     # slot the tile's rows use.
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -273,7 +278,7 @@ def _launch(q, k, v, cos_sin, positions, lora, cache) -> None:
             k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos_sin.stride(0),
             stride_cslot, stride_ch, q_blocks, kv_blocks,
             HALF=D // 2, BLOCK_H=block_h, BLOCK_HALF=block_half, TO_CACHE=cache is not None,
-            num_warps=4)
+            num_warps=4, **pdl_kwargs(q))
         return
     # About 64 columns (half-head dims) per tile: one head of D = 128, and enough programs
     # (row tiles x 3 slices' heads) to fill the GPU at decode sizes. At least 16 (tl.dot).
@@ -289,4 +294,4 @@ def _launch(q, k, v, cos_sin, positions, lora, cache) -> None:
         HALF=D // 2, BLOCK_H=block_h, BLOCK_HALF=block_half, BLOCK_N=block_h * block_half,
         BLOCK_M=bm, TO_CACHE=cache is not None, **consts,
         **gather_consts(T, bm, block_h * block_half, consts["BLOCK_R"], pairs=2),
-        num_warps=4, num_stages=1)
+        num_warps=4, num_stages=1, **pdl_kwargs(q))

@@ -20,6 +20,7 @@ from torch import Tensor
 from batchrun.kernels.lora_delta import (delta_args, gather_consts, lora_delta_rows,
                                         lora_delta_tile, row_block, tile_shrunk, tile_slots)
 from batchrun.kernels.lora_meta import LoRADelta
+from batchrun.kernels.pdl import pdl_enter, pdl_kwargs
 from batchrun.kernels.utils import FLOAT_DTYPES, check
 
 
@@ -38,7 +39,9 @@ def _silu_and_mul_kernel(
     I,
     stride_x, stride_o,   # row strides (last dim contiguous)
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < I
@@ -55,9 +58,11 @@ def _silu_and_mul_lora_kernel(
     s_ptr, stride_s, b_ptr, slot_ptr, LN, LS, LR,   # LoRA delta of x (gate | up slices)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr, DOT_IEEE: tl.constexpr, GATHER: tl.constexpr, R_CHUNK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     # Grid (row tiles, column tiles): each program reads B[gate cols] and B[up cols] once per
     # slot of its rows' range, in one slot loop (GATHER: each row's own, all at once).
+    pdl_enter(PDL)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask, col_mask = rows < T, cols < I
@@ -101,7 +106,8 @@ def silu_and_mul(gate_up: Tensor, out: Tensor | None = None,
     if lora is None:
         block = min(1024, triton.next_power_of_2(I))
         _silu_and_mul_kernel[(T, triton.cdiv(I, block))](
-            gate_up, out, I, gate_up.stride(0), out.stride(0), BLOCK=block, num_warps=4)
+            gate_up, out, I, gate_up.stride(0), out.stride(0), BLOCK=block, num_warps=4,
+            **pdl_kwargs(gate_up))
         return out
     # 64 columns: enough programs to fill the GPU at a few row tiles, and a [64, R] B tile
     # per slice and slot.
@@ -109,5 +115,5 @@ def silu_and_mul(gate_up: Tensor, out: Tensor | None = None,
     _silu_and_mul_lora_kernel[(triton.cdiv(T, bm), triton.cdiv(I, bn))](
         gate_up, out, T, I, gate_up.stride(0), out.stride(0), *largs,
         BLOCK_M=bm, BLOCK_N=bn, **consts, **gather_consts(T, bm, bn, consts["BLOCK_R"], pairs=2),
-        num_warps=4, num_stages=1)
+        num_warps=4, num_stages=1, **pdl_kwargs(gate_up))
     return out

@@ -25,6 +25,7 @@ from batchrun.kernels.lora_delta import (_slot_dot, delta_args, gather_consts, l
 from batchrun.kernels.lora_meta import LoRADelta
 from batchrun.kernels.silu_and_mul import _silu_mul
 from batchrun.kernels.skinny_gemm import _stream_dot, check_operands, output
+from batchrun.kernels.pdl import PREFETCH_COLS, pdl_enter, pdl_kwargs, prefetch_rows_l2
 from batchrun.kernels.utils import check
 
 # (BLOCK_N, BLOCK_K, num_stages, num_warps): BLOCK_N columns of gate and of up per program; the
@@ -42,10 +43,14 @@ def _skinny_gate_up_silu_kernel(x_ptr, w_ptr, y_ptr, M, I, K, stride_xm, stride_
                                 EVEN_K: tl.constexpr, HAS_LORA: tl.constexpr,
                                 BLOCK_R: tl.constexpr, DOT_IEEE: tl.constexpr,
                                 GATHER: tl.constexpr, R_CHUNK: tl.constexpr,
-                                ONE_SLOT: tl.constexpr):
+                                ONE_SLOT: tl.constexpr, PDL: tl.constexpr):
     rows = tl.arange(0, 16)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < I
+    if PDL:  # W's gate and up rows stream while the kernel before still runs (kernels/pdl.py)
+        prefetch_rows_l2(w_ptr, cols, stride_wn, I, K, PREFETCH_COLS)
+        prefetch_rows_l2(w_ptr + I * stride_wn, cols, stride_wn, I, K, PREFETCH_COLS)
+    pdl_enter(PDL)
     if HAS_LORA and ONE_SLOT:
         # slot bound 1: every LoRA row is in slot 0, so the tile's LoRA operands are one [16, R]
         # shrunk tile and one [R, BLOCK_N] B tile per slice. Loaded before the K loop and used
@@ -109,5 +114,5 @@ def skinny_gate_up_silu(x: Tensor, w: Tensor, out: Tensor | None = None,
     _skinny_gate_up_silu_kernel[(triton.cdiv(I, bn),)](
         x, w, out, M, I, K, x.stride(0), w.stride(0), out.stride(0), *largs,
         BLOCK_N=bn, BLOCK_K=bk, EVEN_K=K % bk == 0, HAS_LORA=lora is not None, **consts,
-        num_stages=stages, num_warps=warps)
+        num_stages=stages, num_warps=warps, **pdl_kwargs(x))
     return out

@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from batchrun.kernels.pdl import PREFETCH_COLS, pdl_enter, pdl_kwargs, prefetch_rows_l2
 from batchrun.kernels.utils import check
 
 MAX_ROWS = 16  # x's rows: one tl.dot tile (its minimum M)
@@ -54,9 +55,12 @@ def _stream_dot(acc, x_ptr, w_ptr, rows, cols, M, N, K, stride_xm, stride_wn,
 @triton.jit
 def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
                         HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        EVEN_K: tl.constexpr):
+                        EVEN_K: tl.constexpr, PDL: tl.constexpr):
     rows = tl.arange(0, 16)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    if PDL:  # W streams while the kernel before still runs (kernels/pdl.py)
+        prefetch_rows_l2(w_ptr, cols, stride_wn, N, K, PREFETCH_COLS)
+    pdl_enter(PDL)
     acc = tl.zeros((16, BLOCK_N), dtype=tl.float32)
     acc = _stream_dot(acc, x_ptr, w_ptr, rows, cols, M, N, K, stride_xm, stride_wn,
                       BLOCK_K, EVEN_K)
@@ -99,5 +103,5 @@ def skinny_gemm(x: Tensor, w: Tensor, bias: Tensor | None = None, out: Tensor | 
     _skinny_gemm_kernel[(triton.cdiv(N, bn),)](
         x, w, x if bias is None else bias, out, M, N, K, x.stride(0), w.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=K % bk == 0,
-        num_stages=stages, num_warps=warps)
+        num_stages=stages, num_warps=warps, **pdl_kwargs(x))
     return out

@@ -114,6 +114,11 @@ class EngineConfig:
     # into gate/up), instead of cuBLAS; fp16/bf16 on CUDA only (layers/gemm.py). Outputs
     # differ from cuBLAS's by rounding only.
     triton_decode_gemm: bool = True
+    # batchrun's Triton kernels launch with programmatic dependent launch on sm_90+ GPUs
+    # (kernels/pdl.py): each may start while the kernel before it finishes, and waits for it
+    # before touching memory; the skinny GEMMs first ask L2 for the start of their weights.
+    # Same outputs bit for bit; H100: bench latency -2.1 % (decode 5.33 vs 5.46 ms a step)
+    pdl: bool = True
     seed: int = 0
 
     def __post_init__(self):

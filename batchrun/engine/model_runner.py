@@ -39,6 +39,9 @@ class ModelRunner:
         self.model, self.config, self.device, self.dtype = model, config, device, dtype
         self.blocks, self.lora = blocks, lora
         set_decode_gemm(model, config.triton_decode_gemm)
+        if torch.device(device).type == "cuda":  # kernels/pdl.py: process-wide, read at launch
+            from batchrun.kernels.pdl import set_pdl
+            set_pdl(config.pdl)
         cfg = model.config
         self.block_size = blocks.block_size
         self.max_blocks_per_seq = -(-config.max_model_len // self.block_size)

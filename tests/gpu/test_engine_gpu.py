@@ -68,7 +68,7 @@ def engine_seq(engine, i, prompt):
     return seq
 
 
-def _tiny_lora_engine(tmp_path, enforce_eager, enable_lora=True, dtype="float32"):
+def _tiny_lora_engine(tmp_path, enforce_eager, enable_lora=True, dtype="float32", **engine):
     from tests.lora.test_engine_parity import ADAPTERS, _make_adapter
     from tests.tiny_models import save_hf_model
     model_dir = tmp_path / "base"
@@ -79,7 +79,7 @@ def _tiny_lora_engine(tmp_path, enforce_eager, enable_lora=True, dtype="float32"
         adapters[name] = str(tmp_path / name)
     cfg = EngineConfig(model=str(model_dir), device="cuda", dtype=dtype, max_model_len=256,
                        max_num_seqs=16, enable_lora=enable_lora, max_loras=4, max_lora_rank=16,
-                       enforce_eager=enforce_eager)
+                       enforce_eager=enforce_eager, **engine)
     return Engine.from_config(cfg, adapters if enable_lora else None), adapters
 
 
@@ -100,6 +100,39 @@ def test_graph_replay_matches_eager(tmp_path, mixed):
     a = [r.output_token_ids for r in eager.generate(reqs)]
     b = [r.output_token_ids for r in graphs.generate(reqs)]
     assert a == b
+
+
+@pytest.mark.parametrize("mixed", [False, True])
+def test_pdl_changes_no_bit(tmp_path, mixed):
+    # bf16, captured graphs: programmatic dependent launch (EngineConfig.pdl, on) against plain
+    # launches, same engine, graphs recaptured per setting (and PDL on twice). The math is the
+    # same, so the tokens and every decode step's logits must be bit-equal; a kernel that read
+    # or wrote before its gdc_wait would race and show here.
+    from batchrun.kernels.pdl import set_pdl
+    # prefix caching off: a later run would reuse the first run's KV blocks, computed by other
+    # kernels (decode, not prefill), and differ from it in bf16 with or without PDL (H100:
+    # the first run's tokens differed from every later run's, PDL on or off, eager or graphs)
+    engine, adapters = _tiny_lora_engine(tmp_path, False, dtype="bfloat16",
+                                         enable_prefix_caching=False)
+    runner, reqs, runs = engine.runner, _requests(adapters, mixed), {}
+    logits = []  # every decode step's logits (graph replays included)
+    orig = runner.decode
+    runner.decode = lambda *a, **k: (lambda r: (logits.append(r.clone()), r)[1])(orig(*a, **k))
+    try:
+        for on in (True, False, True):
+            set_pdl(on)
+            runner._graphs = None
+            runner.capture_graphs()
+            logits.clear()
+            toks = [r.output_token_ids for r in engine.generate(reqs)]
+            runs.setdefault(on, []).append((toks, [t.cpu() for t in logits]))
+    finally:
+        set_pdl(True)
+        runner.decode = orig
+    (a_toks, a_logits), (b_toks, b_logits) = runs[True][0], runs[False][0]
+    assert a_toks == b_toks == runs[True][1][0]
+    assert len(a_logits) == len(b_logits) > 0
+    assert all(torch.equal(x, y) for x, y in zip(a_logits, b_logits))
 
 
 def test_async_steps_match_sync_and_never_wait_for_the_device(tmp_path, monkeypatch):
