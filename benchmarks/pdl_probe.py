@@ -16,8 +16,9 @@ Prints us per layer, the saving against base, and whether the outputs are bit-eq
 
     PYTHONPATH=. python3 benchmarks/pdl_probe.py [--prefetch 512 1024 2048] [--json out.json]
 
-If the engine should take PDL, this says how much each boundary is worth before the kernels of
-batchrun/ and kernels/ get the hooks (they have none).
+It priced PDL before the engine took it (docs/benchmarks.md, session 13); its kernels now use
+the engine's own hooks (kernels/pdl.py: `pdl_enter`, `prefetch_rows_l2`), so it prices the
+code the engine runs.
 """
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ import triton
 import triton.language as tl
 
 from batchrun.kernels.fused_add_rms_norm import norm_row
+from batchrun.kernels.pdl import pdl_enter, prefetch_rows_l2
 from batchrun.kernels.skinny_gemm import _stream_dot
 
 H, N1, N2, M, LAYERS = 4096, 12288, 22016, 8, 32
@@ -38,16 +40,9 @@ BLOCK_N, BLOCK_K, STAGES, WARPS = 32, 128, 6, 4   # kernels/skinny_gemm.py's CON
 
 
 @triton.jit
-def _pdl_enter(PDL: tl.constexpr):
-    if PDL:
-        tl.extra.cuda.gdc_wait()               # the previous kernel finished and flushed
-        tl.extra.cuda.gdc_launch_dependents()  # the next one may launch (it waits likewise)
-
-
-@triton.jit
 def _norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, H, eps, stride_x, BLOCK: tl.constexpr,
                  PDL: tl.constexpr):
-    _pdl_enter(PDL)
+    pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < H
@@ -65,11 +60,8 @@ def _gemm_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
     rows = tl.arange(0, 16)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     if PREFETCH > 0:  # W does not depend on the previous kernel: ask L2 for it before waiting
-        lines = tl.arange(0, PREFETCH // 64) * 64   # bf16: 64 elements a 128-byte line
-        ptrs = w_ptr + cols[:, None].to(tl.int64) * stride_wn + lines[None, :]
-        tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs],
-                                  dtype=tl.int32, is_pure=False, pack=1)
-    _pdl_enter(PDL)
+        prefetch_rows_l2(w_ptr, cols, stride_wn, N, K, PREFETCH)
+    pdl_enter(PDL)
     acc = _stream_dot(tl.zeros((16, BLOCK_N), dtype=tl.float32), x_ptr, w_ptr, rows, cols,
                       M, N, K, stride_xm, stride_wn, BLOCK_K, True)
     tl.store(y_ptr + rows[:, None] * stride_ym + cols[None, :], acc.to(y_ptr.dtype.element_ty),
