@@ -56,11 +56,16 @@ def _arg_type(name: str, value) -> str:
     raise TypeError(f"argument {name}={value!r}: no Triton type for {type(value).__name__}")
 
 
+def _language_modules():
+    # triton.language and its submodules, as imported now
+    for name, module in list(sys.modules.items()):
+        if module is not None and name.startswith("triton.language"):
+            yield name, module
+
+
 def _language_parts():
     # the modules of triton.language and the classes they define: what the interpreter patches
-    for name, module in list(sys.modules.items()):
-        if module is None or not name.startswith("triton.language"):
-            continue
+    for name, module in _language_modules():
         yield module
         for value in list(vars(module).values()):
             if isinstance(value, type) and value.__module__ == name:
@@ -101,9 +106,7 @@ def _compiled_language():
     tl.max, ...) InterpretedFunctions too: put JITFunctions in their place while lowering."""
     from triton.runtime.interpreter import InterpretedFunction
     swapped = []
-    for name, module in list(sys.modules.items()):
-        if module is None or not name.startswith("triton.language"):
-            continue
+    for _, module in _language_modules():
         for attr, value in list(vars(module).items()):
             if isinstance(value, InterpretedFunction):
                 swapped.append((module, attr, value))
