@@ -9,8 +9,9 @@ batch 8, in 32, out 128) and the offline one (`bench throughput --preset 7b`'s: 
 Switches: `async_scheduling` (the step loop; flipped between calls), `triton_decode_gemm` (the
 GEMM of steps of <= 16 rows) and `pdl` (programmatic dependent launch of the Triton kernels);
 captured graphs hold the kernels and their launches of the last two, so the engine captures one
-graph set per setting and swaps them. Prefill steps run eagerly with whatever was set last. The official figures stay `batchrun bench latency` /
-`bench throughput`; this script measures a difference of a few percent.
+graph set per setting and swaps them. Prefill steps run eagerly with whatever was set last. The
+official figures stay `batchrun bench latency` / `bench throughput`; this script measures a
+difference of a few percent.
 """
 from __future__ import annotations
 

@@ -8,11 +8,15 @@ import batchrun.kernels.pdl as pdl
 
 
 @pytest.fixture
-def enabled():
+def restore_pdl():
     before = pdl.ENABLED
-    pdl.set_pdl(True)
     yield
     pdl.set_pdl(before)
+
+
+@pytest.fixture
+def enabled(restore_pdl):
+    pdl.set_pdl(True)
 
 
 def test_off_on_cpu_even_when_enabled(enabled):
@@ -20,7 +24,7 @@ def test_off_on_cpu_even_when_enabled(enabled):
     assert pdl.pdl_kwargs(torch.empty(2)) == {"PDL": False}
 
 
-def test_off_when_disabled():
+def test_off_when_disabled(restore_pdl):
     pdl.set_pdl(False)
     assert pdl.pdl_kwargs(torch.empty(2)) == {"PDL": False}
 
