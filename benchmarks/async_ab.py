@@ -9,9 +9,11 @@ batch 8, in 32, out 128) and the offline one (`bench throughput --preset 7b`'s: 
 Switches: `async_scheduling` (the step loop; flipped between calls), `triton_decode_gemm` (the
 GEMM of steps of <= 16 rows) and `pdl` (programmatic dependent launch of the Triton kernels);
 captured graphs hold the kernels and their launches of the last two, so the engine captures one
-graph set per setting and swaps them. Prefill steps run eagerly with whatever was set last. The
-official figures stay `batchrun bench latency` / `bench throughput`; this script measures a
-difference of a few percent.
+graph set per setting and swaps them (the prefill graphs are captured with whatever was set
+last). `prefill_graphs`: small prefill steps replay the piecewise graphs or run eagerly (the
+offline workload's 8192-token prefills are eager either way). The official figures stay
+`batchrun bench latency` / `bench throughput`; this script measures a difference of a few
+percent.
 """
 from __future__ import annotations
 
@@ -31,6 +33,12 @@ def switcher(engine, name: str):
     """set(on) for the engine switch `name`."""
     if name == "async_scheduling":
         return lambda on: setattr(engine.config, "async_scheduling", on)
+    if name == "prefill_graphs":  # off: the captured pieces stay, prefill steps run eagerly
+        runner, captured = engine.runner, engine.runner.prefill_graphs
+        if captured is None:
+            raise SystemExit("the engine captured no prefill graphs (CUDA and "
+                             "engine.prefill_graph_max_tokens > 0 needed)")
+        return lambda on: setattr(runner, "_prefill_graphs", captured if on else None)
     from batchrun.engine.layers.gemm import set_decode_gemm
     from batchrun.kernels.pdl import set_pdl
     flip = {"triton_decode_gemm": lambda on: set_decode_gemm(engine.model, on),
@@ -72,7 +80,8 @@ def ab(engine, set_, rounds: int, make, check_len: int, log) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--switch", choices=["async_scheduling", "triton_decode_gemm", "pdl"],
+    ap.add_argument("--switch", choices=["async_scheduling", "triton_decode_gemm", "pdl",
+                                         "prefill_graphs"],
                     default="async_scheduling")
     ap.add_argument("--model", default="llama-2-7b")
     ap.add_argument("--latency-rounds", type=int, default=10)

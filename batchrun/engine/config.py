@@ -104,6 +104,12 @@ class EngineConfig:
     # 15.96 s; docs/benchmarks.md), the rows run in synchronised waves there
     enable_mixed_steps: bool = False
     cuda_graph_sizes: list[int] | None = None  # None = 1, 2, 4, 8, 16, 24, ... up to max_num_seqs
+    # prefill steps of at most this many tokens (no decode row in them) replay piecewise CUDA
+    # graphs: one graph per stretch between two attention calls, captured per padded token
+    # count, the attention itself run eagerly between them (prefill_graphs.py). 0: eager. A
+    # small prefill is otherwise bound by the host's ~300 launches (8 x 32 tokens of a 7b:
+    # ~6 ms of kernels in 12-21 ms of wall time, docs/benchmarks.md)
+    prefill_graph_max_tokens: int = 512
     # the host plans and launches step n+1 while the device runs step n, and reads step n's
     # tokens back after (vLLM's async scheduling; steps.StepLoop._advance). Same outputs; a row
     # that ends on EOS or a stop string runs one step more than it needs, and rows with
@@ -129,7 +135,8 @@ class EngineConfig:
 # the smallest value of each integer field (a larger minimum than 1 or 0 has its own check)
 _ENGINE_MIN = {"max_num_seqs": 1, "max_model_len": 1, "max_loras": 1, "max_lora_rank": 1,
                "max_num_batched_tokens": 1, "block_size": 1, "num_kv_blocks": 1,
-               "max_cpu_loras": 1, "lora_fused_max_tokens": 0, "seed": 0}
+               "max_cpu_loras": 1, "lora_fused_max_tokens": 0, "seed": 0,
+               "prefill_graph_max_tokens": 0}
 _ENGINE_CHOICES = {"device": DEVICES, "dtype": DTYPES}
 TYPE_NAMES = {str: "a string", int: "an integer", float: "a number", bool: "true or false",
               dict: "a mapping", list: "a list", object: "a value"}

@@ -23,6 +23,7 @@ import torch
 from batchrun.engine.config import EngineConfig
 from batchrun.engine.block_manager import SCRATCH_BLOCK, BlockManager
 from batchrun.engine.graphs import GraphRunner
+from batchrun.engine.prefill_graphs import PrefillGraphs
 from batchrun.engine.layers.gemm import set_decode_gemm
 from batchrun.engine.sequence import Sequence
 from batchrun.engine.layers.attention import AttnMetadata, query_start_tensor
@@ -83,6 +84,23 @@ class ModelRunner:
             k: lora.lora_step(self.token_slots, has_lora=True, fuse=True,
                               bound_slots=self.token_slots, num_slots=k)
             for k in lora.slot_bounds})
+        # Piecewise prefill graphs (prefill_graphs.py), captured with the decode graphs:
+        # static inputs for up to prefill_graph_max_tokens tokens (ids, positions, K/V slots;
+        # LoRA slots), the attention output every layer's eager attention writes, and one
+        # LoRAStep per slot bound reading the static LoRA slots (as fused decode steps do)
+        self._prefill_graphs: PrefillGraphs | None = None
+        pt = 0 if config.enforce_eager else min(config.prefill_graph_max_tokens,
+                                                 config.max_num_batched_tokens)
+        self._prefill_tokens = pt  # captured by capture_graphs() (CUDA only)
+        if pt:
+            self._p64 = torch.zeros(3, pt, dtype=torch.long, device=device)
+            self._p_slots = torch.full((pt,), -1, dtype=torch.int32, device=device)
+            self._p_q, self._p_out = (torch.zeros(pt, cfg.num_attention_heads, cfg.head_dim,
+                                                  dtype=dtype, device=device) for _ in range(2))
+            self._prefill_lora = (None if lora is None else {
+                k: lora.lora_step(self._p_slots, has_lora=True, fuse=True,
+                                  bound_slots=self._p_slots, num_slots=k)
+                for k in lora.slot_bounds})
 
     # ---- CUDA graphs --------------------------------------------------------------------
     @property
@@ -100,10 +118,36 @@ class ModelRunner:
         # LoRA set: `size` padding tokens (slot -1), so its kernels launch and skip the work
         graphs.capture(self.decode_forward, self._fused_decode_lora)
         self._graphs = graphs
+        if self._prefill_tokens:
+            self._capture_prefill_graphs()
+
+    def _capture_prefill_graphs(self) -> None:
+        pg = PrefillGraphs(self._prefill_tokens, self.lora is not None,
+                           self.model.attention_layers(), self._p_q, self._p_out)
+        # padding tokens: token 0 at position 0, K/V into the scratch block, no adapter
+        self._p64.zero_()
+        self._p64[2].fill_(SCRATCH_BLOCK * self.block_size)
+        self._p_slots.fill_(-1)
+        pg.capture(self.prefill_forward, self._prefill_lora)
+        self._prefill_graphs = pg
+
+    @property
+    def prefill_graphs(self) -> PrefillGraphs | None:
+        """The captured piecewise prefill graphs (None until capture_graphs(), or when off)."""
+        return self._prefill_graphs
+
+    def prefill_forward(self, tokens: int, lora: LoRAStep | None) -> torch.Tensor:
+        """The prefill a PrefillGraphs captures in pieces: reads the static inputs' first
+        `tokens` tokens; the attention metadata is only the K/V slots (the rotary writes them),
+        the rest comes with each replay's eager attention."""
+        empty = self._p_slots[:0]
+        attn = AttnMetadata(True, self._p64[2, :tokens], empty.view(0, 1), empty,
+                            query_lens=[], context_lens_host=[], query_start=self._p_slots[:1])
+        return self.model(self._p64[0, :tokens], self._p64[1, :tokens], Step(attn, lora))
 
     @contextlib.contextmanager
     def eager(self) -> Iterator[None]:
-        """Decode steps inside the block run eagerly (the graphs stay captured)."""
+        """Decode and prefill steps inside the block run eagerly (the graphs stay captured)."""
         saved, self._eager = self._eager, True
         try:
             yield
@@ -251,6 +295,10 @@ class ModelRunner:
             if end == s.num_tokens:
                 done.append(i); last.append(t - 1)
         dev = self.device
+        key = self._prefill_key(total, num_decode, pending, lora)
+        if key is not None:
+            return done, self._prefill_replay(key, ids, pos, slots, lora, table, ctx_lens,
+                                              counts, last)
         attn = AttnMetadata(True, torch.from_numpy(slots).to(dev), torch.from_numpy(table).to(dev),
                             torch.tensor(ctx_lens, dtype=torch.int32, device=dev),
                             query_lens=list(counts), context_lens_host=ctx_lens,
@@ -269,6 +317,44 @@ class ModelRunner:
         if not done:
             return done, hidden.new_empty(0)
         return done, self.model.compute_logits(hidden[torch.tensor(last, device=dev)])
+
+
+    def _prefill_key(self, total: int, num_decode: int, pending: list, lora: np.ndarray):
+        """The piecewise graphs a prefill step replays (None: it runs eagerly): steps without
+        decode rows, of at most prefill_graph_max_tokens tokens; a step with adapter tokens
+        only where it would run the LoRA fused anyway (total <= lora_fused_max_tokens)."""
+        pg = None if self._eager else self._prefill_graphs
+        if pg is None or num_decode or pending:
+            return None
+        top = int(lora.max())
+        if top < 0:
+            return pg.dispatch(total, 0)
+        if total > self.config.lora_fused_max_tokens:
+            return None
+        return pg.dispatch(total, self.lora.slot_bound(top))
+
+    def _prefill_replay(self, key, ids, pos, slots, lora, table, ctx_lens, counts,
+                        last) -> torch.Tensor:
+        """Write the step into the static prefill inputs (padding tokens: token 0, position 0,
+        the scratch block, no adapter), replay its pieces, and return the fp32 logits of the
+        tokens `last` (each finished sequence's last token)."""
+        n, dev = len(ids), self.device
+        h64 = np.zeros((3, key.tokens), dtype=np.int64)
+        h64[0, :n], h64[1, :n], h64[2, :n] = ids, pos, slots
+        h64[2, n:] = SCRATCH_BLOCK * self.block_size
+        self._p64[:, :key.tokens].copy_(torch.from_numpy(h64))
+        if key.lora_slots:
+            h32 = np.full(key.tokens, -1, dtype=np.int32)
+            h32[:n] = lora
+            self._p_slots[:key.tokens].copy_(torch.from_numpy(h32))
+        attn = AttnMetadata(True, self._p64[2, :n], torch.from_numpy(table).to(dev),
+                            torch.tensor(ctx_lens, dtype=torch.int32, device=dev),
+                            query_lens=list(counts), context_lens_host=ctx_lens,
+                            query_start=query_start_tensor(counts, dev))
+        hidden = self._prefill_graphs.replay(key, attn)[:n]
+        if not last:
+            return hidden.new_empty(0)
+        return self.model.compute_logits(hidden[torch.tensor(last, device=dev)])
 
 
 def _prev_tokens(prev_tokens: torch.Tensor | None) -> torch.Tensor:

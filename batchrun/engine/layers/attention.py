@@ -56,6 +56,9 @@ class PagedAttention(nn.Module):
         self.scale = head_dim ** -0.5
         self.k_cache: torch.Tensor | None = None  # set by the model runner after KV sizing
         self.v_cache: torch.Tensor | None = None
+        # set while a piecewise prefill forward is captured (prefill_graphs.py): the forward
+        # then ends its graph piece here and returns the static attention output instead
+        self.split = None
 
     def kv_write(self, meta: AttnMetadata) -> KVWrite:
         """Where this step's K/V go, for a kernel before the attention that can write them
@@ -65,6 +68,13 @@ class PagedAttention(nn.Module):
     def forward(self, q, k, v, meta: AttnMetadata) -> torch.Tensor:
         # q: [T, Hq, D]; k, v: [T, Hkv, D] -> [T, Hq, D]. k = v = None: this step's K/V are
         # already in the cache (written through kv_write by the rotary kernel).
+        if self.split is not None:
+            return self.split(self, q, k, v, meta)
+        return self.attend(q, k, v, meta)
+
+    def attend(self, q, k, v, meta: AttnMetadata, out: torch.Tensor | None = None) -> torch.Tensor:
+        # forward without the split; out (prefill only): [>= T, Hq, D] written at the rows of
+        # the step's sequences (a piecewise prefill's static buffer), other rows left as they are
         kc, vc = self.k_cache, self.v_cache
         if k is not None:
             flat_k = kc.view(-1, self.num_kv_heads, self.head_dim)  # [blocks*block_size, Hkv, D]
@@ -72,13 +82,15 @@ class PagedAttention(nn.Module):
             flat_k.index_copy_(0, meta.slot_mapping, k)
             flat_v.index_copy_(0, meta.slot_mapping, v)
         if meta.is_prefill:
-            return self._prefill(q, meta)
+            return self._prefill(q, meta, out)
         out = torch.empty_like(q)
         decode_attention(q, kc, vc, meta.block_tables, meta.context_lens, self.scale, out)
         return out
 
-    def _prefill(self, q: torch.Tensor, meta: AttnMetadata) -> torch.Tensor:
-        nd, out = meta.num_decode, torch.empty_like(q)
+    def _prefill(self, q: torch.Tensor, meta: AttnMetadata,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+        nd = meta.num_decode
+        out = torch.empty_like(q) if out is None else out
         if nd:  # decode rows own q rows [0, nd): one query per sequence
             decode_attention(q[:nd], self.k_cache, self.v_cache, meta.block_tables[:nd],
                              meta.context_lens[:nd], self.scale, out[:nd])
@@ -95,7 +107,8 @@ class PagedAttention(nn.Module):
                               meta.query_start[nd:], meta.context_lens[nd:],
                               max(meta.query_lens[nd:]), self.scale, out)
         else:
-            out[nd:] = self._prefill_per_sequence(q, meta, nd)
+            rows = self._prefill_per_sequence(q, meta, nd)  # q may have padding rows past them
+            out[nd:nd + rows.shape[0]] = rows
         return out
 
     def _prefill_per_sequence(self, q: torch.Tensor, meta: AttnMetadata,

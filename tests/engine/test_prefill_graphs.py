@@ -1,0 +1,114 @@
+"""Piecewise prefill graphs (engine/prefill_graphs.py): which steps replay them, and, on CPU,
+that the padded static-input forward they capture, with each layer's attention run between
+the pieces on the step's own metadata, gives the eager prefill's results.
+
+CPU runs the GPU code path (every Triton kernel under the interpreter, BATCHRUN_FORCE_TRITON)
+with the pieces run eagerly instead of replayed: the capture itself needs CUDA
+(tests/gpu/test_prefill_graphs_gpu.py)."""
+import pytest
+import torch
+
+from batchrun.engine.config import EngineConfig, SamplingParams
+from batchrun.engine.engine import Engine
+from batchrun.engine.prefill_graphs import PrefillGraphs, PrefillKey, token_buckets
+from batchrun.engine.request import Request
+from tests.tiny_models import random_prompts, save_hf_model
+
+
+def test_token_buckets():
+    assert token_buckets(512) == [16, 32, 64, 128, 192, 256, 320, 384, 448, 512]
+    assert token_buckets(100) == [16, 32, 64, 100]
+    assert token_buckets(20) == [16, 20]
+    assert token_buckets(8) == [8]
+    assert token_buckets(0) == []
+
+
+def test_dispatch():
+    pg = PrefillGraphs(100, with_lora=True, attention=[], q=torch.empty(0), out=torch.empty(0))
+    assert pg.dispatch(1, 0) == PrefillKey(16, 0)
+    assert pg.dispatch(33, 2) == PrefillKey(64, 2)
+    assert pg.dispatch(100, 1) == PrefillKey(100, 1)
+    assert pg.dispatch(101, 0) is None
+    with pytest.raises(ValueError):
+        pg.dispatch(0, 0)
+    with pytest.raises(AssertionError, match="LoRA row"):
+        PrefillGraphs(100, False, [], torch.empty(0), torch.empty(0)).dispatch(5, 1)
+    with pytest.raises(ValueError, match="max_tokens"):
+        PrefillGraphs(0, False, [], torch.empty(0), torch.empty(0))
+
+
+class EagerPieces(PrefillGraphs):
+    """A PrefillGraphs whose replay runs the forward it would capture eagerly
+    (PrefillGraphs.run_eager: the same split, each attention on the step's metadata), the
+    attention output NaN first so that a row no sequence owns cannot be read unnoticed.
+    Records the keys it ran."""
+
+    def __init__(self, runner):
+        super().__init__(runner._prefill_tokens, runner.lora is not None,
+                         runner.model.attention_layers(), runner._p_q, runner._p_out)
+        self.forward, self.lora_steps, self.keys = runner.prefill_forward, runner._prefill_lora, []
+
+    def replay(self, key, meta):
+        self.keys.append(key)
+        self.out.fill_(float("nan"))
+        step_lora = self.lora_steps[key.lora_slots] if key.lora_slots else None
+        return self.run_eager(self.forward, key, meta, step_lora)
+
+
+def _engine(tmp_path, adapters, **kw):
+    cfg = EngineConfig(model=str(tmp_path / "base"), device="cpu", max_model_len=128,
+                       max_num_batched_tokens=48, enable_lora=bool(adapters), max_loras=2,
+                       max_lora_rank=8, **kw)
+    return Engine.from_config(cfg, adapters or None)
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_piecewise_prefill_matches_eager(tmp_path, monkeypatch, lora):
+    pytest.importorskip("triton")
+    import batchrun.engine.model_runner as model_runner
+    from tests.lora.test_engine_parity import ADAPTERS, _make_adapter
+    monkeypatch.setattr(model_runner, "use_triton", lambda t: True)
+    monkeypatch.setenv("BATCHRUN_FORCE_TRITON", "1")
+    base = save_hf_model("llama3_gqa", tmp_path / "base")
+    adapters = {}
+    if lora:
+        for i, name in enumerate(("qv", "all")):
+            _make_adapter("llama3_gqa", tmp_path / name, 100 + i, ADAPTERS[name])
+            adapters[name] = str(tmp_path / name)
+    # lengths around the buckets (16, 32, 48: the cap is max_num_batched_tokens), prompts
+    # longer than a step (chunked: a chunk attends to the cached chunks before it) and a
+    # shared 20-token prefix (the second pass reuses its cached block)
+    prompts = random_prompts(6, [5, 17, 40, 3, 29, 70], base.config.vocab_size, seed=4)
+    prompts += [prompts[2][:20] + p for p in random_prompts(3, [4, 9, 31], base.config.vocab_size, 5)]
+    names = [None, "qv", "all"] if lora else [None]
+    sp = SamplingParams(max_tokens=4, ignore_eos=True, logprobs=3)
+    reqs = [Request(i, p, sp, adapter=names[i % len(names)]) for i, p in enumerate(prompts)]
+
+    # then base rows only: a LoRA engine's steps without adapter tokens take the no-LoRA set
+    base_reqs = [Request(100 + i, p, sp) for i, p in enumerate(prompts[:4])]
+
+    eager = _engine(tmp_path, adapters)
+    want = eager.generate(reqs) + eager.generate(base_reqs)
+    pieces_engine = _engine(tmp_path, adapters)
+    runner = pieces_engine.runner
+    assert runner._prefill_tokens == 48
+    runner._prefill_graphs = EagerPieces(runner)
+    got = pieces_engine.generate(reqs) + pieces_engine.generate(base_reqs)
+    keys = runner._prefill_graphs.keys
+    assert keys and all(k.tokens in (16, 32, 48) for k in keys)
+    assert {k.lora_slots > 0 for k in keys} == ({False, True} if lora else {False})
+    for a, b in zip(want, got):
+        assert a.output_token_ids == b.output_token_ids
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
+        for x, y in zip(a.top_logprobs, b.top_logprobs):
+            assert [t for t, _ in x] == [t for t, _ in y]
+            assert [p for _, p in x] == pytest.approx([p for _, p in y], abs=1e-4)
+
+
+def test_off_when_eager_or_zero(tmp_path):
+    save_hf_model("llama3_gqa", tmp_path / "base")
+    assert _engine(tmp_path, {}, enforce_eager=True).runner._prefill_tokens == 0
+    assert _engine(tmp_path, {}, prefill_graph_max_tokens=0).runner._prefill_tokens == 0
+    assert _engine(tmp_path, {}, prefill_graph_max_tokens=16).runner._prefill_tokens == 16
+    runner = _engine(tmp_path, {}).runner
+    assert runner.prefill_graphs is None  # CPU: nothing captured, every prefill eager
