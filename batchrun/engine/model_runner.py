@@ -2,15 +2,17 @@
 
 Every step is one frozen `Step` (layers/step.py: attention metadata, and `lora`, None when no
 token has an adapter) built here and passed through `model(...)`; nothing per step is kept on
-a shared object. The runner owns its CUDA graphs (graphs.GraphRunner): `capture_graphs()` makes
-them, `eager()` runs decode steps without them for a while (benchmarks, profilers); `graphs` is
-read-only from outside.
+a shared object. The runner owns its CUDA graphs (graphs.GraphRunner for decode,
+prefill_graphs.PrefillGraphs for prefill steps of at most prefill_graph_max_tokens tokens):
+`capture_graphs()` makes them, `eager()` runs steps without them for a while (benchmarks,
+profilers); `graphs` and `prefill_graphs` are read-only from outside.
 
 Decode reads its inputs from static buffers kept as attributes (token ids, positions, slot
 mapping, block tables, context lengths, LoRA token slots), sized for max_num_seqs and written in
 place every step, so a captured CUDA graph (graphs.py) can replay the same step. Rows past the
 step's batch size are padding: slot -1 (no LoRA), context length 0, and their K/V go to the
-scratch block 0, so they do no harmful work.
+scratch block 0, so they do no harmful work. Small prefill steps likewise write their tokens
+into static prefill buffers padded to a captured token count (`_prefill_replay`).
 """
 from __future__ import annotations
 

@@ -35,7 +35,8 @@ class AttnMetadata:
     slot_mapping: torch.Tensor  # int64 [T]: flat cache slot (block * block_size + offset) per token
     block_tables: torch.Tensor  # int32 [B, max_blocks_per_seq]
     context_lens: torch.Tensor  # int32 [B]: cached tokens to attend to, this step's included
-    # prefill only (host ints; prefill runs eagerly, never inside a graph):
+    # prefill only (host ints; prefill attention always runs eagerly, between the pieces of a
+    # piecewise prefill graph at most: prefill_graphs.py):
     query_lens: list[int] | None = None
     context_lens_host: list[int] | None = None
     query_start: torch.Tensor | None = None  # int32 [B + 1] on device: cumsum of query_lens
