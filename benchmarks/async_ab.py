@@ -38,6 +38,7 @@ def switcher(engine, name: str):
         if captured is None:
             raise SystemExit("the engine captured no prefill graphs (CUDA and "
                              "engine.prefill_graph_max_tokens > 0 needed)")
+        print(f"prefill graphs: {captured.stats}", flush=True)
         return lambda on: setattr(runner, "_prefill_graphs", captured if on else None)
     from batchrun.engine.layers.gemm import set_decode_gemm
     from batchrun.kernels.pdl import set_pdl
