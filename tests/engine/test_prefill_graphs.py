@@ -55,6 +55,18 @@ class EagerPieces(PrefillGraphs):
         return self.run_eager(self.forward, key, meta, step_lora)
 
 
+def tiny_model_and_adapters(tmp_path, lora: bool):
+    """A tiny Llama (GQA) in tmp_path/base and, with lora, two real PEFT adapters of it (q/v
+    only, all linear layers): (the HF model, {adapter name: dir})."""
+    from tests.lora.test_engine_parity import ADAPTERS, _make_adapter
+    base = save_hf_model("llama3_gqa", tmp_path / "base")
+    adapters = {}
+    for i, name in enumerate(("qv", "all") if lora else ()):
+        _make_adapter("llama3_gqa", tmp_path / name, 100 + i, ADAPTERS[name])
+        adapters[name] = str(tmp_path / name)
+    return base, adapters
+
+
 def _engine(tmp_path, adapters, **kw):
     cfg = EngineConfig(model=str(tmp_path / "base"), device="cpu", max_model_len=128,
                        max_num_batched_tokens=48, enable_lora=bool(adapters), max_loras=2,
@@ -66,15 +78,9 @@ def _engine(tmp_path, adapters, **kw):
 def test_piecewise_prefill_matches_eager(tmp_path, monkeypatch, lora):
     pytest.importorskip("triton")
     import batchrun.engine.model_runner as model_runner
-    from tests.lora.test_engine_parity import ADAPTERS, _make_adapter
     monkeypatch.setattr(model_runner, "use_triton", lambda t: True)
     monkeypatch.setenv("BATCHRUN_FORCE_TRITON", "1")
-    base = save_hf_model("llama3_gqa", tmp_path / "base")
-    adapters = {}
-    if lora:
-        for i, name in enumerate(("qv", "all")):
-            _make_adapter("llama3_gqa", tmp_path / name, 100 + i, ADAPTERS[name])
-            adapters[name] = str(tmp_path / name)
+    base, adapters = tiny_model_and_adapters(tmp_path, lora)
     # lengths around the buckets (16, 32, 48: the cap is max_num_batched_tokens), prompts
     # longer than a step (chunked: a chunk attends to the cached chunks before it) and a
     # shared 20-token prefix (the second pass reuses its cached block)

@@ -7,6 +7,7 @@ import torch
 from batchrun.engine.config import EngineConfig, SamplingParams
 from batchrun.engine.engine import Engine
 from batchrun.engine.request import Request
+from tests.engine.test_prefill_graphs import tiny_model_and_adapters
 from tests.tiny_models import random_prompts, save_hf_model
 
 pytestmark = [pytest.mark.gpu,
@@ -15,13 +16,7 @@ pytestmark = [pytest.mark.gpu,
 
 @pytest.mark.parametrize("lora", [False, True])
 def test_prefill_graphs_match_eager(tmp_path, lora):
-    from tests.lora.test_engine_parity import ADAPTERS, _make_adapter
-    base = save_hf_model("llama3_gqa", tmp_path / "base")
-    adapters = {}
-    if lora:
-        for i, name in enumerate(("qv", "all")):
-            _make_adapter("llama3_gqa", tmp_path / name, 100 + i, ADAPTERS[name])
-            adapters[name] = str(tmp_path / name)
+    base, adapters = tiny_model_and_adapters(tmp_path, lora)
     prompts = random_prompts(9, [5, 17, 40, 3, 29, 70, 64, 1, 100], base.config.vocab_size, seed=4)
     prompts += [prompts[2][:20] + p for p in random_prompts(3, [4, 9, 31], base.config.vocab_size, 5)]
     names = [None, "qv", "all"] if lora else [None]
