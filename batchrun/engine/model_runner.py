@@ -130,7 +130,12 @@ class ModelRunner:
         self._p64.zero_()
         self._p64[2].fill_(SCRATCH_BLOCK * self.block_size)
         self._p_slots.fill_(-1)
-        pg.capture(self.prefill_forward, self._prefill_lora)
+        try:
+            pg.capture(self.prefill_forward, self._prefill_lora)
+        except Exception as e:
+            raise RuntimeError(f"capturing the piecewise prefill graphs failed: {e}. Set "
+                               "engine.prefill_graph_max_tokens: 0 in job.yaml to run prefill "
+                               "steps eagerly (same outputs, slower small prefills)") from e
         self._prefill_graphs = pg
 
     @property
