@@ -325,7 +325,6 @@ class ModelRunner:
             return done, hidden.new_empty(0)
         return done, self.model.compute_logits(hidden[torch.tensor(last, device=dev)])
 
-
     def _prefill_key(self, total: int, num_decode: int, pending: list, lora: np.ndarray):
         """The piecewise graphs a prefill step replays (None: it runs eagerly): steps without
         decode rows, of at most prefill_graph_max_tokens tokens; a step with adapter tokens
