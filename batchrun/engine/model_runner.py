@@ -12,7 +12,7 @@ mapping, block tables, context lengths, LoRA token slots), sized for max_num_seq
 place every step, so a captured CUDA graph (graphs.py) can replay the same step. Rows past the
 step's batch size are padding: slot -1 (no LoRA), context length 0, and their K/V go to the
 scratch block 0, so they do no harmful work. Small prefill steps likewise write their tokens
-into static prefill buffers padded to a captured token count (`_prefill_replay`).
+into static prefill buffers padded to a captured token count (`_write_prefill_inputs`).
 """
 from __future__ import annotations
 
@@ -303,24 +303,28 @@ class ModelRunner:
                 done.append(i); last.append(t - 1)
         dev = self.device
         key = self._prefill_key(total, num_decode, pending, lora)
-        if key is not None:
-            return done, self._prefill_replay(key, ids, pos, slots, lora, table, ctx_lens,
-                                              counts, last)
-        attn = AttnMetadata(True, torch.from_numpy(slots).to(dev), torch.from_numpy(table).to(dev),
+        # piecewise graphs: the K/V slots are the static input's (the replay's eager attention
+        # reads the rest of the metadata); eager: this step's own
+        slot_mapping = (self._write_prefill_inputs(key, ids, pos, slots, lora) if key is not None
+                        else torch.from_numpy(slots).to(dev))
+        attn = AttnMetadata(True, slot_mapping, torch.from_numpy(table).to(dev),
                             torch.tensor(ctx_lens, dtype=torch.int32, device=dev),
                             query_lens=list(counts), context_lens_host=ctx_lens,
                             query_start=query_start_tensor(counts, dev), num_decode=num_decode)
-        step_lora = None
-        if self.lora is not None:  # None when no token has an adapter: nothing written
-            # small prefills fuse too (no launches); big ones amortise shrink + expand launches
-            fuse = use_triton(self._i64) and total <= self.config.lora_fused_max_tokens
-            has = bool((lora >= 0).any())
-            step_lora = self.lora.lora_step(lora.tolist() if has else [], has_lora=has, fuse=fuse)
-        ids_dev = torch.from_numpy(ids).to(dev)
-        if pending:
-            dst, src = (torch.tensor(v, dtype=torch.long, device=dev) for v in zip(*pending))
-            _take_pending(ids_dev, dst, src, prev_tokens)
-        hidden = self.model(ids_dev, torch.from_numpy(pos).to(dev), Step(attn, step_lora))
+        if key is not None:
+            hidden = self._prefill_graphs.replay(key, attn)[:total]
+        else:
+            step_lora = None
+            if self.lora is not None:  # None when no token has an adapter: nothing written
+                # small prefills fuse too (no launches); big ones amortise shrink + expand launches
+                fuse = use_triton(self._i64) and total <= self.config.lora_fused_max_tokens
+                has = bool((lora >= 0).any())
+                step_lora = self.lora.lora_step(lora.tolist() if has else [], has_lora=has, fuse=fuse)
+            ids_dev = torch.from_numpy(ids).to(dev)
+            if pending:
+                dst, src = (torch.tensor(v, dtype=torch.long, device=dev) for v in zip(*pending))
+                _take_pending(ids_dev, dst, src, prev_tokens)
+            hidden = self.model(ids_dev, torch.from_numpy(pos).to(dev), Step(attn, step_lora))
         if not done:
             return done, hidden.new_empty(0)
         return done, self.model.compute_logits(hidden[torch.tensor(last, device=dev)])
@@ -339,12 +343,10 @@ class ModelRunner:
             return None
         return pg.dispatch(total, self.lora.slot_bound(top))
 
-    def _prefill_replay(self, key, ids, pos, slots, lora, table, ctx_lens, counts,
-                        last) -> torch.Tensor:
-        """Write the step into the static prefill inputs (padding tokens: token 0, position 0,
-        the scratch block, no adapter), replay its pieces, and return the fp32 logits of the
-        tokens `last` (each finished sequence's last token)."""
-        n, dev = len(ids), self.device
+    def _write_prefill_inputs(self, key, ids, pos, slots, lora) -> torch.Tensor:
+        """Write a step replaying `key` into the static prefill inputs (padding tokens: token
+        0, position 0, the scratch block, no adapter); returns its tokens' K/V slots there."""
+        n = len(ids)
         h64 = np.zeros((3, key.tokens), dtype=np.int64)
         h64[0, :n], h64[1, :n], h64[2, :n] = ids, pos, slots
         h64[2, n:] = SCRATCH_BLOCK * self.block_size
@@ -353,14 +355,7 @@ class ModelRunner:
             h32 = np.full(key.tokens, -1, dtype=np.int32)
             h32[:n] = lora
             self._p_slots[:key.tokens].copy_(torch.from_numpy(h32))
-        attn = AttnMetadata(True, self._p64[2, :n], torch.from_numpy(table).to(dev),
-                            torch.tensor(ctx_lens, dtype=torch.int32, device=dev),
-                            query_lens=list(counts), context_lens_host=ctx_lens,
-                            query_start=query_start_tensor(counts, dev))
-        hidden = self._prefill_graphs.replay(key, attn)[:n]
-        if not last:
-            return hidden.new_empty(0)
-        return self.model.compute_logits(hidden[torch.tensor(last, device=dev)])
+        return self._p64[2, :n]
 
 
 def _prev_tokens(prev_tokens: torch.Tensor | None) -> torch.Tensor:
