@@ -10,15 +10,19 @@ GIB = 1 << 30
 
 
 def graph_stats(engine) -> dict:
-    """Capture time, sizes and pool memory per graph set; {"enabled": False} when eager."""
+    """Decode graphs' capture time, sizes and pool memory per graph set, and under "prefill"
+    the piecewise prefill graphs' capture time, token sizes and sets (None when the engine
+    has none); {"enabled": False} when eager."""
     g = engine.runner.graphs
     if g is None:
         return {"enabled": False}
     st = dict(g.stats)
     pools = st.get("pool_bytes", {})
+    pg = engine.runner.prefill_graphs
     return {"enabled": True, "capture_s": st.get("capture_s"), "sizes": st.get("sizes"),
             "num_graphs": st.get("num_graphs"), "pool_bytes": dict(pools),
-            "pool_mib": {k: v / MIB for k, v in pools.items()}}
+            "pool_mib": {k: v / MIB for k, v in pools.items()},
+            "prefill": dict(pg.stats) if pg is not None else None}
 
 
 def weight_bytes(model) -> int:

@@ -159,6 +159,11 @@ def print_latency(r: dict, echo=print) -> None:
         pools = ", ".join(f"{k} {v:.1f} MiB" for k, v in g["pool_mib"].items())
         echo(f"CUDA graphs: {g['num_graphs']} captured in {g['capture_s']:.2f} s, sizes "
              f"{g['sizes']}; pool memory per set: {pools}")
+        pg = g.get("prefill")
+        echo("prefill graphs: off" if pg is None else
+             f"prefill graphs: {pg['num_captures']} captures (token sizes {pg['sizes']}, LoRA "
+             f"slot bounds {pg['slot_bounds']}) of {pg['pieces_per_capture']} pieces each in "
+             f"{pg['capture_s']:.2f} s")
     else:
         echo("CUDA graphs: off (eager)")
     m = r["memory"]

@@ -159,8 +159,9 @@ class PrefillGraphs:
             for attn in self.attention:
                 attn.split = None
         self.stats = {"capture_s": time.perf_counter() - t0, "sizes": list(self.sizes),
-                      "num_sets": len(self.pieces),
-                      "graphs_per_set": len(self.attention) + 1}
+                      "slot_bounds": [slots for slots, _ in sets],
+                      "num_captures": len(self.pieces),
+                      "pieces_per_capture": len(self.attention) + 1}
 
     def _run(self, forward, size: int, step_lora, pieces: _Pieces, capture: bool,
              stream, meta: AttnMetadata | None = None) -> torch.Tensor:

@@ -118,3 +118,32 @@ def test_percentile_matches_numpy_linear():
 def test_unknown_model_names_presets():
     res = _run(["bench", "latency", "--model", "llama-2-13b", "--device", "cpu"])
     assert res.exit_code == 3 and "llama-2-7b" in res.output and "neither a preset" in res.output
+
+
+def test_graph_stats_report_the_prefill_graphs(tmp_path):
+    """A GPU engine's decode and piecewise prefill graph stats reach the JSON and the report
+    (faked: the CPU engine captures none)."""
+    from types import SimpleNamespace
+
+    from batchrun.bench.engine_stats import graph_stats
+    from batchrun.bench.latency import print_latency
+    decode = SimpleNamespace(stats={"capture_s": 1.5, "sizes": [1, 2, 4, 8], "num_graphs": 4,
+                                    "pool_bytes": {"no_lora": 3 << 20}})
+    prefill = SimpleNamespace(stats={"capture_s": 0.57, "sizes": [16, 32], "slot_bounds": [0, 8],
+                                     "num_captures": 4, "pieces_per_capture": 33})
+    out = tmp_path / "lat.json"
+    assert _run(["bench", "latency", *SHORT, "--output-json", str(out)]).exit_code == 0
+    r = json.loads(out.read_text())
+    for pg in (prefill, None):
+        engine = SimpleNamespace(runner=SimpleNamespace(graphs=decode, prefill_graphs=pg))
+        g = graph_stats(engine)
+        assert g["enabled"] and g["num_graphs"] == 4 and g["pool_mib"] == {"no_lora": 3.0}
+        assert g["prefill"] == (None if pg is None else prefill.stats)
+        r["graphs"] = g
+        lines = []
+        print_latency(r, echo=lines.append)
+        text = "\n".join(lines)
+        assert "CUDA graphs: 4 captured in 1.50 s, sizes [1, 2, 4, 8]" in text
+        assert ("prefill graphs: off" in text if pg is None else
+                "prefill graphs: 4 captures (token sizes [16, 32], LoRA slot bounds [0, 8]) of "
+                "33 pieces each in 0.57 s" in text)
