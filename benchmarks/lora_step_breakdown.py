@@ -16,32 +16,13 @@ import argparse
 import collections
 import json
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
 from batchrun.bench.build import build_engine, random_prompts, round_robin
 from batchrun.bench.matrix import MatrixParams
-from benchmarks.step_probe import decode_step_profile, decoding_batch, prefill_step_us
-
-
-def graph_step_us(engine, prompts, adapters, n: int = 60) -> tuple[float, float]:
-    """(median µs of runner.decode + sync, median µs of the bare graph replay + sync)."""
-    def med(fn):
-        times = []
-        for i in range(n + 5):
-            t0 = time.perf_counter()
-            fn()
-            torch.cuda.synchronize()
-            if i >= 5:
-                times.append((time.perf_counter() - t0) * 1e6)
-        return sorted(times)[n // 2]
-    with decoding_batch(engine, prompts, adapters, graphs=True) as (runner, seqs):
-        step = med(lambda: runner.decode(seqs))
-        key = runner.graphs.dispatch(len(seqs), runner.decode_slot_bound(seqs))
-        replay = med(lambda: runner.graphs.replay(key))
-    return step, replay
+from benchmarks.step_probe import decode_step_profile, graph_step_us, prefill_step_us
 
 
 def _short(name: str) -> str:

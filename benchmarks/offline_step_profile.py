@@ -28,7 +28,7 @@ import torch
 from batchrun.bench.build import build_engine, random_prompts
 from batchrun.bench.roofline import decode_bytes_per_step, hbm_peak
 from batchrun.engine.config import EngineConfig
-from benchmarks.step_probe import decode_step_profile, decoding_batch, probe_scheduler
+from benchmarks.step_probe import decode_step_profile, graph_step_us, probe_scheduler
 
 # bf16 dense tensor-core peak, FLOP/s (vendor figures; the H200 has the H100 SXM's compute)
 BF16_PEAK = (("H200", 989e12), ("H100 PCIe", 756e12), ("H100", 989e12))
@@ -58,17 +58,6 @@ def grouped(events) -> dict:
             "top_kernels_us": dict(top.most_common(12))}
 
 
-def median_us(fn, n: int = 30) -> float:
-    times = []
-    for i in range(n + 3):
-        t0 = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        if i >= 3:
-            times.append((time.perf_counter() - t0) * 1e6)
-    return sorted(times)[n // 2]
-
-
 def linear_flops_per_token(model) -> float:
     """2 x the multiply-adds of every projection and lm_head for one token."""
     n = sum(m.weight.numel() for m in model.modules()
@@ -81,10 +70,7 @@ def decode_case(engine, rows: int, ctx: int, vocab: int, dev: str) -> dict:
     prompts = random_prompts(rows, ctx, vocab, seed=ctx)
     runs = [grouped(decode_step_profile(engine, prompts)) for _ in range(3)]
     g = {k: sorted(r["groups_us"].get(k, 0.0) for r in runs)[1] for k in ("GEMM", "attention", "other")}
-    with decoding_batch(engine, prompts, graphs=True) as (runner, seqs):
-        step_us = median_us(lambda: runner.decode(seqs))
-        key = runner.graphs.dispatch(len(seqs), runner.decode_slot_bound(seqs))
-        replay_us = median_us(lambda: runner.graphs.replay(key))
+    step_us, replay_us = graph_step_us(engine, prompts, None, n=30)
     b = decode_bytes_per_step(engine, rows, ctx)
     flops = linear_flops_per_token(engine.model) * rows
     hbm, peak = hbm_peak(dev), bf16_peak(dev)

@@ -10,6 +10,8 @@ from __future__ import annotations
 import contextlib
 import time
 
+import torch
+
 from batchrun.bench.timing import eager, sync
 
 
@@ -80,3 +82,22 @@ def decode_step_profile(engine, prompts: list[list[int]],
     if cuda:
         return [(e.name, e.device_time) for e in prof.events() if e.device_type.name == "CUDA"]
     return [(e.name, e.cpu_time) for e in prof.events() if e.name.startswith("aten::")]
+
+
+def graph_step_us(engine, prompts, adapters, n: int = 60) -> tuple[float, float]:
+    """(median µs of runner.decode + sync, median µs of the bare graph replay + sync) of a
+    graph decode step of `prompts` (row i runs adapters[i]); n timed calls after 5."""
+    def med(fn):
+        times = []
+        for i in range(n + 5):
+            t0 = time.perf_counter()
+            fn()
+            torch.cuda.synchronize()
+            if i >= 5:
+                times.append((time.perf_counter() - t0) * 1e6)
+        return sorted(times)[n // 2]
+    with decoding_batch(engine, prompts, adapters, graphs=True) as (runner, seqs):
+        step = med(lambda: runner.decode(seqs))
+        key = runner.graphs.dispatch(len(seqs), runner.decode_slot_bound(seqs))
+        replay = med(lambda: runner.graphs.replay(key))
+    return step, replay
