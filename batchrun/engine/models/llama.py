@@ -105,7 +105,10 @@ class DecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig, max_position: int):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # _weight: no random init (the loader fills it); on the meta device nn.Embedding's own
+        # init imports torch._dynamo, ~1.3 s of every job's start-up
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
+                                         _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.embed_tokens.weight.requires_grad_(False)
         self.rotary = RotaryEmbedding(cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling)
         self.layers = nn.ModuleList(DecoderLayer(cfg, self.rotary)
