@@ -26,17 +26,9 @@ from pathlib import Path
 import torch
 
 from batchrun.bench.build import build_engine, random_prompts
-from batchrun.bench.roofline import decode_bytes_per_step, hbm_peak
+from batchrun.bench.roofline import bf16_peak, decode_bytes_per_step, hbm_peak
 from batchrun.engine.config import EngineConfig
 from benchmarks.step_probe import decode_step_profile, graph_step_us, probe_scheduler
-
-# bf16 dense tensor-core peak, FLOP/s (vendor figures; the H200 has the H100 SXM's compute)
-BF16_PEAK = (("H200", 989e12), ("H100 PCIe", 756e12), ("H100", 989e12))
-
-
-def bf16_peak(name: str) -> float | None:
-    return next((v for k, v in BF16_PEAK if k in name), None)
-
 
 def group(name: str) -> str:
     low = name.lower()

@@ -13,11 +13,20 @@ HBM_PEAK = (("H200", 4.8e12), ("H100 PCIe", 2.0e12), ("H100", 3.35e12),
             ("A100-SXM4-80GB", 2.039e12), ("A100 80GB PCIe", 1.935e12), ("A100", 1.555e12))
 
 
+# bf16 dense tensor-core peak, FLOP/s (vendors' figures; the H200 has the H100 SXM's compute)
+BF16_PEAK = (("H200", 989e12), ("H100 PCIe", 756e12), ("H100", 989e12),
+             ("A100", 312e12))
+
+
 def hbm_peak(device_name: str) -> float | None:
     for key, peak in HBM_PEAK:
         if key in device_name:
             return peak
     return None
+
+
+def bf16_peak(device_name: str) -> float | None:
+    return next((peak for key, peak in BF16_PEAK if key in device_name), None)
 
 
 def decode_bytes_per_step(engine, batch_size: int, avg_context: float) -> dict:

@@ -3,7 +3,7 @@ must read (every weight but the embedding table, which a tied lm_head streams in
 K/V), counted against the model's own parameters."""
 import pytest
 
-from batchrun.bench.roofline import decode_bytes_per_step, decode_roofline, hbm_peak
+from batchrun.bench.roofline import bf16_peak, decode_bytes_per_step, decode_roofline, hbm_peak
 from batchrun.engine.config import EngineConfig
 from batchrun.engine.engine import Engine
 from tests.tiny_models import save_hf_model
@@ -14,6 +14,12 @@ from tests.tiny_models import save_hf_model
                                        ("cpu (x86_64)", None), ("NVIDIA L4", None)])
 def test_hbm_peak(name, peak):
     assert hbm_peak(name) == peak
+
+
+@pytest.mark.parametrize("name,peak", [("NVIDIA H200", 989e12), ("NVIDIA H100 80GB HBM3", 989e12),
+                                       ("NVIDIA H100 PCIe", 756e12), ("cpu (x86_64)", None)])
+def test_bf16_peak(name, peak):
+    assert bf16_peak(name) == peak
 
 
 @pytest.mark.parametrize("variant", ["llama3_gqa", "llama_tied"])
