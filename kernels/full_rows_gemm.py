@@ -1,6 +1,7 @@
 """y = x @ W.T for a throughput decode step (up to 256 rows) with all rows in one M tile, so
-each weight tile is read from HBM once. NOT used by the engine yet: a candidate for #12's
-offline workload, priced against cuBLAS by benchmarks/gemm_m256.py.
+each weight tile is read from HBM once. A candidate for #12's offline workload, not yet run
+on a GPU: the engine takes it only with `engine.triton_full_rows_gemm: true` (off by default;
+layers/gemm.py), benchmarks/gemm_m256.py prices it against cuBLAS.
 
 Why: at M = 256 a Llama-2-7b decode step's GEMMs are 3.4 TFLOP over 13.2 GB of weights, close
 to the ridge point of an H100 (memory-bound) or an H200 (compute-bound). cuBLAS takes 6.3 ms a
@@ -30,10 +31,10 @@ CONFIG = (256, 128, 64, 1, 3, 8)
 
 
 @triton.jit
-def _full_rows_gemm_kernel(x_ptr, w_ptr, y_ptr, ws_ptr, M, N, K, K_SPLIT,
+def _full_rows_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, M, N, K, K_SPLIT,
                            stride_xm, stride_wn, stride_ym,
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                           SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr):
+                           SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -60,6 +61,8 @@ def _full_rows_gemm_kernel(x_ptr, w_ptr, y_ptr, ws_ptr, M, N, K, K_SPLIT,
         w_ptrs += BLOCK_K
     mask = row_mask & col_mask
     if SPLIT_K == 1:
+        if HAS_BIAS:  # in fp32, rounded once with the sum
+            acc += tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
         y_ptrs = y_ptr + rows[:, None].to(tl.int64) * stride_ym + cols[None, :]
         tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
     else:
@@ -68,9 +71,9 @@ def _full_rows_gemm_kernel(x_ptr, w_ptr, y_ptr, ws_ptr, M, N, K, K_SPLIT,
 
 
 @triton.jit
-def _split_k_sum_kernel(ws_ptr, y_ptr, M, N, stride_ym, SPLIT_K: tl.constexpr,
-                        BLOCK: tl.constexpr):
-    # y[r, c] = rnd(sum over s in order of ws[s, r, c])
+def _split_k_sum_kernel(ws_ptr, b_ptr, y_ptr, M, N, stride_ym, SPLIT_K: tl.constexpr,
+                        HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+    # y[r, c] = rnd(sum over s in order of ws[s, r, c] (+ bias[c]))
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < M * N
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
@@ -78,12 +81,15 @@ def _split_k_sum_kernel(ws_ptr, y_ptr, M, N, stride_ym, SPLIT_K: tl.constexpr,
         acc += tl.load(ws_ptr + s * M * N + offs, mask=mask, other=0.0)
     r = offs // N
     c = offs % N
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + c, mask=mask, other=0.0).to(tl.float32)
     tl.store(y_ptr + r * stride_ym + c, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-def full_rows_gemm(x: Tensor, w: Tensor, out: Tensor | None = None,
+def full_rows_gemm(x: Tensor, w: Tensor, bias: Tensor | None = None, out: Tensor | None = None,
                    config: tuple[int, int, int, int, int, int] | None = None) -> Tensor:
-    # x: [M, K] (rows may be strided), w: [N, K] contiguous rows, fp16/bf16 -> y [M, N].
+    # x: [M, K] (rows may be strided), w: [N, K] contiguous rows, fp16/bf16 -> y [M, N];
+    # bias [N] (x's dtype) added in fp32 before the one rounding.
     # config: (BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, num_stages, num_warps); BLOCK_M shrinks to
     # the next power of two >= M (at least 16), SPLIT_K to what K's tiles allow.
     check(x.dim() == 2 and w.dim() == 2 and x.shape[1] == w.shape[1],
@@ -94,6 +100,9 @@ def full_rows_gemm(x: Tensor, w: Tensor, out: Tensor | None = None,
     check(x.device == w.device, "x and w must be on one device")
     M, K = x.shape
     N = w.shape[0]
+    if bias is not None:
+        check(bias.shape == (N,) and bias.dtype == x.dtype and bias.is_contiguous()
+              and bias.device == x.device, f"bias must be a contiguous [{N}] {x.dtype} tensor")
     if out is None:
         out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     check(out.shape == (M, N) and out.dtype == x.dtype and out.stride(1) == 1,
@@ -106,12 +115,14 @@ def full_rows_gemm(x: Tensor, w: Tensor, out: Tensor | None = None,
     splits = triton.cdiv(K, k_split)
     ws = (torch.empty((splits, M, N), dtype=torch.float32, device=x.device) if splits > 1
           else out)
+    b = bias if bias is not None else out  # unused without HAS_BIAS
     _full_rows_gemm_kernel[(triton.cdiv(M, bm), triton.cdiv(N, bn), splits)](
-        x, w, out, ws, M, N, K, k_split, x.stride(0), w.stride(0), out.stride(0),
+        x, w, b, out, ws, M, N, K, k_split, x.stride(0), w.stride(0), out.stride(0),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=splits, EVEN_K=K % bk == 0,
-        num_stages=stages, num_warps=warps)
+        HAS_BIAS=bias is not None, num_stages=stages, num_warps=warps)
     if splits > 1:
         block = 1024
         _split_k_sum_kernel[(triton.cdiv(M * N, block),)](
-            ws, out, M, N, out.stride(0), SPLIT_K=splits, BLOCK=block, num_warps=4)
+            ws, b, out, M, N, out.stride(0), SPLIT_K=splits, HAS_BIAS=bias is not None,
+            BLOCK=block, num_warps=4)
     return out

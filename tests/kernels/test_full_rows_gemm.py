@@ -21,21 +21,24 @@ def _operands(M, N, K, dtype, seed, pad=0):
     return x, w
 
 
-def _assert_close(got, x, w):
-    ref = ref_linear(x, w)
-    tol = rounding_tol(x.float().abs() @ w.float().abs().t(), x.dtype, x.shape[1])
+def _assert_close(got, x, w, bias=None):
+    ref = ref_linear(x, w, bias)
+    bound = x.float().abs() @ w.float().abs().t() + (0 if bias is None else bias.float().abs())
+    tol = rounding_tol(bound, x.dtype, x.shape[1])
     err = (got.float() - ref.float()).abs()
     assert (err <= tol).all(), (err - tol).max().item()
 
 
 @pytest.mark.parametrize("M,N,K,bm", SHAPES)
 @pytest.mark.parametrize("split_k", [1, 3])
-def test_full_rows_gemm(M, N, K, bm, split_k):
+@pytest.mark.parametrize("bias", [False, True])
+def test_full_rows_gemm(M, N, K, bm, split_k, bias):
     x, w = _operands(M, N, K, torch.float16, seed=M * 1000 + N + K + split_k)
+    b = randn(N, dtype=torch.float16, gen=torch.Generator().manual_seed(N)) if bias else None
     out = torch.full((M, N), POISON, dtype=torch.float16, device=DEVICE)
     cfg = (bm,) + SMALL[1:3] + (split_k,) + SMALL[4:]
-    assert full_rows_gemm(x, w, out=out, config=cfg) is out
-    _assert_close(out, x, w)
+    assert full_rows_gemm(x, w, b, out=out, config=cfg) is out
+    _assert_close(out, x, w, b)
 
 
 def test_strided_rows_and_out_default_config():
@@ -54,6 +57,8 @@ def test_split_k_is_deterministic_and_rejects_bad_inputs():
         full_rows_gemm(x, w[:, :50])
     with pytest.raises(ValueError, match="fp16/bf16"):
         full_rows_gemm(x.float(), w.float())
+    with pytest.raises(ValueError, match="bias must be"):
+        full_rows_gemm(x, w, torch.zeros(23, dtype=torch.float16, device=DEVICE))
     assert full_rows_gemm(x[:0], w).shape == (0, 24)
 
 
