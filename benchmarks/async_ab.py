@@ -7,10 +7,11 @@ batch 8, in 32, out 128) and the offline one (`bench throughput --preset 7b`'s: 
         [--latency-rounds 10] [--offline-rounds 2] [--output-json FILE]
 
 Switches: `async_scheduling` (the step loop; flipped between calls), `triton_decode_gemm` (the
-GEMM of steps of <= 16 rows) and `pdl` (programmatic dependent launch of the Triton kernels);
-captured graphs hold the kernels and their launches of the last two, so the engine captures one
-graph set per setting and swaps them (the prefill graphs are captured with whatever was set
-last). `prefill_graphs`: small prefill steps replay the piecewise graphs or run eagerly (the
+GEMM of steps of <= 16 rows), `full_rows_gemm` (kernels/full_rows_gemm.py for steps of 65-256
+rows: the offline workload's decode; run it with --latency-rounds 0) and `pdl` (programmatic
+dependent launch of the Triton kernels); captured graphs hold the kernels and their launches of
+the last three, so the engine captures one decode graph set per setting and swaps them (the
+prefill graphs are captured with whatever was set last). `prefill_graphs`: small prefill steps replay the piecewise graphs or run eagerly (the
 offline workload's 8192-token prefills are eager either way). The official figures stay
 `batchrun bench latency` / `bench throughput`; this script measures a difference of a few
 percent.
@@ -40,9 +41,10 @@ def switcher(engine, name: str):
                              "engine.prefill_graph_max_tokens > 0 needed)")
         print(f"prefill graphs: {captured.stats}", flush=True)
         return lambda on: setattr(runner, "_prefill_graphs", captured if on else None)
-    from batchrun.engine.layers.gemm import set_decode_gemm
+    from batchrun.engine.layers.gemm import set_decode_gemm, set_full_rows_gemm
     from batchrun.kernels.pdl import set_pdl
     flip = {"triton_decode_gemm": lambda on: set_decode_gemm(engine.model, on),
+            "full_rows_gemm": lambda on: set_full_rows_gemm(engine.model, on),
             "pdl": set_pdl}[name]
     runner, sets = engine.runner, {}
     for on in (True, False):  # decode graphs capture the kernels and launches: a set per setting
@@ -82,7 +84,7 @@ def ab(engine, set_, rounds: int, make, check_len: int, log) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--switch", choices=["async_scheduling", "triton_decode_gemm", "pdl",
-                                         "prefill_graphs"],
+                                         "prefill_graphs", "full_rows_gemm"],
                     default="async_scheduling")
     ap.add_argument("--model", default="llama-2-7b")
     ap.add_argument("--latency-rounds", type=int, default=10)
@@ -103,8 +105,10 @@ def main() -> None:
     for on in (True, False):  # warm-up: every graph size and kernel once in each loop
         timed(engine, lat(-1), set_, on, 128)
         timed(engine, make_requests(random_prompts(64, 256, vocab, 7), 16, tag="w"), set_, on, 16)
-    log("latency workload (batch 8, in 32, out 128):")
-    latency = ab(engine, set_, a.latency_rounds, lat, 128, log)
+    latency = None
+    if a.latency_rounds:
+        log("latency workload (batch 8, in 32, out 128):")
+        latency = ab(engine, set_, a.latency_rounds, lat, 128, log)
     offline = None
     if a.offline_rounds:
         log(f"offline workload ({a.num_prompts} x (256 -> 128), engine alone):")
@@ -117,8 +121,9 @@ def main() -> None:
                                    "off": tokens / offline["median_off_s"]}
     write_json(a.output_json, result)
     print(f"{a.switch}: {'workload':<28}{'on':>12}{'off':>12}{'on/off':>10}")
-    print(f"{'latency b8 (s)':<28}{latency['median_on_s']:>12.4f}{latency['median_off_s']:>12.4f}"
-          f"{latency['median_ratio_on_over_off']:>10.4f}")
+    if latency:
+        print(f"{'latency b8 (s)':<28}{latency['median_on_s']:>12.4f}{latency['median_off_s']:>12.4f}"
+              f"{latency['median_ratio_on_over_off']:>10.4f}")
     if offline:
         print(f"{f'offline {a.num_prompts} (s)':<28}{offline['median_on_s']:>12.3f}"
               f"{offline['median_off_s']:>12.3f}{offline['median_ratio_on_over_off']:>10.4f}")

@@ -15,6 +15,12 @@ epilogue, kernels/skinny_gate_up_silu.py).
   (26.1 vs 28.6 on the H200); while qkv ([12288, 4096]) was 8 % faster, gate_up with its SiLU
   ([22016, 4096]) 9 % and lm_head ([32000, 4096]) 7 % (docs/benchmarks.md, sessions 8 and 11).
 
+`EngineConfig.triton_full_rows_gemm` (off by default: a candidate, not yet measured on a GPU)
+sends steps of FULL_ROWS_MIN_ROWS < T <= FULL_ROWS_MAX_ROWS rows (a throughput batch's decode) to
+kernels/full_rows_gemm.py, every row in one M tile so each weight tile is read once, instead of
+cuBLAS (`set_full_rows_gemm`); benchmarks/gemm_m256.py prices it, benchmarks/async_ab.py
+--switch full_rows_gemm measures a run with it.
+
 The result differs from cuBLAS's by at most rounding (an ulp where cuBLAS splits K), as any two
 GEMMs do; a given step shape always takes the same kernel, so graph replay equals eager, and the
 no-LoRA graph of a LoRA engine launches exactly the LoRA-disabled engine's kernels.
@@ -29,6 +35,7 @@ from batchrun.engine.layers.backend import use_triton
 from batchrun.kernels.lora_meta import LoRADelta
 
 MAX_ROWS = 16  # kernels/skinny_gemm.py's MAX_ROWS
+FULL_ROWS_MIN_ROWS, FULL_ROWS_MAX_ROWS = 64, 256  # kernels/full_rows_gemm.py's steps
 MIN_WEIGHT_ELEMENTS = 12288 * 4096  # 48M: Llama-2-7b's qkv_proj takes it, down_proj (45M) not
 _HALF = (torch.float16, torch.bfloat16)
 
@@ -39,11 +46,29 @@ def takes_skinny(enabled: bool, x: Tensor, weight: Tensor) -> bool:
             and weight.numel() >= MIN_WEIGHT_ELEMENTS)
 
 
-def linear(x: Tensor, weight: Tensor, bias: Tensor | None, skinny: bool) -> Tensor:
-    # x [T, K] @ weight [N, K].T (+ bias) -> [T, N]; skinny: takes_skinny's answer
-    if skinny:
+def takes_full_rows(enabled: bool, x: Tensor) -> bool:
+    """Whether a projection of x runs in kernels/full_rows_gemm.py (see the module docstring)."""
+    return (enabled and FULL_ROWS_MIN_ROWS < x.shape[0] <= FULL_ROWS_MAX_ROWS
+            and x.dtype in _HALF and use_triton(x))
+
+
+def gemm_kernel(decode_gemm: bool, full_rows_gemm: bool, x: Tensor, weight: Tensor) -> str | None:
+    """The GEMM x @ weight.T runs in: "skinny", "full_rows" or None (cuBLAS)."""
+    if takes_skinny(decode_gemm, x, weight):
+        return "skinny"
+    return "full_rows" if takes_full_rows(full_rows_gemm, x) else None
+
+
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None, kernel: str | None) -> Tensor:
+    # x [T, K] @ weight [N, K].T (+ bias) -> [T, N]; kernel: gemm_kernel's answer
+    if kernel == "skinny":
         from batchrun.kernels.skinny_gemm import skinny_gemm
         return skinny_gemm(x, weight, bias)
+    if kernel == "full_rows":
+        from batchrun.kernels.full_rows_gemm import full_rows_gemm
+        return full_rows_gemm(x, weight, bias)
+    if kernel is not None:
+        raise ValueError(f"unknown GEMM kernel {kernel!r}: skinny, full_rows or None")
     return F.linear(x, weight, bias)
 
 
@@ -60,3 +85,10 @@ def set_decode_gemm(model: torch.nn.Module, enabled: bool) -> None:
     for m in model.modules():
         if hasattr(m, "decode_gemm"):
             m.decode_gemm = enabled
+
+
+def set_full_rows_gemm(model: torch.nn.Module, enabled: bool) -> None:
+    """Turn kernels/full_rows_gemm.py on or off for every projection of `model` and lm_head."""
+    for m in model.modules():
+        if hasattr(m, "full_rows_gemm"):
+            m.full_rows_gemm = enabled

@@ -8,7 +8,9 @@ None): a step without adapters runs exactly the base matmul, whatever hooks are 
 graph captured for it holds exactly the base kernels).
 
 The matmul itself is layers/gemm.py's `linear`: cuBLAS, or on steps of at most 16 rows the Triton
-GEMM that only streams the weight, when `decode_gemm` is on (EngineConfig.triton_decode_gemm).
+GEMM that only streams the weight, when `decode_gemm` is on (EngineConfig.triton_decode_gemm), or
+on steps of 65-256 rows kernels/full_rows_gemm.py when `full_rows_gemm` is on
+(EngineConfig.triton_full_rows_gemm, off by default).
 
 `defer=True` is for callers whose next op can fuse a LoRA delta (rotary, RMSNorm, SiLU-and-mul
 take a `lora=` argument): they get `(y, delta)` where delta is a LoRADelta to pass on, or None
@@ -19,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from batchrun.engine.layers.gemm import linear, takes_skinny
+from batchrun.engine.layers.gemm import gemm_kernel, linear, takes_skinny
 from batchrun.engine.layers.step import LoRAStep
 
 
@@ -36,15 +38,20 @@ class Linear(nn.Module):
                      if bias else None)
         self.lora = None  # set by batchrun.engine.lora (LoRALinear)
         self.decode_gemm = False  # layers/gemm.set_decode_gemm
+        self.full_rows_gemm = False  # layers/gemm.set_full_rows_gemm
 
     def skinny(self, x: torch.Tensor) -> bool:
         # whether x @ weight.T runs in the Triton skinny GEMM (a LoRA step's [W; A] too)
         return takes_skinny(self.decode_gemm, x, self.weight)
 
+    def kernel(self, x: torch.Tensor) -> str | None:
+        # the GEMM x @ weight.T runs in (layers/gemm.py's gemm_kernel; a LoRA step's [W; A] too)
+        return gemm_kernel(self.decode_gemm, self.full_rows_gemm, x, self.weight)
+
     def forward(self, x: torch.Tensor, lora_step: LoRAStep | None = None, defer: bool = False):
         # x: [T, in_features] -> y: [T, out_features], or (y, LoRADelta | None) with defer
         if self.lora is None or lora_step is None:
-            y, delta = linear(x, self.weight, self.bias, self.skinny(x)), None
+            y, delta = linear(x, self.weight, self.bias, self.kernel(x)), None
         else:
             y, delta = self.lora.forward(self, x, lora_step, defer)
         return (y, delta) if defer else y

@@ -112,10 +112,10 @@ class LoRALinear:
             rows = N + self._shrunk_cols(step)
             bias = None if self.bias_full is None else self.bias_full[:rows]
             # the kernel is chosen by W alone, so W's columns come out as in a no-LoRA step
-            full = gemm.linear(x, self.weight_full[:rows], bias, linear.skinny(x))  # [T, N + k*S*R]
+            full = gemm.linear(x, self.weight_full[:rows], bias, linear.kernel(x))  # [T, N + k*S*R]
             return full[:, :N], LoRADelta(full[:, N:], self.lora_b, step.token_slots,
                                           self.slice_offsets)
-        y = gemm.linear(x, linear.weight, linear.bias, linear.skinny(x))
+        y = gemm.linear(x, linear.weight, linear.bias, linear.kernel(x))
         # m.shrink_buffer: flat fp32 scratch shared by all layers; add_lora views its split-K
         # partials [splits, S, T, R] out of it.
         punica.add_lora(x, y, self.lora_a, self.lora_b, m.shrink_buffer, self.slice_offsets,

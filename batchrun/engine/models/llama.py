@@ -10,7 +10,7 @@ from torch import nn
 
 from batchrun.engine.layers.activation import silu_and_mul
 from batchrun.engine.layers.attention import PagedAttention
-from batchrun.engine.layers.gemm import gate_up_silu, linear, takes_skinny
+from batchrun.engine.layers.gemm import gate_up_silu, gemm_kernel, linear
 from batchrun.engine.layers.linear import Linear
 from batchrun.engine.layers.norm import RMSNorm
 from batchrun.engine.layers.rotary import RotaryEmbedding
@@ -135,6 +135,7 @@ class LlamaForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.decode_gemm = False  # layers/gemm.set_decode_gemm: lm_head of few rows in Triton
+        self.full_rows_gemm = False  # layers/gemm.set_full_rows_gemm: lm_head of 65-256 rows
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 step: Step) -> torch.Tensor:
@@ -145,7 +146,8 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         # hidden: [N, H] -> fp32 logits [N, V] (written into `out` when given)
         w = self.lm_head.weight
-        logits = linear(hidden, w, None, takes_skinny(self.decode_gemm, hidden, w))
+        kernel = gemm_kernel(self.decode_gemm, self.full_rows_gemm, hidden, w)
+        logits = linear(hidden, w, None, kernel)
         if out is None:
             return logits.float()
         return out.copy_(logits)
