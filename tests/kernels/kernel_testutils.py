@@ -28,6 +28,16 @@ def rounding_tol(ref_abs: torch.Tensor, dtype: torch.dtype, terms: int) -> torch
     return acc + out + 1e-6
 
 
+def assert_gemm_close(got, x, w, bias=None) -> None:
+    """A GEMM's y = x @ w.T (+ bias) vs the torch reference, within rounding_tol of sum |x*w|."""
+    from batchrun.kernels.reference import ref_linear
+    ref = ref_linear(x, w, bias)
+    bound = x.float().abs() @ w.float().abs().t() + (0 if bias is None else bias.float().abs())
+    tol = rounding_tol(bound, x.dtype, x.shape[1])
+    err = (got.float() - ref.float()).abs()
+    assert (err <= tol).all(), (err - tol).max().item()
+
+
 def assert_attention_close(out, ref, v_cache, dtype) -> None:
     """Attention output vs its reference: no NaN left (every row written) and within rounding.
     P (rounded to the cache dtype for the PV dot) and out each round once, and |out| <= max|v|;

@@ -6,8 +6,7 @@ import pytest
 import torch
 
 from batchrun.kernels.full_rows_gemm import CONFIG, full_rows_gemm
-from batchrun.kernels.reference import ref_linear
-from kernel_testutils import DEVICE, POISON, randn, rounding_tol
+from kernel_testutils import DEVICE, POISON, assert_gemm_close, randn
 
 SMALL = (32, 16, 16, 1, 1, 4)  # interpreter-sized tiles: (BM, BN, BK, SPLIT_K, stages, warps)
 # (M, N, K, BLOCK_M): one row, M off the tile, several M tiles, K off BLOCK_K
@@ -21,14 +20,6 @@ def _operands(M, N, K, dtype, seed, pad=0):
     return x, w
 
 
-def _assert_close(got, x, w, bias=None):
-    ref = ref_linear(x, w, bias)
-    bound = x.float().abs() @ w.float().abs().t() + (0 if bias is None else bias.float().abs())
-    tol = rounding_tol(bound, x.dtype, x.shape[1])
-    err = (got.float() - ref.float()).abs()
-    assert (err <= tol).all(), (err - tol).max().item()
-
-
 @pytest.mark.parametrize("M,N,K,bm", SHAPES)
 @pytest.mark.parametrize("split_k", [1, 3])
 @pytest.mark.parametrize("bias", [False, True])
@@ -38,14 +29,14 @@ def test_full_rows_gemm(M, N, K, bm, split_k, bias):
     out = torch.full((M, N), POISON, dtype=torch.float16, device=DEVICE)
     cfg = (bm,) + SMALL[1:3] + (split_k,) + SMALL[4:]
     assert full_rows_gemm(x, w, b, out=out, config=cfg) is out
-    _assert_close(out, x, w, b)
+    assert_gemm_close(out, x, w, b)
 
 
 def test_strided_rows_and_out_default_config():
     x, w = _operands(20, 32, 64, torch.float16, seed=7, pad=5)
     big = torch.full((20, 40), POISON, dtype=torch.float16, device=DEVICE)
     full_rows_gemm(x, w, out=big[:, 3:35])  # CONFIG's tiles, BLOCK_M shrunk to 32
-    _assert_close(big[:, 3:35], x, w)
+    assert_gemm_close(big[:, 3:35], x, w)
     assert (big[:, :3] == POISON).all() and (big[:, 35:] == POISON).all()
 
 
@@ -68,5 +59,5 @@ def test_split_k_is_deterministic_and_rejects_bad_inputs():
 def test_bf16_gpu_7b_shapes(M):
     for N, K in [(12288, 4096), (4096, 4096), (22016, 4096), (4096, 11008), (32000, 4096)]:
         x, w = _operands(M, N, K, torch.bfloat16, seed=M + N + K)
-        _assert_close(full_rows_gemm(x, w), x, w)
-        _assert_close(full_rows_gemm(x, w, config=CONFIG[:3] + (4,) + CONFIG[4:]), x, w)
+        assert_gemm_close(full_rows_gemm(x, w), x, w)
+        assert_gemm_close(full_rows_gemm(x, w, config=CONFIG[:3] + (4,) + CONFIG[4:]), x, w)

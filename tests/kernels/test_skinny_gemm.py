@@ -10,7 +10,7 @@ from batchrun.kernels.reference import ref_gate_up_silu, ref_linear, ref_silu_an
 from batchrun.kernels.silu_and_mul import silu_and_mul
 from batchrun.kernels.skinny_gate_up_silu import CONFIG as FUSED_CONFIG, skinny_gate_up_silu
 from batchrun.kernels.skinny_gemm import skinny_gemm
-from kernel_testutils import DEVICE, POISON, mixed_slots, randn, rounding_tol
+from kernel_testutils import DEVICE, POISON, assert_gemm_close, mixed_slots, randn
 
 SAME_K_STEPS = (32, FUSED_CONFIG[1], 3, 4)  # skinny_gemm's K loop with the fused kernel's BLOCK_K
 SHAPES = [(1, 16, 32), (5, 50, 70), (8, 96, 512), (13, 33, 300), (16, 64, 256)]
@@ -23,14 +23,6 @@ def _operands(M, N, K, dtype, seed, pad=0):
     return x, w, g
 
 
-def _assert_gemm_close(got, x, w, bias=None):
-    ref = ref_linear(x, w, bias)
-    bound = x.float().abs() @ w.float().abs().t() + (0 if bias is None else bias.float().abs())
-    tol = rounding_tol(bound, x.dtype, x.shape[1])
-    err = (got.float() - ref.float()).abs()
-    assert (err <= tol).all(), (err - tol).max().item()
-
-
 @pytest.mark.parametrize("M,N,K", SHAPES)
 @pytest.mark.parametrize("bias", [False, True])
 def test_skinny_gemm(M, N, K, bias):
@@ -38,14 +30,14 @@ def test_skinny_gemm(M, N, K, bias):
     b = randn(N, dtype=torch.float16, gen=g) if bias else None
     out = torch.full((M, N), POISON, dtype=torch.float16, device=DEVICE)
     assert skinny_gemm(x, w, b, out=out) is out
-    _assert_gemm_close(out, x, w, b)
+    assert_gemm_close(out, x, w, b)
 
 
 def test_skinny_gemm_strided_rows_and_out():
     x, w, g = _operands(6, 40, 130, torch.float16, seed=3, pad=9)
     big = torch.full((6, 50), POISON, dtype=torch.float16, device=DEVICE)
     skinny_gemm(x, w, out=big[:, 5:45])
-    _assert_gemm_close(big[:, 5:45], x, w)
+    assert_gemm_close(big[:, 5:45], x, w)
     assert (big[:, :5] == POISON).all() and (big[:, 45:] == POISON).all()
 
 
@@ -155,9 +147,9 @@ GPU_SHAPES = [(12288, 4096), (4096, 4096), (22016, 4096), (4096, 11008), (32000,
 def test_bf16_gpu_decode_shapes(M):
     for N, K in GPU_SHAPES:
         x, w, g = _operands(M, N, K, torch.bfloat16, seed=M + N + K)
-        _assert_gemm_close(skinny_gemm(x, w), x, w)
+        assert_gemm_close(skinny_gemm(x, w), x, w)
         b = randn(N, dtype=torch.bfloat16, gen=g)
-        _assert_gemm_close(skinny_gemm(x, w, b), x, w, b)
+        assert_gemm_close(skinny_gemm(x, w, b), x, w, b)
         if N % 2 == 0:
             fused = skinny_gate_up_silu(x, w)
             assert torch.equal(fused, silu_and_mul(skinny_gemm(x, w, config=SAME_K_STEPS))), (N, K)
