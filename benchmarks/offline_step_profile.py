@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import collections
 import json
-import time
 from pathlib import Path
 
 import torch
@@ -28,7 +27,8 @@ import torch
 from batchrun.bench.build import build_engine, random_prompts
 from batchrun.bench.roofline import bf16_peak, decode_bytes_per_step, hbm_peak
 from batchrun.engine.config import EngineConfig
-from benchmarks.step_probe import decode_step_profile, graph_step_us, probe_scheduler
+from benchmarks.step_probe import (decode_step_profile, graph_step_us, prefill_step_us,
+                                   probe_scheduler)
 
 def group(name: str) -> str:
     low = name.lower()
@@ -83,21 +83,12 @@ def decode_case(engine, rows: int, ctx: int, vocab: int, dev: str) -> dict:
 def prefill_case(engine, rows: int, length: int, vocab: int, dev: str) -> dict:
     from torch.profiler import ProfilerActivity, profile
     prompts = random_prompts(rows, length, vocab, seed=length + 1)
-    walls = []
-    for i in range(5):
-        with probe_scheduler(engine, prompts) as sched:
+    walls = prefill_step_us(engine, prompts, n=3, warmup=1)  # asserts one step holds them all
+    with probe_scheduler(engine, prompts) as sched:
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            engine.step(sched)
             torch.cuda.synchronize()
-            if i == 4:
-                with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                    engine.step(sched)
-                    torch.cuda.synchronize()
-            else:
-                t0 = time.perf_counter()
-                engine.step(sched)
-                torch.cuda.synchronize()
-                if i >= 1:
-                    walls.append((time.perf_counter() - t0) * 1e6)
-            assert not sched.waiting, "the prompts did not fit one prefill step"
     ev = [(e.name, e.device_time) for e in prof.events() if e.device_type.name == "CUDA"]
     r = grouped(ev)
     flops = linear_flops_per_token(engine.model) * rows * length
