@@ -11,10 +11,10 @@ GEMM of steps of <= 16 rows), `full_rows_gemm` (kernels/full_rows_gemm.py for st
 rows: the offline workload's decode; run it with --latency-rounds 0) and `pdl` (programmatic
 dependent launch of the Triton kernels); captured graphs hold the kernels and their launches of
 the last three, so the engine captures one decode graph set per setting and swaps them (the
-prefill graphs are captured with whatever was set last). `prefill_graphs`: small prefill steps replay the piecewise graphs or run eagerly (the
-offline workload's 8192-token prefills are eager either way). The official figures stay
-`batchrun bench latency` / `bench throughput`; this script measures a difference of a few
-percent.
+prefill graphs are captured with whatever was set last). `prefill_graphs`: small prefill steps
+replay the piecewise graphs or run eagerly (the offline workload's 8192-token prefills are
+eager either way). The official figures stay `batchrun bench latency` / `bench throughput`;
+this script measures a difference of a few percent.
 """
 from __future__ import annotations
 

@@ -79,16 +79,18 @@ def gate_up_silu(x: Tensor, weight: Tensor, lora: LoRADelta | None = None) -> Te
     return skinny_gate_up_silu(x, weight, lora=lora)
 
 
-def set_decode_gemm(model: torch.nn.Module, enabled: bool) -> None:
-    """Turn the Triton decode GEMM on or off for every projection of `model` (the modules with a
-    `decode_gemm` attribute: each Linear, and the model itself for lm_head)."""
+def _set_switch(model: torch.nn.Module, switch: str, enabled: bool) -> None:
+    # every module with the `switch` attribute: each Linear, and the model itself for lm_head
     for m in model.modules():
-        if hasattr(m, "decode_gemm"):
-            m.decode_gemm = enabled
+        if hasattr(m, switch):
+            setattr(m, switch, enabled)
+
+
+def set_decode_gemm(model: torch.nn.Module, enabled: bool) -> None:
+    """Turn the Triton decode GEMM on or off for every projection of `model` and lm_head."""
+    _set_switch(model, "decode_gemm", enabled)
 
 
 def set_full_rows_gemm(model: torch.nn.Module, enabled: bool) -> None:
     """Turn kernels/full_rows_gemm.py on or off for every projection of `model` and lm_head."""
-    for m in model.modules():
-        if hasattr(m, "full_rows_gemm"):
-            m.full_rows_gemm = enabled
+    _set_switch(model, "full_rows_gemm", enabled)
