@@ -23,9 +23,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from batchrun.kernels.utils import check
+from batchrun.kernels.utils import check, check_gemm_operands, gemm_output
 
-HALF_DTYPES = (torch.float16, torch.bfloat16)
 # (BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, num_stages, num_warps); untuned until the GPU sweep
 CONFIG = (256, 128, 64, 1, 3, 8)
 
@@ -92,21 +91,12 @@ def full_rows_gemm(x: Tensor, w: Tensor, bias: Tensor | None = None, out: Tensor
     # bias [N] (x's dtype) added in fp32 before the one rounding.
     # config: (BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, num_stages, num_warps); BLOCK_M shrinks to
     # the next power of two >= M (at least 16), SPLIT_K to what K's tiles allow.
-    check(x.dim() == 2 and w.dim() == 2 and x.shape[1] == w.shape[1],
-          f"x [M, K] and w [N, K] must share K, got {tuple(x.shape)} and {tuple(w.shape)}")
-    check(x.dtype in HALF_DTYPES and w.dtype == x.dtype, f"x and w must be one of fp16/bf16, got "
-          f"{x.dtype} and {w.dtype}")
-    check(x.stride(1) == 1 and w.stride(1) == 1, "x and w rows must be contiguous")
+    M, N, K = check_gemm_operands(x, w, "full_rows_gemm")
     check(x.device == w.device, "x and w must be on one device")
-    M, K = x.shape
-    N = w.shape[0]
     if bias is not None:
         check(bias.shape == (N,) and bias.dtype == x.dtype and bias.is_contiguous()
               and bias.device == x.device, f"bias must be a contiguous [{N}] {x.dtype} tensor")
-    if out is None:
-        out = torch.empty((M, N), dtype=x.dtype, device=x.device)
-    check(out.shape == (M, N) and out.dtype == x.dtype and out.stride(1) == 1,
-          f"out must be [{M}, {N}] {x.dtype} with contiguous rows")
+    out = gemm_output(x, out, M, N)
     if M == 0 or N == 0:
         return out
     bm, bn, bk, split_k, stages, warps = config or CONFIG

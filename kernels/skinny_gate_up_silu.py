@@ -24,9 +24,9 @@ from batchrun.kernels.lora_delta import (_slot_dot, delta_args, gather_consts, l
                                         lora_delta_tile, tile_shrunk, tile_slots)
 from batchrun.kernels.lora_meta import LoRADelta
 from batchrun.kernels.silu_and_mul import _silu_mul
-from batchrun.kernels.skinny_gemm import _stream_dot, check_operands, output
+from batchrun.kernels.skinny_gemm import MAX_ROWS, _stream_dot
 from batchrun.kernels.pdl import PREFETCH_COLS, pdl_enter, pdl_kwargs, prefetch_rows_l2
-from batchrun.kernels.utils import check
+from batchrun.kernels.utils import check, check_gemm_operands, gemm_output
 
 # (BLOCK_N, BLOCK_K, num_stages, num_warps): BLOCK_N columns of gate and of up per program; the
 # best of those timed on the H100 (benchmarks/skinny_gemm.py; (16, 256, 4, 4) was 28 % slower)
@@ -97,10 +97,10 @@ def skinny_gate_up_silu(x: Tensor, w: Tensor, out: Tensor | None = None,
                         lora: LoRADelta | None = None) -> Tensor:
     # x [M <= 16, K], w [2*I, K] (gate; up) -> silu(x @ w[:I].T) * (x @ w[I:].T), [M, I];
     # lora: the delta of gate_up's two slices, added to gate and up before the SiLU
-    M, N, K = check_operands(x, w, "skinny_gate_up_silu")
+    M, N, K = check_gemm_operands(x, w, "skinny_gate_up_silu", MAX_ROWS)
     check(N % 2 == 0, f"the gate_up weight must have 2*I rows, got {N}")
     I = N // 2
-    out = output(x, out, M, I)
+    out = gemm_output(x, out, M, I)
     if lora is not None:
         largs, consts = delta_args(lora, M, N, 2, x.device)
         consts.update(gather_consts(M, 16, config[0], consts["BLOCK_R"], pairs=2),

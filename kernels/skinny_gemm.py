@@ -15,16 +15,14 @@ weight (LoRA's [W; A] rows) come out bit-identical in both GEMMs.
 """
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
 from batchrun.kernels.pdl import PREFETCH_COLS, pdl_enter, pdl_kwargs, prefetch_rows_l2
-from batchrun.kernels.utils import check
+from batchrun.kernels.utils import check, check_gemm_operands, gemm_output
 
 MAX_ROWS = 16  # x's rows: one tl.dot tile (its minimum M)
-HALF_DTYPES = (torch.float16, torch.bfloat16)  # fp32 would need ieee dots: not worth a path
 # (BLOCK_N, BLOCK_K, num_stages, num_warps): the best of the configurations timed on the H100
 # for the Llama-2-7b / 3-8b decode shapes at M = 1, 8, 16 (benchmarks/skinny_gemm.py)
 CONFIG = (32, 128, 6, 4)
@@ -70,33 +68,13 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_w
              mask=(rows < M)[:, None] & (cols < N)[None, :])
 
 
-def check_operands(x: Tensor, w: Tensor, what: str) -> tuple[int, int, int]:
-    """The checks both skinny launchers share; returns (M, N, K)."""
-    check(x.dim() == 2 and w.dim() == 2 and x.shape[1] == w.shape[1],
-          f"{what} needs x [M, K] and w [N, K], got {tuple(x.shape)} and {tuple(w.shape)}")
-    check(x.shape[0] <= MAX_ROWS, f"{what} takes M <= {MAX_ROWS} rows, got {x.shape[0]}")
-    check(x.dtype in HALF_DTYPES and w.dtype == x.dtype,
-          f"{what} needs fp16/bf16 x and w of one dtype, got {x.dtype} and {w.dtype}")
-    check(x.stride(1) == 1 and w.stride(1) == 1, f"{what} needs x and w with contiguous rows")
-    return x.shape[0], w.shape[0], x.shape[1]
-
-
-def output(x: Tensor, out: Tensor | None, M: int, N: int) -> Tensor:
-    """`out` checked to be [M, N] in x's dtype with contiguous rows, or a new one."""
-    if out is None:
-        return torch.empty(M, N, dtype=x.dtype, device=x.device)
-    check(out.shape == (M, N) and out.dtype == x.dtype and out.stride(1) == 1,
-          f"out must be [{M}, {N}] {x.dtype} with contiguous rows")
-    return out
-
-
 def skinny_gemm(x: Tensor, w: Tensor, bias: Tensor | None = None, out: Tensor | None = None,
                 config: tuple[int, int, int, int] = CONFIG) -> Tensor:
     # x [M <= 16, K] @ w [N, K].T (+ bias [N]) -> [M, N] in x's dtype
-    M, N, K = check_operands(x, w, "skinny_gemm")
+    M, N, K = check_gemm_operands(x, w, "skinny_gemm", MAX_ROWS)
     check(bias is None or (bias.shape == (N,) and bias.stride(0) == 1),
           f"bias must be a contiguous [{N}], got {None if bias is None else tuple(bias.shape)}")
-    out = output(x, out, M, N)
+    out = gemm_output(x, out, M, N)
     if M == 0 or N == 0:
         return out
     bn, bk, stages, warps = config

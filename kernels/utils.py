@@ -7,6 +7,7 @@ import triton
 # Dtypes the kernels accept for activations / weights. fp32 works everywhere; bf16 is wrong
 # under TRITON_INTERPRET on CPU (a Triton interpreter limitation), so CPU tests skip it.
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+HALF_DTYPES = (torch.float16, torch.bfloat16)  # the GEMMs' (fp32 would need ieee dots)
 
 
 def dot_block(n: int, cap: int) -> int:
@@ -18,6 +19,28 @@ def check(cond: bool, msg: str) -> None:
     # Launcher argument checks raise ValueError: callers pass shapes from config/user input.
     if not cond:
         raise ValueError(msg)
+
+
+def check_gemm_operands(x, w, what: str, max_rows: int | None = None) -> tuple[int, int, int]:
+    """The checks batchrun's GEMM launchers share (x [M, K] @ w [N, K].T, fp16/bf16, rows
+    contiguous, M <= max_rows when given); returns (M, N, K)."""
+    check(x.dim() == 2 and w.dim() == 2 and x.shape[1] == w.shape[1],
+          f"{what} needs x [M, K] and w [N, K], got {tuple(x.shape)} and {tuple(w.shape)}")
+    if max_rows is not None:
+        check(x.shape[0] <= max_rows, f"{what} takes M <= {max_rows} rows, got {x.shape[0]}")
+    check(x.dtype in HALF_DTYPES and w.dtype == x.dtype,
+          f"{what} needs fp16/bf16 x and w of one dtype, got {x.dtype} and {w.dtype}")
+    check(x.stride(1) == 1 and w.stride(1) == 1, f"{what} needs x and w with contiguous rows")
+    return x.shape[0], w.shape[0], x.shape[1]
+
+
+def gemm_output(x, out, M: int, N: int):
+    """`out` checked to be [M, N] in x's dtype with contiguous rows, or a new one."""
+    if out is None:
+        return torch.empty(M, N, dtype=x.dtype, device=x.device)
+    check(out.shape == (M, N) and out.dtype == x.dtype and out.stride(1) == 1,
+          f"out must be [{M}, {N}] {x.dtype} with contiguous rows")
+    return out
 
 
 def check_attention_inputs(q, k_cache, v_cache, out, rows: str) -> tuple[int, int, int, int, int]:

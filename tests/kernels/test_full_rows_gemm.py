@@ -44,9 +44,9 @@ def test_split_k_is_deterministic_and_rejects_bad_inputs():
     x, w = _operands(9, 24, 100, torch.float16, seed=11)
     cfg = SMALL[:3] + (4,) + SMALL[4:]
     assert torch.equal(full_rows_gemm(x, w, config=cfg), full_rows_gemm(x, w, config=cfg))
-    with pytest.raises(ValueError, match="share K"):
+    with pytest.raises(ValueError, match=r"needs x \[M, K\] and w \[N, K\]"):
         full_rows_gemm(x, w[:, :50])
-    with pytest.raises(ValueError, match="fp16/bf16"):
+    with pytest.raises(ValueError, match="needs fp16/bf16 x and w"):
         full_rows_gemm(x.float(), w.float())
     with pytest.raises(ValueError, match="bias must be"):
         full_rows_gemm(x, w, torch.zeros(23, dtype=torch.float16, device=DEVICE))
