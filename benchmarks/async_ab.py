@@ -5,6 +5,7 @@ batch 8, in 32, out 128) and the offline one (`bench throughput --preset 7b`'s: 
 
     PYTHONPATH=. python3 benchmarks/async_ab.py [--switch async_scheduling] [--model llama-2-7b]
         [--latency-rounds 10] [--offline-rounds 2] [--output-json FILE]
+        [--full-rows-configs gemm_m256.json]
 
 Switches: `async_scheduling` (the step loop; flipped between calls), `triton_decode_gemm` (the
 GEMM of steps of <= 16 rows), `full_rows_gemm` (kernels/full_rows_gemm.py for steps of 65-256
@@ -59,6 +60,17 @@ def switcher(engine, name: str):
     return set_
 
 
+def load_full_rows_configs(path: str) -> None:
+    """kernels/full_rows_gemm.TUNED from benchmarks/gemm_m256.py's JSON ("tuned": "N,K" -> config)."""
+    import json
+
+    from batchrun.kernels.full_rows_gemm import set_tuned
+    with open(path) as f:
+        tuned = json.load(f)["tuned"]
+    set_tuned({tuple(int(v) for v in key.split(",")): tuple(cfg) for key, cfg in tuned.items()})
+    print(f"full_rows_gemm configs from {path}: {tuned}", file=sys.stderr, flush=True)
+
+
 def timed(engine, reqs, set_, on: bool, check_len: int) -> tuple[float, dict]:
     set_(on)
     before = dict(engine.stats)
@@ -91,7 +103,11 @@ def main() -> None:
     ap.add_argument("--offline-rounds", type=int, default=2)
     ap.add_argument("--num-prompts", type=int, default=1024)
     ap.add_argument("--output-json", default=None)
+    ap.add_argument("--full-rows-configs", default=None,
+                    help="gemm_m256.py's JSON: its per-shape best tiles for full_rows_gemm")
     a = ap.parse_args()
+    if a.full_rows_configs:
+        load_full_rows_configs(a.full_rows_configs)
     log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
     cfg = EngineConfig(model=a.model, max_num_seqs=256, max_num_batched_tokens=8192,
                        max_model_len=384, enable_prefix_caching=False)
@@ -116,6 +132,10 @@ def main() -> None:
     tokens = a.num_prompts * (256 + 128)
     result = {"benchmark": "async_ab", "switch": a.switch, "weights": built.weights, "model": a.model,
               **environment(engine.device, " ".join(sys.argv)), "latency": latency, "offline": offline}
+    if a.switch == "full_rows_gemm":
+        from batchrun.kernels.full_rows_gemm import CONFIG, TUNED
+        result["full_rows_configs"] = {"default": CONFIG,
+                                       "tuned": {f"{n},{k}": c for (n, k), c in TUNED.items()}}
     if offline:
         result["offline_tok_s"] = {"on": tokens / offline["median_on_s"],
                                    "off": tokens / offline["median_off_s"]}

@@ -7,6 +7,9 @@ of qkv, o, gate_up, down, plus lm_head) with cuBLAS against the best config per 
 
     PYTHONPATH=. python3 benchmarks/gemm_m256.py [--m 256 192] [--json out.json]
 
+The JSON's "tuned" maps "N,K" to the best config at the largest M: the form of
+kernels/full_rows_gemm.TUNED, which `async_ab.py --full-rows-configs out.json` loads.
+
 RANDOM bf16 weights. CPU (TRITON_INTERPRET=1): tests/kernels/test_full_rows_gemm.py.
 """
 from __future__ import annotations
@@ -40,7 +43,7 @@ def main() -> None:
     a = ap.parse_args()
     dev_name = torch.cuda.get_device_name()
     hbm, peak = hbm_peak(dev_name), bf16_peak(dev_name)
-    dt, rows, summary = torch.bfloat16, [], {}
+    dt, rows, summary, tuned = torch.bfloat16, [], {}, {}
     print(f"{dev_name}; RANDOM bf16 weights; µs in a CUDA graph (TFLOP/s, fraction of floor)")
     for m in a.m:
         step = {"cublas": 0.0, "best": 0.0}
@@ -50,9 +53,10 @@ def main() -> None:
             ref = F.linear(x, w).float()
             flops, nbytes = 2.0 * m * n * k, (n * k + m * k + m * n) * 2
             floor_us = max(flops / peak, nbytes / hbm) * 1e6 if peak and hbm else None
-            cases = {"cublas": lambda: F.linear(x, w)}
+            cases, configs = {"cublas": lambda: F.linear(x, w)}, {}
             for c in WIDE + (NARROW if n <= 4096 else []):
                 cases[f"triton {c}"] = lambda c=c: full_rows_gemm(x, w, config=c)
+                configs[f"triton {c}"] = c
             res = {}
             for label, fn in cases.items():
                 try:
@@ -75,6 +79,8 @@ def main() -> None:
             step["best"] += times * best[0]
             summary[f"M={m} {name}"] = {"cublas_us": res["cublas"], "best_us": best[0],
                                         "best": best[1]}
+            if m == max(a.m):  # the engine's configs are tuned for its largest step
+                tuned[f"{n},{k}"] = configs[best[1]]
         summary[f"M={m} step"] = step
         print(f"M={m}: one decode step's GEMMs: cuBLAS {step['cublas'] / 1e3:.2f} ms, best Triton "
               f"config per shape {step['best'] / 1e3:.2f} ms ({step['best'] / step['cublas']:.3f} x)")
@@ -83,8 +89,8 @@ def main() -> None:
             print(f"{key:<16} cuBLAS {v['cublas_us']:8.1f} µs  best {v['best_us']:8.1f} µs  {v['best']}")
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"device": dev_name, "weights": "random", "rows": rows, "summary": summary},
-                      f, indent=1)
+            json.dump({"device": dev_name, "weights": "random", "rows": rows, "summary": summary,
+                       "tuned": tuned}, f, indent=1)
 
 
 if __name__ == "__main__":

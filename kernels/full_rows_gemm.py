@@ -27,6 +27,26 @@ from batchrun.kernels.utils import check, check_gemm_operands, gemm_output
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, num_stages, num_warps); untuned until the GPU sweep
 CONFIG = (256, 128, 64, 1, 3, 8)
+# Per weight shape (N, K) -> config, from benchmarks/gemm_m256.py's sweep (`set_tuned` replaces
+# it for a benchmark). A weight of another N takes the entry of its K with the nearest N (a
+# LoRA step's stacked [W; A] is W's N plus a few dozen rows); no entry of its K: CONFIG.
+TUNED: dict[tuple[int, int], tuple[int, int, int, int, int, int]] = {}
+
+
+def config_for(N: int, K: int) -> tuple[int, int, int, int, int, int]:
+    """The tile config full_rows_gemm takes for a [N, K] weight when the caller gives none."""
+    same_k = [n for n, k in TUNED if k == K]
+    if not same_k:
+        return CONFIG
+    return TUNED[(min(same_k, key=lambda n: (abs(n - N), n)), K)]
+
+
+def set_tuned(configs: dict[tuple[int, int], tuple[int, int, int, int, int, int]]) -> None:
+    """Replace TUNED (benchmarks: the best configs of a sweep run in the same process)."""
+    for key, cfg in configs.items():
+        check(len(key) == 2 and len(cfg) == 6, f"bad tuned entry {key}: {cfg}")
+    TUNED.clear()
+    TUNED.update({tuple(k): tuple(v) for k, v in configs.items()})
 
 
 @triton.jit
@@ -99,7 +119,7 @@ def full_rows_gemm(x: Tensor, w: Tensor, bias: Tensor | None = None, out: Tensor
     out = gemm_output(x, out, M, N)
     if M == 0 or N == 0:
         return out
-    bm, bn, bk, split_k, stages, warps = config or CONFIG
+    bm, bn, bk, split_k, stages, warps = config or config_for(N, K)
     bm = min(bm, max(16, triton.next_power_of_2(M)))
     k_split = triton.cdiv(triton.cdiv(K, split_k), bk) * bk  # whole K tiles per split
     splits = triton.cdiv(K, k_split)

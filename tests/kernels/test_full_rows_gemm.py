@@ -5,7 +5,8 @@ interpreter on CPU (fp16, small tiles) and in bf16 on a GPU at the Llama-2-7b sh
 import pytest
 import torch
 
-from batchrun.kernels.full_rows_gemm import CONFIG, full_rows_gemm
+from batchrun.kernels import full_rows_gemm as frg
+from batchrun.kernels.full_rows_gemm import CONFIG, config_for, full_rows_gemm, set_tuned
 from kernel_testutils import DEVICE, POISON, assert_gemm_close, randn
 
 SMALL = (32, 16, 16, 1, 1, 4)  # interpreter-sized tiles: (BM, BN, BK, SPLIT_K, stages, warps)
@@ -51,6 +52,25 @@ def test_split_k_is_deterministic_and_rejects_bad_inputs():
     with pytest.raises(ValueError, match="bias must be"):
         full_rows_gemm(x, w, torch.zeros(23, dtype=torch.float16, device=DEVICE))
     assert full_rows_gemm(x[:0], w).shape == (0, 24)
+
+
+def test_tuned_configs_pick_the_nearest_weight_of_the_same_k(monkeypatch):
+    monkeypatch.setattr(frg, "TUNED", {})
+    assert config_for(4096, 4096) == CONFIG  # nothing tuned
+    a, b, c = SMALL, SMALL[:3] + (3,) + SMALL[4:], (16, 16, 32, 1, 1, 4)
+    set_tuned({(4096, 4096): a, (12288, 4096): b, (4096, 11008): c})
+    assert config_for(4096, 4096) == a
+    assert config_for(4096 + 48, 4096) == a      # a LoRA step's stacked [W; A]
+    assert config_for(12288 + 48, 4096) == b
+    assert config_for(9000, 4096) == b           # nearer 12288 than 4096
+    assert config_for(4096, 11008) == c
+    assert config_for(4096, 5120) == CONFIG      # no entry of its K
+    with pytest.raises(ValueError, match="bad tuned entry"):
+        set_tuned({(4096, 4096): (256, 128)})
+    x, w = _operands(9, 24, 100, torch.float16, seed=13)
+    set_tuned({(24, 100): b})                    # split-K, taken without a config argument
+    assert torch.equal(full_rows_gemm(x, w), full_rows_gemm(x, w, config=b))
+    assert_gemm_close(full_rows_gemm(x, w), x, w)
 
 
 @pytest.mark.gpu
