@@ -5,13 +5,15 @@ batch 8, in 32, out 128) and the offline one (`bench throughput --preset 7b`'s: 
 
     PYTHONPATH=. python3 benchmarks/async_ab.py [--switch async_scheduling] [--model llama-2-7b]
         [--latency-rounds 10] [--offline-rounds 2] [--output-json FILE]
-        [--full-rows-configs gemm_m256.json]
+        [--full-rows-configs gemm_m256.json] [--narrow-configs narrow_gemm.json]
 
 Switches: `async_scheduling` (the step loop; flipped between calls), `triton_decode_gemm` (the
 GEMM of steps of <= 16 rows), `full_rows_gemm` (kernels/full_rows_gemm.py for steps of 65-256
 rows: the offline workload's decode; run it with --latency-rounds 0) and `pdl` (programmatic
 dependent launch of the Triton kernels); captured graphs hold the kernels and their launches of
-the last three, so the engine captures one decode graph set per setting and swaps them (the
+the last three and of `narrow_skinny` (o_proj and down_proj of steps of <= 16 rows in the split-K
+skinny GEMM with the entries of narrow_gemm.py's JSON, `--narrow-configs`, against cuBLAS), so
+the engine captures one decode graph set per setting and swaps them (the
 prefill graphs are captured with whatever was set last). `prefill_graphs`: small prefill steps
 replay the piecewise graphs or run eagerly (the offline workload's 8192-token prefills are
 eager either way). The official figures stay `batchrun bench latency` / `bench throughput`;
@@ -31,7 +33,7 @@ from batchrun.engine.config import EngineConfig
 STAT_KEYS = ("decode_steps", "decode_s", "decode_host_s", "prefill_s", "prefill_steps")
 
 
-def switcher(engine, name: str):
+def switcher(engine, name: str, narrow_configs: str | None = None):
     """set(on) for the engine switch `name`."""
     if name == "async_scheduling":
         return lambda on: setattr(engine.config, "async_scheduling", on)
@@ -44,8 +46,11 @@ def switcher(engine, name: str):
         return lambda on: setattr(runner, "_prefill_graphs", captured if on else None)
     from batchrun.engine.layers.gemm import set_decode_gemm, set_full_rows_gemm
     from batchrun.kernels.pdl import set_pdl
+    from batchrun.kernels.skinny_gemm import set_split_tuned
+    narrow = load_tuned(narrow_configs, lambda cfg: (tuple(cfg[0]), cfg[1])) if narrow_configs else {}
     flip = {"triton_decode_gemm": lambda on: set_decode_gemm(engine.model, on),
             "full_rows_gemm": lambda on: set_full_rows_gemm(engine.model, on),
+            "narrow_skinny": lambda on: set_split_tuned(narrow if on else {}),
             "pdl": set_pdl}[name]
     runner, sets = engine.runner, {}
     for on in (True, False):  # decode graphs capture the kernels and launches: a set per setting
@@ -60,15 +65,14 @@ def switcher(engine, name: str):
     return set_
 
 
-def load_full_rows_configs(path: str) -> None:
-    """kernels/full_rows_gemm.TUNED from benchmarks/gemm_m256.py's JSON ("tuned": "N,K" -> config)."""
+def load_tuned(path: str, entry) -> dict:
+    """{(N, K): entry(value)} from a sweep's JSON ("tuned": "N,K" -> value): gemm_m256.py's
+    configs for kernels/full_rows_gemm.TUNED, narrow_gemm.py's for skinny_gemm.SPLIT_TUNED."""
     import json
-
-    from batchrun.kernels.full_rows_gemm import set_tuned
     with open(path) as f:
         tuned = json.load(f)["tuned"]
-    set_tuned({tuple(int(v) for v in key.split(",")): tuple(cfg) for key, cfg in tuned.items()})
-    print(f"full_rows_gemm configs from {path}: {tuned}", file=sys.stderr, flush=True)
+    print(f"tuned entries from {path}: {tuned}", file=sys.stderr, flush=True)
+    return {tuple(int(v) for v in key.split(",")): entry(val) for key, val in tuned.items()}
 
 
 def timed(engine, reqs, set_, on: bool, check_len: int) -> tuple[float, dict]:
@@ -96,7 +100,7 @@ def ab(engine, set_, rounds: int, make, check_len: int, log) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--switch", choices=["async_scheduling", "triton_decode_gemm", "pdl",
-                                         "prefill_graphs", "full_rows_gemm"],
+                                         "prefill_graphs", "full_rows_gemm", "narrow_skinny"],
                     default="async_scheduling")
     ap.add_argument("--model", default="llama-2-7b")
     ap.add_argument("--latency-rounds", type=int, default=10)
@@ -105,9 +109,13 @@ def main() -> None:
     ap.add_argument("--output-json", default=None)
     ap.add_argument("--full-rows-configs", default=None,
                     help="gemm_m256.py's JSON: its per-shape best tiles for full_rows_gemm")
+    ap.add_argument("--narrow-configs", default=None,
+                    help="narrow_gemm.py's JSON: the split-K skinny entries --switch "
+                         "narrow_skinny turns on")
     a = ap.parse_args()
     if a.full_rows_configs:
-        load_full_rows_configs(a.full_rows_configs)
+        from batchrun.kernels.full_rows_gemm import set_tuned
+        set_tuned(load_tuned(a.full_rows_configs, tuple))
     log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
     cfg = EngineConfig(model=a.model, max_num_seqs=256, max_num_batched_tokens=8192,
                        max_model_len=384, enable_prefix_caching=False)
@@ -115,7 +123,9 @@ def main() -> None:
     engine = built.engine
     vocab = engine.model.config.vocab_size
     log(f"*** RANDOM WEIGHTS ({a.model} shape) *** engine built in {built.build_s:.1f} s")
-    set_ = switcher(engine, a.switch)
+    if a.switch == "narrow_skinny" and not a.narrow_configs:
+        raise SystemExit("--switch narrow_skinny needs --narrow-configs (narrow_gemm.py's JSON)")
+    set_ = switcher(engine, a.switch, a.narrow_configs)
     lat = lambda r: make_requests(random_prompts(8, 32, vocab, 1000 + r), 128, tag=f"l{r}-")  # noqa: E731
     off = lambda r: make_requests(random_prompts(a.num_prompts, 256, vocab, 2000 + r), 128, tag=f"o{r}-")  # noqa: E731
     for on in (True, False):  # warm-up: every graph size and kernel once in each loop
@@ -136,6 +146,8 @@ def main() -> None:
         from batchrun.kernels.full_rows_gemm import CONFIG, TUNED
         result["full_rows_configs"] = {"default": CONFIG,
                                        "tuned": {f"{n},{k}": c for (n, k), c in TUNED.items()}}
+    if a.switch == "narrow_skinny":
+        result["narrow_configs"] = a.narrow_configs
     if offline:
         result["offline_tok_s"] = {"on": tokens / offline["median_on_s"],
                                    "off": tokens / offline["median_off_s"]}

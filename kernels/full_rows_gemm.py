@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from batchrun.kernels.utils import check, check_gemm_operands, gemm_output
+from batchrun.kernels.utils import check, check_gemm_operands, gemm_output, nearest_shape
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, num_stages, num_warps); untuned until the GPU sweep
 CONFIG = (256, 128, 64, 1, 3, 8)
@@ -35,10 +35,7 @@ TUNED: dict[tuple[int, int], tuple[int, int, int, int, int, int]] = {}
 
 def config_for(N: int, K: int) -> tuple[int, int, int, int, int, int]:
     """The tile config full_rows_gemm takes for a [N, K] weight when the caller gives none."""
-    same_k = [n for n, k in TUNED if k == K]
-    if not same_k:
-        return CONFIG
-    return TUNED[(min(same_k, key=lambda n: (abs(n - N), n)), K)]
+    return nearest_shape(TUNED, N, K) or CONFIG
 
 
 def set_tuned(configs: dict[tuple[int, int], tuple[int, int, int, int, int, int]]) -> None:

@@ -15,17 +15,36 @@ weight (LoRA's [W; A] rows) come out bit-identical in both GEMMs.
 """
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
 from batchrun.kernels.pdl import PREFETCH_COLS, pdl_enter, pdl_kwargs, prefetch_rows_l2
-from batchrun.kernels.utils import check, check_gemm_operands, gemm_output
+from batchrun.kernels.utils import check, check_gemm_operands, gemm_output, nearest_shape
 
 MAX_ROWS = 16  # x's rows: one tl.dot tile (its minimum M)
 # (BLOCK_N, BLOCK_K, num_stages, num_warps): the best of the configurations timed on the H100
 # for the Llama-2-7b / 3-8b decode shapes at M = 1, 8, 16 (benchmarks/skinny_gemm.py)
 CONFIG = (32, 128, 6, 4)
+# Narrow weights (o_proj, down_proj: N = 4096 gives 128 programs of 32 columns for 132 SMs)
+# split K over programs: (N, K) -> (config, split_k), from benchmarks/narrow_gemm.py (weights
+# cold in L2); the nearest N of the same K applies (kernels/utils.nearest_shape). Empty: those
+# weights stay on cuBLAS (layers/gemm.py). `set_split_tuned` replaces it for a benchmark.
+SPLIT_TUNED: dict[tuple[int, int], tuple[tuple[int, int, int, int], int]] = {}
+
+
+def split_config_for(N: int, K: int) -> tuple[tuple[int, int, int, int], int] | None:
+    """(config, split_k) for a narrow [N, K] weight, or None: not tuned, cuBLAS keeps it."""
+    return nearest_shape(SPLIT_TUNED, N, K)
+
+
+def set_split_tuned(table: dict) -> None:
+    """Replace SPLIT_TUNED: (N, K) -> (config of 4, split_k >= 1)."""
+    for key, (cfg, split) in table.items():
+        check(len(key) == 2 and len(cfg) == 4 and split >= 1, f"bad split entry {key}: {cfg}, {split}")
+    SPLIT_TUNED.clear()
+    SPLIT_TUNED.update({tuple(k): (tuple(c), int(s)) for k, (c, s) in table.items()})
 
 
 @triton.jit
@@ -51,35 +70,90 @@ def _stream_dot(acc, x_ptr, w_ptr, rows, cols, M, N, K, stride_xm, stride_wn,
 
 
 @triton.jit
-def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
+def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, K_SPLIT,
+                        stride_xm, stride_wn, stride_ym,
                         HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        EVEN_K: tl.constexpr, PDL: tl.constexpr):
+                        EVEN_K: tl.constexpr, SPLIT_K: tl.constexpr, PDL: tl.constexpr):
     rows = tl.arange(0, 16)
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    pid_n = tl.program_id(0)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    k_lo = tl.program_id(1) * K_SPLIT  # this program's share of K: [k_lo, k_lo + K_SPLIT)
     if PDL:  # W streams while the kernel before still runs (kernels/pdl.py)
-        prefetch_rows_l2(w_ptr, cols, stride_wn, N, K, PREFETCH_COLS)
+        prefetch_rows_l2(w_ptr + k_lo, cols, stride_wn, N, K - k_lo, PREFETCH_COLS)
     pdl_enter(PDL)
     acc = tl.zeros((16, BLOCK_N), dtype=tl.float32)
-    acc = _stream_dot(acc, x_ptr, w_ptr, rows, cols, M, N, K, stride_xm, stride_wn,
-                      BLOCK_K, EVEN_K)
+    acc = _stream_dot(acc, x_ptr + k_lo, w_ptr + k_lo, rows, cols, M, N,
+                      tl.minimum(K_SPLIT, K - k_lo), stride_xm, stride_wn, BLOCK_K, EVEN_K)
+    mask = (rows < M)[:, None] & (cols < N)[None, :]
+    if SPLIT_K > 1:
+        # Split-K in one launch: each program leaves its fp32 partial in the workspace
+        # [SPLIT_K, 16, N] and takes a ticket for its column tile; the tile's last program
+        # sums the SPLIT_K partials in split order (the same sum whoever comes last:
+        # deterministic), rounds once and resets the ticket for the next launch.
+        tl.store(ws_ptr + (tl.program_id(1) * 16 + rows[:, None]) * N + cols[None, :], acc,
+                 mask=mask)
+        tl.debug_barrier()  # every thread's partial is written before the ticket releases it
+        ticket = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+        if ticket == SPLIT_K - 1:
+            acc = tl.zeros((16, BLOCK_N), dtype=tl.float32)
+            for s in tl.static_range(SPLIT_K):  # from L2 (.cg): other SMs wrote them
+                acc += tl.load(ws_ptr + (s * 16 + rows[:, None]) * N + cols[None, :], mask=mask,
+                               other=0.0, cache_modifier=".cg")
+            _store_rows(acc, b_ptr, y_ptr, rows, cols, N, stride_ym, mask, HAS_BIAS)
+            tl.atomic_xchg(cnt_ptr + pid_n, 0, sem="relaxed", scope="gpu")
+    else:
+        _store_rows(acc, b_ptr, y_ptr, rows, cols, N, stride_ym, mask, HAS_BIAS)
+
+
+@triton.jit
+def _store_rows(acc, b_ptr, y_ptr, rows, cols, N, stride_ym, mask, HAS_BIAS: tl.constexpr):
+    # y[rows, cols] = rnd(acc (+ bias in fp32))
     if HAS_BIAS:
         acc += tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
     tl.store(y_ptr + rows[:, None] * stride_ym + cols[None, :], acc.to(y_ptr.dtype.element_ty),
-             mask=(rows < M)[:, None] & (cols < N)[None, :])
+             mask=mask)
+
+
+_TICKETS: dict[torch.device, Tensor] = {}
+
+
+def _tickets(device: torch.device, n: int) -> Tensor:
+    # The split-K tickets of `device`: int32 zeros, one per column tile, shared by every split
+    # launch on it (each launch's last programs reset theirs to 0; kernels of one stream run in
+    # order, so launches never share them at once). Allocated outside graph capture, at the
+    # eager warm-up every captured shape gets first (model_runner / graphs.py).
+    t = _TICKETS.get(device)
+    if t is None or t.numel() < n:
+        check(device.type != "cuda" or not torch.cuda.is_current_stream_capturing(),
+              "skinny_gemm split-K: run the shape once eagerly before capturing a CUDA graph "
+              "(its ticket buffer is allocated outside the graph)")
+        t = _TICKETS[device] = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
+    return t
 
 
 def skinny_gemm(x: Tensor, w: Tensor, bias: Tensor | None = None, out: Tensor | None = None,
-                config: tuple[int, int, int, int] = CONFIG) -> Tensor:
-    # x [M <= 16, K] @ w [N, K].T (+ bias [N]) -> [M, N] in x's dtype
+                config: tuple[int, int, int, int] = CONFIG, split_k: int = 1) -> Tensor:
+    # x [M <= 16, K] @ w [N, K].T (+ bias [N]) -> [M, N] in x's dtype; split_k > 1 splits K
+    # over that many programs per column tile (narrow weights: more programs than SMs)
     M, N, K = check_gemm_operands(x, w, "skinny_gemm", MAX_ROWS)
     check(bias is None or (bias.shape == (N,) and bias.stride(0) == 1),
           f"bias must be a contiguous [{N}], got {None if bias is None else tuple(bias.shape)}")
+    check(split_k >= 1, f"split_k must be >= 1, got {split_k}")
     out = gemm_output(x, out, M, N)
     if M == 0 or N == 0:
         return out
     bn, bk, stages, warps = config
-    _skinny_gemm_kernel[(triton.cdiv(N, bn),)](
-        x, w, x if bias is None else bias, out, M, N, K, x.stride(0), w.stride(0), out.stride(0),
-        HAS_BIAS=bias is not None, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=K % bk == 0,
+    k_split = triton.cdiv(triton.cdiv(K, split_k), bk) * bk  # whole K tiles per split
+    splits = triton.cdiv(K, k_split)
+    tiles = triton.cdiv(N, bn)
+    if splits > 1:
+        ws = torch.empty(splits * 16 * N, dtype=torch.float32, device=x.device)
+        tickets = _tickets(x.device, tiles)
+    else:
+        ws = tickets = out  # unused
+    _skinny_gemm_kernel[(tiles, splits)](
+        x, w, x if bias is None else bias, out, ws, tickets, M, N, K, k_split,
+        x.stride(0), w.stride(0), out.stride(0),
+        HAS_BIAS=bias is not None, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=K % bk == 0, SPLIT_K=splits,
         num_stages=stages, num_warps=warps, **pdl_kwargs(x))
     return out

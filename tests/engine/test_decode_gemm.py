@@ -47,12 +47,14 @@ def _run(monkeypatch, dirs, decode_gemm: bool, lora: bool, full_rows: bool = Fal
     monkeypatch.setattr(gemm, "MIN_WEIGHT_ELEMENTS", o_proj + 1)  # o_proj (the smallest) stays out
     monkeypatch.setattr(gemm, "FULL_ROWS_MIN_ROWS", 16)  # the 20-row decode steps qualify
     calls = collections.Counter()
+    calls.splits = collections.Counter()  # (N, K, split_k) of skinny_gemm's split-K launches
     for mod, name in ((skinny_kernel, "skinny_gemm"), (fused_kernel, "skinny_gate_up_silu"),
                       (full_rows_kernel, "full_rows_gemm")):
         orig = getattr(mod, name)
         monkeypatch.setattr(mod, name, lambda x, w, *a, _o=orig, _n=name, **k: (
             calls.update([(_n, x.shape[0] <= 16, w.shape[0], k.get("lora") is not None)]),
-            _o(x, w, *a, **k))[1])
+            k.get("split_k", 1) > 1 and calls.splits.update([(*w.shape, k["split_k"])]),
+            _o(x, w, *a, **k))[-1])
     # 20 rows: the first steps decode 20 rows (torch's GEMM), the last ones fewer (Triton)
     prompts = random_prompts(20, [5, 11, 3, 8], engine.model.config.vocab_size, seed=4)
     names = [None, "a", "b", None] if lora else [None]
@@ -83,6 +85,26 @@ def test_few_row_steps_take_the_triton_gemm_with_the_same_tokens(monkeypatch, di
         assert any(n > q_kv for n in plain) and any(cfg.hidden_size < n < q_kv for n in plain)
         assert (I2, True) in fused and {n for n, _ in fused} == {I2}, calls
     assert sum(calls.values()) > 0
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_narrow_weights_take_the_split_k_gemm_when_tuned(monkeypatch, dirs, lora):
+    # o_proj is below the size rule (cuBLAS); with an entry for its shape in SPLIT_TUNED it
+    # takes the skinny GEMM with K split over programs, a LoRA step's [W; A] with W's entry,
+    # and the tokens are those of the engine without any Triton GEMM
+    with monkeypatch.context() as m:
+        ref, _, _ = _run(m, dirs, decode_gemm=False, lora=lora)
+    h = 64  # the tiny model's hidden size: o_proj is [h, h]
+    monkeypatch.setattr(skinny_kernel, "SPLIT_TUNED", {(h, h): ((16, 16, 2, 4), 3)})
+    got, calls, engine = _run(monkeypatch, dirs, decode_gemm=True, lora=lora)
+    assert engine.model.config.hidden_size == h
+    assert got == ref
+    split = set(calls.splits)
+    assert split and all(k == h and s == 3 for (_, k, s) in split), split  # o_proj alone
+    if lora:  # every small step has adapter rows: the stacked [W; A] took W's entry
+        assert all(n > h for (n, _, _) in split), split
+    else:
+        assert split == {(h, h, 3)}, split
 
 
 def test_lora_gate_up_shrink_with_the_residual_add(monkeypatch, tmp_path):

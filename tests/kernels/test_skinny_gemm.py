@@ -33,6 +33,27 @@ def test_skinny_gemm(M, N, K, bias):
     assert_gemm_close(out, x, w, b)
 
 
+@pytest.mark.parametrize("M,N,K,split_k", [(1, 16, 512, 2), (5, 50, 700, 3), (8, 96, 512, 4),
+                                           (16, 64, 300, 2), (3, 40, 130, 8)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_skinny_gemm_split_k(M, N, K, split_k, bias):
+    # K split over programs, summed by each column tile's last program (one launch); K off the
+    # tiles (300, 130: splits of whole BLOCK_K tiles, the last one short or fewer splits)
+    x, w, g = _operands(M, N, K, torch.float16, seed=M * 77 + N + K + split_k)
+    b = randn(N, dtype=torch.float16, gen=g) if bias else None
+    out = torch.full((M, N), POISON, dtype=torch.float16, device=DEVICE)
+    cfg = (16, 32, 2, 4)
+    assert skinny_gemm(x, w, b, out=out, config=cfg, split_k=split_k) is out
+    assert_gemm_close(out, x, w, b)
+    # the tickets were reset: a second launch (and one of another shape) sums the same way
+    assert torch.equal(skinny_gemm(x, w, b, config=cfg, split_k=split_k), out)
+    x2, w2, _ = _operands(M, N + 16, K, torch.float16, seed=1)
+    assert_gemm_close(skinny_gemm(x2, w2, config=cfg, split_k=split_k), x2, w2)
+    assert torch.equal(skinny_gemm(x, w, b, config=cfg, split_k=split_k), out)
+    with pytest.raises(ValueError, match="split_k must be >= 1"):
+        skinny_gemm(x, w, config=cfg, split_k=0)
+
+
 def test_skinny_gemm_strided_rows_and_out():
     x, w, g = _operands(6, 40, 130, torch.float16, seed=3, pad=9)
     big = torch.full((6, 50), POISON, dtype=torch.float16, device=DEVICE)
@@ -153,6 +174,11 @@ def test_bf16_gpu_decode_shapes(M):
         if N % 2 == 0:
             fused = skinny_gate_up_silu(x, w)
             assert torch.equal(fused, silu_and_mul(skinny_gemm(x, w, config=SAME_K_STEPS))), (N, K)
+        for split_k in (2, 3, 4):  # the split-K form (narrow weights), on real SMs in parallel
+            y = skinny_gemm(x, w, b, split_k=split_k)
+            assert_gemm_close(y, x, w, b)
+            for _ in range(3):  # the last program's fixed-order sum: the same bits every time
+                assert torch.equal(skinny_gemm(x, w, b, split_k=split_k), y), (N, K, split_k)
 
 
 @pytest.mark.gpu

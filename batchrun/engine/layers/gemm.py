@@ -15,6 +15,12 @@ epilogue, kernels/skinny_gate_up_silu.py).
   (26.1 vs 28.6 on the H200); while qkv ([12288, 4096]) was 8 % faster, gate_up with its SiLU
   ([22016, 4096]) 9 % and lm_head ([32000, 4096]) 7 % (docs/benchmarks.md, sessions 8 and 11).
 
+Narrow weights (o_proj, down_proj) on those steps take the skinny GEMM with K split over programs
+in one launch (kernels/skinny_gemm.py) where kernels/skinny_gemm.SPLIT_TUNED has an entry for
+their shape (benchmarks/narrow_gemm.py times them with the weights cold in L2, as in a step);
+otherwise cuBLAS. The skinny-vs-cuBLAS figures above timed one weight over and over, so o's
+33.5 MB sat in L2.
+
 `EngineConfig.triton_full_rows_gemm` (off by default: a candidate, not yet measured on a GPU)
 sends steps of FULL_ROWS_MIN_ROWS < T <= FULL_ROWS_MAX_ROWS rows (a throughput batch's decode) to
 kernels/full_rows_gemm.py, every row in one M tile so each weight tile is read once, instead of
@@ -46,6 +52,17 @@ def takes_skinny(enabled: bool, x: Tensor, weight: Tensor) -> bool:
             and weight.numel() >= MIN_WEIGHT_ELEMENTS)
 
 
+def split_skinny(enabled: bool, x: Tensor, weight: Tensor):
+    """(config, split_k) when x @ weight.T runs in the split-K skinny GEMM: a narrow weight
+    (below MIN_WEIGHT_ELEMENTS) on a step of few rows, with a tuned entry in
+    kernels/skinny_gemm.SPLIT_TUNED; else None (cuBLAS)."""
+    if not (enabled and x.shape[0] <= MAX_ROWS and x.dtype in _HALF and use_triton(x)
+            and weight.numel() < MIN_WEIGHT_ELEMENTS):
+        return None
+    from batchrun.kernels.skinny_gemm import split_config_for
+    return split_config_for(weight.shape[0], weight.shape[1])
+
+
 def takes_full_rows(enabled: bool, x: Tensor) -> bool:
     """Whether a projection of x runs in kernels/full_rows_gemm.py (see the module docstring)."""
     return (enabled and FULL_ROWS_MIN_ROWS < x.shape[0] <= FULL_ROWS_MAX_ROWS
@@ -53,9 +70,11 @@ def takes_full_rows(enabled: bool, x: Tensor) -> bool:
 
 
 def gemm_kernel(decode_gemm: bool, full_rows_gemm: bool, x: Tensor, weight: Tensor) -> str | None:
-    """The GEMM x @ weight.T runs in: "skinny", "full_rows" or None (cuBLAS)."""
+    """The GEMM x @ weight.T runs in: "skinny", "skinny_split", "full_rows" or None (cuBLAS)."""
     if takes_skinny(decode_gemm, x, weight):
         return "skinny"
+    if split_skinny(decode_gemm, x, weight) is not None:
+        return "skinny_split"
     return "full_rows" if takes_full_rows(full_rows_gemm, x) else None
 
 
@@ -64,11 +83,15 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None, kernel: str | None) -
     if kernel == "skinny":
         from batchrun.kernels.skinny_gemm import skinny_gemm
         return skinny_gemm(x, weight, bias)
+    if kernel == "skinny_split":  # tuned per weight shape: the [W; A] of a LoRA step takes W's
+        from batchrun.kernels.skinny_gemm import skinny_gemm, split_config_for
+        config, split_k = split_config_for(weight.shape[0], weight.shape[1])
+        return skinny_gemm(x, weight, bias, config=config, split_k=split_k)
     if kernel == "full_rows":
         from batchrun.kernels.full_rows_gemm import full_rows_gemm
         return full_rows_gemm(x, weight, bias)
     if kernel is not None:
-        raise ValueError(f"unknown GEMM kernel {kernel!r}: skinny, full_rows or None")
+        raise ValueError(f"unknown GEMM kernel {kernel!r}: skinny, skinny_split, full_rows or None")
     return F.linear(x, weight, bias)
 
 
