@@ -29,6 +29,7 @@ from batchrun.bench.build import build_engine, make_requests, random_prompts
 from batchrun.bench.record import environment, write_json
 from batchrun.bench.timing import time_generate
 from batchrun.engine.config import EngineConfig
+from benchmarks.tuned import load_tuned
 
 STAT_KEYS = ("decode_steps", "decode_s", "decode_host_s", "prefill_s", "prefill_steps")
 
@@ -63,16 +64,6 @@ def switcher(engine, name: str, narrow_configs: str | None = None):
         flip(on)
         runner._graphs = sets[on]
     return set_
-
-
-def load_tuned(path: str, entry) -> dict:
-    """{(N, K): entry(value)} from a sweep's JSON ("tuned": "N,K" -> value): gemm_m256.py's
-    configs for kernels/full_rows_gemm.TUNED, narrow_gemm.py's for skinny_gemm.SPLIT_TUNED."""
-    import json
-    with open(path) as f:
-        tuned = json.load(f)["tuned"]
-    print(f"tuned entries from {path}: {tuned}", file=sys.stderr, flush=True)
-    return {tuple(int(v) for v in key.split(",")): entry(val) for key, val in tuned.items()}
 
 
 def timed(engine, reqs, set_, on: bool, check_len: int) -> tuple[float, dict]:

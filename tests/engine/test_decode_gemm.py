@@ -49,11 +49,11 @@ def _run(monkeypatch, dirs, decode_gemm: bool, lora: bool, full_rows: bool = Fal
     calls = collections.Counter()
     calls.splits = collections.Counter()  # (N, K, split_k) of skinny_gemm's split-K launches
     for mod, name in ((skinny_kernel, "skinny_gemm"), (fused_kernel, "skinny_gate_up_silu"),
-                      (full_rows_kernel, "full_rows_gemm")):
+                      (full_rows_kernel, "full_rows_gemm"), (skinny_kernel, "skinny_gemm_lora")):
         orig = getattr(mod, name)
         monkeypatch.setattr(mod, name, lambda x, w, *a, _o=orig, _n=name, **k: (
             calls.update([(_n, x.shape[0] <= 16, w.shape[0], k.get("lora") is not None)]),
-            k.get("split_k", 1) > 1 and calls.splits.update([(*w.shape, k["split_k"])]),
+            k.get("split_k", 1) > 1 and calls.splits.update([(_n, *w.shape, k["split_k"])]),
             _o(x, w, *a, **k))[-1])
     # 20 rows: the first steps decode 20 rows (torch's GEMM), the last ones fewer (Triton)
     prompts = random_prompts(20, [5, 11, 3, 8], engine.model.config.vocab_size, seed=4)
@@ -90,8 +90,9 @@ def test_few_row_steps_take_the_triton_gemm_with_the_same_tokens(monkeypatch, di
 @pytest.mark.parametrize("lora", [False, True])
 def test_narrow_weights_take_the_split_k_gemm_when_tuned(monkeypatch, dirs, lora):
     # o_proj is below the size rule (cuBLAS); with an entry for its shape in SPLIT_TUNED it
-    # takes the skinny GEMM with K split over programs, a LoRA step's [W; A] with W's entry,
-    # and the tokens are those of the engine without any Triton GEMM
+    # takes the skinny GEMM with K split over programs; a LoRA step's [W; A] takes W's entry
+    # in the launch that also adds the delta (skinny_gemm_lora); and the tokens are those of
+    # the engine without any Triton GEMM
     with monkeypatch.context() as m:
         ref, _, _ = _run(m, dirs, decode_gemm=False, lora=lora)
     h = 64  # the tiny model's hidden size: o_proj is [h, h]
@@ -100,11 +101,14 @@ def test_narrow_weights_take_the_split_k_gemm_when_tuned(monkeypatch, dirs, lora
     assert engine.model.config.hidden_size == h
     assert got == ref
     split = set(calls.splits)
-    assert split and all(k == h and s == 3 for (_, k, s) in split), split  # o_proj alone
-    if lora:  # every small step has adapter rows: the stacked [W; A] took W's entry
-        assert all(n > h for (n, _, _) in split), split
+    assert split and all(k == h and s == 3 for (_, _, k, s) in split), split  # o_proj alone
+    if lora:  # every small step has adapter rows: the stacked [W; A] took W's entry, with
+        # the delta in the same launch
+        assert {name for (name, _, _, _) in split} == {"skinny_gemm_lora"}, split
+        assert all(n > h for (_, n, _, _) in split), split
+        assert not any(k == "skinny_gemm_lora" and not small for (k, small, _, _) in calls)
     else:
-        assert split == {(h, h, 3)}, split
+        assert split == {("skinny_gemm", h, h, 3)}, split
 
 
 def test_lora_gate_up_shrink_with_the_residual_add(monkeypatch, tmp_path):

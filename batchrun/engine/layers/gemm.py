@@ -95,6 +95,17 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None, kernel: str | None) -
     return F.linear(x, weight, bias)
 
 
+def linear_lora(x: Tensor, w_full: Tensor, bias: Tensor | None, n_out: int, lora_b: Tensor,
+                token_slots: Tensor) -> Tensor:
+    """A fused LoRA step's one-slice projection whose W takes "skinny_split": x @ [W; A].T and
+    the delta in one launch (kernels/skinny_gemm.skinny_gemm_lora), [T, n_out] with the delta
+    added; W's columns are those of the plain split GEMM (the same tiles and K split)."""
+    from batchrun.kernels.skinny_gemm import skinny_gemm_lora, split_config_for
+    config, split_k = split_config_for(w_full.shape[0], w_full.shape[1])
+    return skinny_gemm_lora(x, w_full, n_out, lora_b, token_slots, bias, config=config,
+                            split_k=split_k)
+
+
 def gate_up_silu(x: Tensor, weight: Tensor, lora: LoRADelta | None = None) -> Tensor:
     # x [T <= 16, K], the gate_up weight [2I, K] -> silu(gate) * up [T, I], one launch;
     # lora: gate_up's delta (its shrink computed by the norm before), added before the SiLU
