@@ -78,18 +78,27 @@ def test_skinny_gemm_lora_epilogue(M, N, K, k, split_k, pattern):
     bias = torch.cat([randn(N, dtype=torch.float16, gen=torch.Generator().manual_seed(k)),
                       torch.zeros(k * 8, dtype=torch.float16)]).to(DEVICE)
     cfg = (16, 32, 2, 4)
-    out = skinny_gemm_lora(x, w, N, lora_b, slots, bias, config=cfg, split_k=split_k)
-    plain = skinny_gemm(x, w, bias, config=cfg, split_k=split_k)
-    ref = LoRADelta(plain[:, N:], lora_b, slots, (0, N)).apply_reference(plain[:, :N])
-    tol = torch.finfo(torch.float16).eps * ref.float().abs() + 1e-4  # the fp32 sum's order
-    assert ((out.float() - ref.float()).abs() <= tol).all()
-    none = (slots[:M] < 0).nonzero().squeeze(1)
-    assert torch.equal(out[none], plain[none, :N])  # rows without an adapter: the plain GEMM
-    if (slots[:M] >= 0).any():
-        assert not torch.equal(out, plain[:, :N])  # the delta was added
+    out = _check_lora_epilogue(x, w, N, lora_b, slots, bias, 1e-4, config=cfg, split_k=split_k)
     # the counters were reset: the next launch waits for its own shrink and sums the same way
     assert torch.equal(skinny_gemm_lora(x, w, N, lora_b, slots, bias, config=cfg,
                                         split_k=split_k), out)
+
+
+def _check_lora_epilogue(x, w, N, lora_b, slots, bias, atol, **launch):
+    # skinny_gemm_lora against the GEMM over [W; A] with the same tiles (the same y and shrink
+    # bits) and the reference delta: within an ulp (the delta's fp32 sum order); rows without
+    # an adapter exactly the plain GEMM's; returns the output
+    M = x.shape[0]
+    out = skinny_gemm_lora(x, w, N, lora_b, slots, bias, **launch)
+    plain = skinny_gemm(x, w, bias, **launch)
+    ref = LoRADelta(plain[:, N:], lora_b, slots, (0, N)).apply_reference(plain[:, :N])
+    tol = torch.finfo(x.dtype).eps * ref.float().abs() + atol
+    assert ((out.float() - ref.float()).abs() <= tol).all()
+    none = (slots[:M] < 0).nonzero().squeeze(1)
+    assert torch.equal(out[none], plain[none, :N])
+    if (slots[:M] >= 0).any():
+        assert not torch.equal(out, plain[:, :N])  # the delta was added
+    return out
 
 
 def test_skinny_gemm_lora_rejects_bad_stacking():
@@ -259,13 +268,7 @@ def test_bf16_gpu_lora_epilogue_7b(M, k):
     for N, K in [(4096, 4096), (4096, 11008)]:
         x, w, lora_b, slots = _one_slice_lora(M, N, K, 8, 16, k, torch.bfloat16, M + k + K)
         for split_k in (1, 3):
-            out = skinny_gemm_lora(x, w, N, lora_b, slots, split_k=split_k)
-            plain = skinny_gemm(x, w, split_k=split_k)
-            ref = LoRADelta(plain[:, N:], lora_b, slots, (0, N)).apply_reference(plain[:, :N])
-            tol = torch.finfo(torch.bfloat16).eps * ref.float().abs() + 1e-3
-            assert ((out.float() - ref.float()).abs() <= tol).all(), (N, K, split_k)
-            none = (slots[:M] < 0).nonzero().squeeze(1)
-            assert torch.equal(out[none], plain[none, :N])
+            out = _check_lora_epilogue(x, w, N, lora_b, slots, None, 1e-3, split_k=split_k)
             x2 = -x.flip(0)
             out2 = skinny_gemm_lora(x2, w, N, lora_b, slots, split_k=split_k)
             for _ in range(20):
