@@ -180,7 +180,7 @@ def _tickets(device: torch.device, n: int) -> Tensor:
         check(device.type != "cuda" or not torch.cuda.is_current_stream_capturing(),
               "skinny_gemm split-K: run the shape once eagerly before capturing a CUDA graph "
               "(its ticket buffer is allocated outside the graph)")
-        t = _TICKETS[device] = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
+        t = _TICKETS[device] = torch.zeros(max(n, 1 << 14), dtype=torch.int32, device=device)
     return t
 
 

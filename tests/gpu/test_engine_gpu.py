@@ -200,15 +200,22 @@ def _kernels_of_one_decode_step(engine, prompts):
     return collections.Counter(n for n in names if "Memcpy" not in n and "Memset" not in n)
 
 
-@pytest.fixture(params=[False, True], ids=["cublas", "skinny"])
+@pytest.fixture(params=["cublas", "skinny", "split"])
 def skinny(request, monkeypatch):
-    """True: every projection of the tiny models takes the Triton decode GEMM on steps of <= 16
-    rows (the size rule lowered to 0), as the 7b projections do, so the LoRA decode tests cover
-    the stacked [W; A] skinny GEMM and gate_up's fused GEMM with the norm's shrink."""
+    """True ("skinny"): every projection of the tiny models takes the Triton decode GEMM on
+    steps of <= 16 rows (the size rule lowered to 0), as the 7b projections do, so the LoRA
+    decode tests cover the stacked [W; A] skinny GEMM and gate_up's fused GEMM with the norm's
+    shrink. True ("split"): every projection counts as narrow and takes the split-K skinny GEMM
+    (K in 2 splits), as the 7b o_proj / down_proj do with their tuned entries: one-slice LoRA
+    projections then add their delta in that GEMM's epilogue (skinny_gemm_lora)."""
     import batchrun.engine.layers.gemm as gemm
-    if request.param:
+    import batchrun.kernels.skinny_gemm as skinny_kernel
+    if request.param == "skinny":
         monkeypatch.setattr(gemm, "MIN_WEIGHT_ELEMENTS", 0)
-    return request.param
+    if request.param == "split":
+        monkeypatch.setattr(gemm, "MIN_WEIGHT_ELEMENTS", 1 << 62)
+        monkeypatch.setattr(skinny_kernel, "split_config_for", lambda n, k: ((32, 64, 3, 4), 2))
+    return request.param != "cublas"
 
 
 def test_no_lora_step_launches_exactly_the_lora_disabled_kernels(tmp_path, skinny):
