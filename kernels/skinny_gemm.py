@@ -8,8 +8,18 @@ and one [BLOCK_N, BLOCK_K] tile of W per step, a tensor-core dot into an fp32 [1
 accumulator, bias added in fp32, rounded once to the output dtype (what cuBLAS without split-K
 computes). One launch, no workspace; grid from static shapes, so CUDA-graph capturable.
 
-Each output column is the same sum whatever N is, so the columns W shares with a longer stacked
-weight (LoRA's [W; A] rows) come out bit-identical in both GEMMs.
+Narrow weights (N = 4096: 128 column tiles for 132 SMs) may split K (`split_k`), still in one
+launch: each program writes its fp32 partial to a workspace and takes a ticket for its column
+tile, and the tile's last program sums the partials in split order (deterministic), rounds once
+and resets the ticket (a per-device int32 buffer, zero between launches).
+
+`skinny_gemm_lora` is a fused LoRA step's one-slice projection (o_proj, down_proj) over
+[W; A]: the A rows' column tiles come first in the grid, write the shrink and count themselves
+done; each W tile's last program waits for that count and adds its rows' delta before
+rounding, so no delta kernel runs after it.
+
+Each output column is the same sum whatever N is (given the same K split), so the columns W
+shares with a longer stacked weight (LoRA's [W; A] rows) come out bit-identical in both GEMMs.
 
 `_stream_dot` is the K loop, shared with kernels/skinny_gate_up_silu.py.
 """
