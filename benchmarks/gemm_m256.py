@@ -15,11 +15,12 @@ RANDOM bf16 weights. CPU (TRITON_INTERPRET=1): tests/kernels/test_full_rows_gemm
 from __future__ import annotations
 
 import argparse
+import sys
 
 import torch
 import torch.nn.functional as F
 
-from batchrun.bench.record import write_json
+from batchrun.bench.record import environment, write_json
 from batchrun.bench.roofline import bf16_peak, hbm_peak
 from batchrun.kernels.full_rows_gemm import CONFIG, full_rows_gemm
 from benchmarks.skinny_gemm import bench  # one case, timed inside a CUDA graph, µs
@@ -87,8 +88,8 @@ def main() -> None:
     for key, v in summary.items():
         if "best" in v and "cublas_us" in v:
             print(f"{key:<16} cuBLAS {v['cublas_us']:8.1f} µs  best {v['best_us']:8.1f} µs  {v['best']}")
-    write_json(a.json, {"device": dev_name, "weights": "random", "rows": rows,
-                        "summary": summary, "tuned": tuned})
+    write_json(a.json, {**environment(torch.device("cuda"), " ".join(sys.argv)),
+                        "weights": "random", "rows": rows, "summary": summary, "tuned": tuned})
 
 
 if __name__ == "__main__":

@@ -20,11 +20,12 @@ RANDOM bf16 weights. CPU (TRITON_INTERPRET=1): tests/kernels/test_skinny_gemm.py
 from __future__ import annotations
 
 import argparse
+import sys
 
 import torch
 import torch.nn.functional as F
 
-from batchrun.bench.record import write_json
+from batchrun.bench.record import environment, write_json
 from batchrun.bench.roofline import hbm_peak
 from batchrun.engine.layers.gemm import MIN_WEIGHT_ELEMENTS
 from batchrun.kernels.skinny_gemm import CONFIG, skinny_gemm
@@ -111,8 +112,8 @@ def main() -> None:
             tri = 32 * (o["best_us"] + d["best_us"])
             print(f"M={m}: a 7b step's 32 o + down GEMMs: cuBLAS {cub:.0f} µs, best Triton "
                   f"{tri:.0f} µs ({tri - cub:+.0f} µs)")
-    write_json(a.json, {"device": dev_name, "weights": "random", "rows": rows, "best": best,
-                        "tuned": tuned})
+    write_json(a.json, {**environment(torch.device("cuda"), " ".join(sys.argv)),
+                        "weights": "random", "rows": rows, "best": best, "tuned": tuned})
 
 
 if __name__ == "__main__":

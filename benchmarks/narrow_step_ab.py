@@ -18,11 +18,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import tempfile
 from pathlib import Path
 
 from batchrun.bench.build import build_engine, random_prompts, round_robin
 from batchrun.bench.matrix import MatrixParams
+from batchrun.bench.record import environment
 from batchrun.kernels.skinny_gemm import set_split_tuned
 from benchmarks.step_probe import graph_step_us
 from benchmarks.tuned import load_tuned
@@ -80,7 +82,8 @@ def main() -> None:
               f"{on / base[True] - 1:+15.2%}")
     if a.output_json:
         Path(a.output_json).write_text(json.dumps(
-            {"benchmark": "narrow_step_ab", "weights": "random", "batch_size": a.batch_size,
+            {"benchmark": "narrow_step_ab", **environment(eng_a.device, " ".join(sys.argv)),
+             "weights": "random", "batch_size": a.batch_size,
              "tuned": {f"{n},{k}": v for (n, k), v in tuned.items()},
              "median_us": {f"{c} {'split' if on else 'cublas'}": v for (c, on), v in med.items()},
              "runs": {f"{c} {'split' if on else 'cublas'}": v for (c, on), v in runs.items()}},

@@ -44,6 +44,10 @@ CONFIG = (32, 128, 6, 4)
 # split K over programs: (N, K) -> (config, split_k), from benchmarks/narrow_gemm.py (weights
 # cold in L2); the nearest N of the same K applies (kernels/utils.nearest_shape). Empty: those
 # weights stay on cuBLAS (layers/gemm.py). `set_split_tuned` replaces it for a benchmark.
+# The H100 sweep of 2026-12-06 (docs/benchmarks.md, session 16) chose {(4096, 4096):
+# ((32, 256, 4, 4), 1), (4096, 11008): ((64, 128, 5, 4), 2)}: a base b8 graph step 1.0 %
+# faster. Left empty until the LoRA steps they change are measured with the chunked residual
+# norm-shrink (branch norm-shrink-chunked-residual): without it 1 active cost +16 %.
 SPLIT_TUNED: dict[tuple[int, int], tuple[tuple[int, int, int, int], int]] = {}
 
 
