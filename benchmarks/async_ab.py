@@ -48,7 +48,7 @@ def switcher(engine, name: str, narrow_configs: str | None = None):
     from batchrun.engine.layers.gemm import set_decode_gemm, set_full_rows_gemm
     from batchrun.kernels.pdl import set_pdl
     from batchrun.kernels.skinny_gemm import set_split_tuned
-    narrow = load_tuned(narrow_configs, lambda cfg: (tuple(cfg[0]), cfg[1])) if narrow_configs else {}
+    narrow = load_tuned(narrow_configs) if narrow_configs else {}
     flip = {"triton_decode_gemm": lambda on: set_decode_gemm(engine.model, on),
             "full_rows_gemm": lambda on: set_full_rows_gemm(engine.model, on),
             "narrow_skinny": lambda on: set_split_tuned(narrow if on else {}),
@@ -104,9 +104,11 @@ def main() -> None:
                     help="narrow_gemm.py's JSON: the split-K skinny entries --switch "
                          "narrow_skinny turns on")
     a = ap.parse_args()
+    if a.switch == "narrow_skinny" and not a.narrow_configs:  # before the 7b engine is built
+        ap.error("--switch narrow_skinny needs --narrow-configs (narrow_gemm.py's JSON)")
     if a.full_rows_configs:
         from batchrun.kernels.full_rows_gemm import set_tuned
-        set_tuned(load_tuned(a.full_rows_configs, tuple))
+        set_tuned(load_tuned(a.full_rows_configs))
     log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
     cfg = EngineConfig(model=a.model, max_num_seqs=256, max_num_batched_tokens=8192,
                        max_model_len=384, enable_prefix_caching=False)
@@ -114,8 +116,6 @@ def main() -> None:
     engine = built.engine
     vocab = engine.model.config.vocab_size
     log(f"*** RANDOM WEIGHTS ({a.model} shape) *** engine built in {built.build_s:.1f} s")
-    if a.switch == "narrow_skinny" and not a.narrow_configs:
-        raise SystemExit("--switch narrow_skinny needs --narrow-configs (narrow_gemm.py's JSON)")
     set_ = switcher(engine, a.switch, a.narrow_configs)
     lat = lambda r: make_requests(random_prompts(8, 32, vocab, 1000 + r), 128, tag=f"l{r}-")  # noqa: E731
     off = lambda r: make_requests(random_prompts(a.num_prompts, 256, vocab, 2000 + r), 128, tag=f"o{r}-")  # noqa: E731

@@ -49,7 +49,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--output-json")
     a = ap.parse_args()
-    tuned = load_tuned(a.narrow_configs, lambda v: (tuple(v[0]), v[1]))
+    tuned = load_tuned(a.narrow_configs)
     p = MatrixParams(model=a.model, batch_size=a.batch_size, input_len=32, output_len=8,
                      max_loras=8, max_lora_rank=16, lora_rank=16, max_num_batched_tokens=2048,
                      max_num_seqs=max(64, a.batch_size))

@@ -7,9 +7,10 @@ import json
 import sys
 
 
-def load_tuned(path: str, entry) -> dict:
-    """{(N, K): entry(value)} from the JSON's "tuned" map."""
+def load_tuned(path: str) -> dict:
+    """{(N, K): value} from the JSON's "tuned" map, values as JSON has them (lists): the
+    kernels' setters (full_rows_gemm.set_tuned, skinny_gemm.set_split_tuned) make them tuples."""
     with open(path) as f:
         tuned = json.load(f)["tuned"]
     print(f"tuned entries from {path}: {tuned}", file=sys.stderr, flush=True)
-    return {tuple(int(v) for v in key.split(",")): entry(val) for key, val in tuned.items()}
+    return {tuple(int(v) for v in key.split(",")): val for key, val in tuned.items()}

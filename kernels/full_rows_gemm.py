@@ -1,6 +1,6 @@
 """y = x @ W.T for a throughput decode step (up to 256 rows) with all rows in one M tile, so
-each weight tile is read from HBM once. A candidate for #12's offline workload, not yet run
-on a GPU: the engine takes it only with `engine.triton_full_rows_gemm: true` (off by default;
+each weight tile is read from HBM once. A candidate for #12's offline workload, not yet timed
+on a GPU (its bf16 test passed on an H100, 2026-12-06): the engine takes it only with `engine.triton_full_rows_gemm: true` (off by default;
 layers/gemm.py), benchmarks/gemm_m256.py prices it against cuBLAS.
 
 Why: at M = 256 a Llama-2-7b decode step's GEMMs are 3.4 TFLOP over 13.2 GB of weights, close
