@@ -185,9 +185,10 @@ _TICKETS: dict[torch.device, Tensor] = {}
 
 
 def _tickets(device: torch.device, n: int) -> Tensor:
-    # The split-K tickets of `device`: int32 zeros, one per column tile, shared by every split
-    # launch on it (each launch's last programs reset theirs to 0; kernels of one stream run in
-    # order, so launches never share them at once). Allocated outside graph capture, at the
+    # The counters of `device`: int32 zeros, shared by every split or LoRA launch on it: a
+    # ticket per column tile, then (skinny_gemm_lora) the shrink's done and read counts. Each
+    # launch's programs reset theirs to 0; kernels of one stream run in order, so launches
+    # never share them at once. Allocated outside graph capture, at the
     # eager warm-up every captured shape gets first (model_runner / graphs.py).
     t = _TICKETS.get(device)
     if t is None or t.numel() < n:
