@@ -8,7 +8,8 @@ Products and sums of two bf16/fp16 values are exact in fp32, so doing them in fp
 rounding once gives torch's bf16/fp16 result. Only the sum-of-squares order differs.
 
 The fused op updates `residual` in place (it becomes h) and writes the normed rows to a new
-tensor. A row is loaded whole (BLOCK_N = next power of two >= H, masked), so any hidden size
+tensor; with `shrink=` and no `lora`, h goes to a new residual tensor instead (that launch runs
+several programs per row, which in place would race), and the caller takes the returned one. A row is loaded whole (BLOCK_N = next power of two >= H, masked), so any hidden size
 works. Static grid (T,), no host syncs: CUDA-graph capturable.
 
 With `lora` (a LoRADelta for the projection that produced x, see kernels/lora_delta.py) a
@@ -116,7 +117,10 @@ def _add_lora_delta_kernel(
 
 
 def _launch(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float,
-            out: Tensor | None, lora: LoRADelta | None, shrink: LoRAShrink | None) -> Tensor:
+            out: Tensor | None, lora: LoRADelta | None,
+            shrink: LoRAShrink | None) -> tuple[Tensor, Tensor | None]:
+    # -> (normed rows, the updated residual: `residual` itself, or a new tensor on the
+    # residual add + shrink launch)
     check(x.dim() == 2, f"x must be [T, H], got {tuple(x.shape)}")
     T, H = x.shape
     check(x.dtype in FLOAT_DTYPES and weight.dtype in FLOAT_DTYPES, "unsupported dtype")
@@ -136,20 +140,22 @@ def _launch(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float,
     if shrink is not None:  # before any launch: the delta kernel updates the residual in place
         shrink.validate(T, H, out_dtype, x.device)
     if T == 0:
-        return out
+        return out, residual
     block = triton.next_power_of_2(H)
     num_warps = 4 if block <= 1024 else (8 if block <= 4096 else 16)
     res = residual if residual is not None else x
     if shrink is not None:
         from batchrun.kernels.rms_norm_shrink import norm_and_shrink
     if lora is None and shrink is not None:
-        norm_and_shrink(x, residual, weight, eps, out, shrink, num_warps)
-        return out
+        # several programs per row: the sum goes to a new residual (in place they would race)
+        res_out = None if residual is None else torch.empty((T, H), dtype=x.dtype, device=x.device)
+        norm_and_shrink(x, residual, weight, eps, out, shrink, num_warps, res_out)
+        return out, res_out
     if lora is None:
         _rms_norm_kernel[(T,)](
             x, res, weight, out, H, eps, x.stride(0), res.stride(0), out.stride(0),
             FUSED_ADD=residual is not None, BLOCK_N=block, num_warps=num_warps, **pdl_kwargs(x))
-        return out
+        return out, residual
     # Two launches: the delta (and residual add) on 16-32-row x CHUNK tiles, in parallel over the
     # whole [T, H], then the plain row norm of the result. One launch lost every time it was
     # tried: each tile's last program normalising its rows (an atomic ticket) serialised H
@@ -172,11 +178,11 @@ def _launch(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float,
         **pdl_kwargs(x))
     if shrink is not None:
         norm_and_shrink(h, None, weight, eps, out, shrink, num_warps)
-        return out
+        return out, residual
     _rms_norm_kernel[(T,)](
         h, h, weight, out, H, eps, h.stride(0), h.stride(0), out.stride(0),
         FUSED_ADD=False, BLOCK_N=block, num_warps=num_warps, **pdl_kwargs(x))
-    return out
+    return out, residual
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float, out: Tensor | None = None,
@@ -184,13 +190,15 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, out: Tensor | None = None,
     # x: [T, H], weight: [H] -> normed [T, H] (new tensor unless `out` is given); with `lora`,
     # normed rnd(x + delta) (x itself is not written); with `shrink`, also the next
     # projection's LoRA shrink of the normed rows into shrink.out (kernels/rms_norm_shrink.py).
-    return _launch(x, None, weight, eps, out, lora, shrink)
+    return _launch(x, None, weight, eps, out, lora, shrink)[0]
 
 
 def fused_add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float,
                        out: Tensor | None = None, lora: LoRADelta | None = None,
                        shrink: LoRAShrink | None = None) -> tuple[Tensor, Tensor]:
-    # x, residual: [T, H], weight: [H] -> (normed [T, H], residual). `residual` is updated in
-    # place to x + residual (model dtype) and returned; normed goes to a new tensor / `out`.
+    # x, residual: [T, H], weight: [H] -> (normed [T, H], x + residual). The sum (model dtype)
+    # is written into `residual` in place and returned, except with `shrink` and no `lora`:
+    # then it goes to a new tensor (returned; `residual` is left as it was), since that
+    # launch has several programs per row. Normed rows go to a new tensor / `out`.
     # With `lora`, x + delta (rounded) takes x's place; with `shrink`, as rms_norm.
-    return _launch(x, residual, weight, eps, out, lora, shrink), residual
+    return _launch(x, residual, weight, eps, out, lora, shrink)

@@ -8,9 +8,12 @@ x . A first. A program here holds a whole normed row in registers, so the shrink
 A rows' reads (S*R rows of K, from L2 after the first row of a slot), not a launch of its own.
 
 Grid (T, chunks): every program of a row computes the row's norm (a row is a few KB) and
-BLOCK_J of its S*R shrink values; the first one writes the normed row. With FUSED_ADD (the
-residual updated in place) a row has one program, which walks all S*R values: several programs
-reading and writing one residual row would race. Rows with slot -1 write no shrink values.
+BLOCK_J of its S*R shrink values; the first one writes the normed row. With FUSED_ADD every
+program adds the residual row to x and the first one writes the sum to a NEW residual tensor
+(res_out): in place, a row's other programs could read the residual after it was overwritten.
+(Until 2026-12-06 a FUSED_ADD row had one program walking all S*R values, in place: at 8 rows
+that was 8 programs and 26 µs a launch on the H100, against ~4.7 µs chunked.) Rows with slot
+-1 write no shrink values.
 
 The shrink sums the K products in fp32 (products of two 16-bit values are exact) and rounds once
 to the model dtype, as the fused GEMM over [W; A] does; the order of the sum differs.
@@ -31,11 +34,12 @@ BLOCK_J = 4  # shrink values per program (A rows read together)
 @triton.jit
 def _rms_norm_shrink_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr,   # as kernels/fused_add_rms_norm.py's _rms_norm_kernel
+    res_out_ptr, stride_ro,           # FUSED_ADD: x + residual goes here
     H, eps, stride_x, stride_r, stride_o,
     a_ptr, stride_as, stride_al, stride_ar,   # A [S, L, R, K] (last dim contiguous)
     slot_ptr, s_ptr, stride_s, R, SR,         # slots [>= T]; shrunk [T, k*S*R]; SR = S*R
-    FUSED_ADD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_J: tl.constexpr,
-    J_PER: tl.constexpr,                      # shrink values per program (a multiple of BLOCK_J)
+    FUSED_ADD: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_J: tl.constexpr,                    # shrink values per program (A rows read together)
     PDL: tl.constexpr,
 ):
     pdl_enter(PDL)
@@ -44,44 +48,45 @@ def _rms_norm_shrink_kernel(
     offs = tl.arange(0, BLOCK_N)
     mask = offs < H
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
-    if FUSED_ADD:  # one program per row
-        r_ptrs = res_ptr + row * stride_r + offs
-        r = tl.load(r_ptrs, mask=mask, other=0.0)
+    if FUSED_ADD:  # every program of the row adds; the first writes the new residual
+        r = tl.load(res_ptr + row * stride_r + offs, mask=mask, other=0.0)
         x = (r.to(tl.float32) + x.to(tl.float32)).to(x.dtype)    # add in the model dtype
-        tl.store(r_ptrs, x, mask=mask)
     y = norm_row(x, w_ptr, offs, mask, H, eps, out_ptr)
     if c == 0:
+        if FUSED_ADD:
+            tl.store(res_out_ptr + row * stride_ro + offs, x, mask=mask)
         tl.store(out_ptr + row * stride_o + offs, y, mask=mask)
     slot = tl.load(slot_ptr + row)
     if slot >= 0:
         yf = y.to(tl.float32)
         a_slot = a_ptr + slot.to(tl.int64) * stride_al
-        offs_j = tl.arange(0, BLOCK_J)
-        for j0 in range(c * J_PER, c * J_PER + J_PER, BLOCK_J):
-            j = j0 + offs_j
-            jm = j < SR
-            a_rows = a_slot + (j // R).to(tl.int64) * stride_as + (j % R).to(tl.int64) * stride_ar
-            a = tl.load(a_rows[:, None] + offs[None, :], mask=jm[:, None] & mask[None, :],
-                        other=0.0)
-            acc = tl.sum(a.to(tl.float32) * yf[None, :], axis=1)
-            tl.store(s_ptr + row * stride_s + slot * SR + j, acc.to(s_ptr.dtype.element_ty),
-                     mask=jm)
+        j = c * BLOCK_J + tl.arange(0, BLOCK_J)  # this program's shrink values
+        jm = j < SR
+        a_rows = a_slot + (j // R).to(tl.int64) * stride_as + (j % R).to(tl.int64) * stride_ar
+        a = tl.load(a_rows[:, None] + offs[None, :], mask=jm[:, None] & mask[None, :], other=0.0)
+        acc = tl.sum(a.to(tl.float32) * yf[None, :], axis=1)
+        tl.store(s_ptr + row * stride_s + slot * SR + j, acc.to(s_ptr.dtype.element_ty),
+                 mask=jm)
 
 
 def norm_and_shrink(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float, out: Tensor,
-                    shrink: LoRAShrink, num_warps: int) -> None:
+                    shrink: LoRAShrink, num_warps: int, res_out: Tensor | None = None) -> None:
     """The launch behind fused_add_rms_norm / rms_norm's `shrink=` (which check x, residual,
-    weight, out and shrink, and skip T = 0): normed rows to `out` (residual updated in place to
-    x + residual when given) and the shrink of each row's slot to `shrink.out`."""
+    weight, out and shrink, and skip T = 0): normed rows to `out`, x + residual to `res_out`
+    (a [T, H] tensor with contiguous rows, not aliasing residual; needed with residual) and the
+    shrink of each row's slot to `shrink.out`."""
     T, H = x.shape
     S, _, R, _ = shrink.lora_a.shape
     sr = S * R
-    j_per = triton.cdiv(sr, BLOCK_J) * BLOCK_J if residual is not None else BLOCK_J
     res = residual if residual is not None else x
+    if residual is not None:
+        assert (res_out is not None and res_out.shape == x.shape and res_out.stride(1) == 1
+                and res_out.data_ptr() != residual.data_ptr()), "res_out: a new [T, H] tensor"
+    ro = res_out if res_out is not None else x
     a = shrink.lora_a
-    _rms_norm_shrink_kernel[(T, triton.cdiv(sr, j_per))](
-        x, res, weight, out, H, eps, x.stride(0), res.stride(0), out.stride(0),
+    _rms_norm_shrink_kernel[(T, triton.cdiv(sr, BLOCK_J))](
+        x, res, weight, out, ro, ro.stride(0), H, eps, x.stride(0), res.stride(0), out.stride(0),
         a, a.stride(0), a.stride(1), a.stride(2),
         shrink.token_slots, shrink.out, shrink.out.stride(0), R, sr,
         FUSED_ADD=residual is not None, BLOCK_N=triton.next_power_of_2(H), BLOCK_J=BLOCK_J,
-        J_PER=j_per, num_warps=num_warps, **pdl_kwargs(x))
+        num_warps=num_warps, **pdl_kwargs(x))

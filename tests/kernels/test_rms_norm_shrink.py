@@ -45,10 +45,11 @@ def _check(T, H, S, L, R, k, dtype, pattern, form, seed):
         got = rms_norm(x, w, EPS, shrink=shrink)
         plain = rms_norm(x, w, EPS)
     elif form == "add":
-        res2 = res.clone()
+        res2, res0 = res.clone(), res.clone()
         got, got_res = fused_add_rms_norm(x, res, w, EPS, shrink=shrink)
         plain, _ = fused_add_rms_norm(x, res2, w, EPS)
-        assert got_res is res and torch.equal(res, res2)
+        # the sum goes to a new residual (the row's programs share the old one)
+        assert got_res is not res and torch.equal(got_res, res2) and torch.equal(res, res0)
     else:  # "delta": o_proj's pending LoRA delta, added before the residual add and the norm
         b = randn(L, H, R, dtype=dtype, gen=gen, scale=R ** -0.5)
         d_shrunk = randn(T, k * R, dtype=dtype, gen=gen)
