@@ -5,13 +5,11 @@ batch 8, in 32, out 128) and the offline one (`bench throughput --preset 7b`'s: 
 
     PYTHONPATH=. python3 benchmarks/async_ab.py [--switch async_scheduling] [--model llama-2-7b]
         [--latency-rounds 10] [--offline-rounds 2] [--output-json FILE]
-        [--full-rows-configs gemm_m256.json] [--narrow-configs narrow_gemm.json]
+        [--narrow-configs narrow_gemm.json]
 
 Switches: `async_scheduling` (the step loop; flipped between calls), `triton_decode_gemm` (the
-GEMM of steps of <= 16 rows), `full_rows_gemm` (kernels/full_rows_gemm.py for steps of 65-256
-rows: the offline workload's decode; run it with --latency-rounds 0) and `pdl` (programmatic
-dependent launch of the Triton kernels); captured graphs hold the kernels and their launches of
-the last three and of `narrow_skinny` (o_proj and down_proj of steps of <= 16 rows in the split-K
+GEMM of steps of <= 16 rows) and `pdl` (programmatic dependent launch of the Triton kernels);
+captured graphs hold the kernels and their launches of those two and of `narrow_skinny` (o_proj and down_proj of steps of <= 16 rows in the split-K
 skinny GEMM with the entries of narrow_gemm.py's JSON, `--narrow-configs`, against cuBLAS), so
 the engine captures one decode graph set per setting and swaps them (the
 prefill graphs are captured with whatever was set last). `prefill_graphs`: small prefill steps
@@ -45,12 +43,11 @@ def switcher(engine, name: str, narrow_configs: str | None = None):
                              "engine.prefill_graph_max_tokens > 0 needed)")
         print(f"prefill graphs: {captured.stats}", flush=True)
         return lambda on: setattr(runner, "_prefill_graphs", captured if on else None)
-    from batchrun.engine.layers.gemm import set_decode_gemm, set_full_rows_gemm
+    from batchrun.engine.layers.gemm import set_decode_gemm
     from batchrun.kernels.pdl import set_pdl
     from batchrun.kernels.skinny_gemm import set_split_tuned
     narrow = load_tuned(narrow_configs) if narrow_configs else {}
     flip = {"triton_decode_gemm": lambda on: set_decode_gemm(engine.model, on),
-            "full_rows_gemm": lambda on: set_full_rows_gemm(engine.model, on),
             "narrow_skinny": lambda on: set_split_tuned(narrow if on else {}),
             "pdl": set_pdl}[name]
     runner, sets = engine.runner, {}
@@ -91,24 +88,19 @@ def ab(engine, set_, rounds: int, make, check_len: int, log) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--switch", choices=["async_scheduling", "triton_decode_gemm", "pdl",
-                                         "prefill_graphs", "full_rows_gemm", "narrow_skinny"],
+                                         "prefill_graphs", "narrow_skinny"],
                     default="async_scheduling")
     ap.add_argument("--model", default="llama-2-7b")
     ap.add_argument("--latency-rounds", type=int, default=10)
     ap.add_argument("--offline-rounds", type=int, default=2)
     ap.add_argument("--num-prompts", type=int, default=1024)
     ap.add_argument("--output-json", default=None)
-    ap.add_argument("--full-rows-configs", default=None,
-                    help="gemm_m256.py's JSON: its per-shape best tiles for full_rows_gemm")
     ap.add_argument("--narrow-configs", default=None,
                     help="narrow_gemm.py's JSON: the split-K skinny entries --switch "
                          "narrow_skinny turns on")
     a = ap.parse_args()
     if a.switch == "narrow_skinny" and not a.narrow_configs:  # before the 7b engine is built
         ap.error("--switch narrow_skinny needs --narrow-configs (narrow_gemm.py's JSON)")
-    if a.full_rows_configs:
-        from batchrun.kernels.full_rows_gemm import set_tuned
-        set_tuned(load_tuned(a.full_rows_configs))
     log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
     cfg = EngineConfig(model=a.model, max_num_seqs=256, max_num_batched_tokens=8192,
                        max_model_len=384, enable_prefix_caching=False)
@@ -133,10 +125,6 @@ def main() -> None:
     tokens = a.num_prompts * (256 + 128)
     result = {"benchmark": "async_ab", "switch": a.switch, "weights": built.weights, "model": a.model,
               **environment(engine.device, " ".join(sys.argv)), "latency": latency, "offline": offline}
-    if a.switch == "full_rows_gemm":
-        from batchrun.kernels.full_rows_gemm import CONFIG, TUNED
-        result["full_rows_configs"] = {"default": CONFIG,
-                                       "tuned": {f"{n},{k}": c for (n, k), c in TUNED.items()}}
     if a.switch == "narrow_skinny":
         result["narrow_configs"] = a.narrow_configs
     if offline:

@@ -120,10 +120,6 @@ class EngineConfig:
     # into gate/up), instead of cuBLAS; fp16/bf16 on CUDA only (layers/gemm.py). Outputs
     # differ from cuBLAS's by rounding only.
     triton_decode_gemm: bool = True
-    # steps of 65-256 rows (a throughput batch's decode) run every projection and lm_head in
-    # kernels/full_rows_gemm.py (all rows in one tile, each weight tile read once) instead of
-    # cuBLAS. Off: a candidate not yet measured on a GPU (benchmarks/gemm_m256.py prices it).
-    triton_full_rows_gemm: bool = False
     # batchrun's Triton kernels launch with programmatic dependent launch on sm_90+ GPUs
     # (kernels/pdl.py): each may start while the kernel before it finishes, and waits for it
     # before touching memory; the skinny GEMMs first ask L2 for the start of their weights.

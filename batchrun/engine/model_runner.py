@@ -26,7 +26,7 @@ from batchrun.engine.config import EngineConfig
 from batchrun.engine.block_manager import SCRATCH_BLOCK, BlockManager
 from batchrun.engine.graphs import GraphRunner
 from batchrun.engine.prefill_graphs import PrefillGraphs
-from batchrun.engine.layers.gemm import set_decode_gemm, set_full_rows_gemm
+from batchrun.engine.layers.gemm import set_decode_gemm
 from batchrun.engine.sequence import Sequence
 from batchrun.engine.layers.attention import AttnMetadata, query_start_tensor
 from batchrun.engine.layers.backend import use_triton
@@ -42,7 +42,6 @@ class ModelRunner:
         self.model, self.config, self.device, self.dtype = model, config, device, dtype
         self.blocks, self.lora = blocks, lora
         set_decode_gemm(model, config.triton_decode_gemm)
-        set_full_rows_gemm(model, config.triton_full_rows_gemm)
         if torch.device(device).type == "cuda":  # kernels/pdl.py: process-wide, read at launch
             from batchrun.kernels.pdl import set_pdl
             set_pdl(config.pdl)

@@ -1,8 +1,7 @@
 """engine.triton_decode_gemm: steps of at most 16 rows run their projections and lm_head in the
 Triton skinny GEMM (SiLU fused into gate/up), bigger steps and small weights stay on torch's GEMM, LoRA steps
 stream [W; A] through it (gate_up: W, with the norm's shrink), and the tokens are those of the
-engine without it. engine.triton_full_rows_gemm likewise for steps of 65-256 rows (lowered here
-to 17) in kernels/full_rows_gemm.py.
+engine without it.
 
 CPU, fp16, every Triton kernel of the GPU path under the interpreter (BATCHRUN_FORCE_TRITON);
 MIN_WEIGHT_ELEMENTS is lowered so the tiny model's projections qualify (its o_proj is kept out
@@ -12,7 +11,6 @@ import collections
 import pytest
 
 import batchrun.engine.layers.gemm as gemm
-import batchrun.kernels.full_rows_gemm as full_rows_kernel
 import batchrun.kernels.skinny_gate_up_silu as fused_kernel
 import batchrun.kernels.skinny_gemm as skinny_kernel
 from batchrun.engine.config import EngineConfig, SamplingParams
@@ -32,7 +30,7 @@ def dirs(tmp_path_factory):
     return root, adapters
 
 
-def _run(monkeypatch, dirs, decode_gemm: bool, lora: bool, full_rows: bool = False):
+def _run(monkeypatch, dirs, decode_gemm: bool, lora: bool):
     root, adapters = dirs
     monkeypatch.setenv("BATCHRUN_FORCE_TRITON", "1")
     import batchrun.engine.model_runner as model_runner
@@ -40,16 +38,14 @@ def _run(monkeypatch, dirs, decode_gemm: bool, lora: bool, full_rows: bool = Fal
     engine = Engine.from_config(
         EngineConfig(model=str(root / "base"), device="cpu", dtype="float16", max_model_len=96,
                      max_num_seqs=24, max_num_batched_tokens=256, enable_lora=lora, max_loras=2,
-                     max_lora_rank=4, triton_decode_gemm=decode_gemm,
-                     triton_full_rows_gemm=full_rows),
+                     max_lora_rank=4, triton_decode_gemm=decode_gemm),
         adapters if lora else None)
     o_proj = engine.model.model.layers[0].self_attn.o_proj.weight.numel()
     monkeypatch.setattr(gemm, "MIN_WEIGHT_ELEMENTS", o_proj + 1)  # o_proj (the smallest) stays out
-    monkeypatch.setattr(gemm, "FULL_ROWS_MIN_ROWS", 16)  # the 20-row decode steps qualify
     calls = collections.Counter()
     calls.splits = collections.Counter()  # (N, K, split_k) of skinny_gemm's split-K launches
     for mod, name in ((skinny_kernel, "skinny_gemm"), (fused_kernel, "skinny_gate_up_silu"),
-                      (full_rows_kernel, "full_rows_gemm"), (skinny_kernel, "skinny_gemm_lora")):
+                      (skinny_kernel, "skinny_gemm_lora")):
         orig = getattr(mod, name)
         monkeypatch.setattr(mod, name, lambda x, w, *a, _o=orig, _n=name, **k: (
             calls.update([(_n, x.shape[0] <= 16, w.shape[0], k.get("lora") is not None)]),
@@ -113,7 +109,7 @@ def test_narrow_weights_take_the_split_k_gemm_when_tuned(monkeypatch, dirs, lora
 
 def test_lora_gate_up_shrink_with_the_residual_add(monkeypatch, tmp_path):
     # adapters on up_proj only: o_proj has no hook, so the post-attention norm adds the residual
-    # itself (one program a row) while it computes gate_up's shrink
+    # itself (in chunks, into a new residual tensor) while it computes gate_up's shrink
     save_hf_model("qwen2_bias", tmp_path / "base")
     adapters = save_peft_adapters(tmp_path, ["a", "b"], variant="qwen2_bias", targets=("up_proj",))
     with monkeypatch.context() as m:
@@ -122,26 +118,3 @@ def test_lora_gate_up_shrink_with_the_residual_add(monkeypatch, tmp_path):
     assert engine.model.model.layers[0].self_attn.o_proj.lora is None
     assert got == ref
     assert any(k == "skinny_gate_up_silu" and d for (k, _, _, d) in calls), calls
-
-
-@pytest.mark.parametrize("lora", [False, True])
-def test_full_rows_gemm_takes_the_bigger_steps_with_the_same_tokens(monkeypatch, dirs, lora):
-    # engine.triton_full_rows_gemm (its row floor lowered to 16 for the tiny run): steps of
-    # 17-256 rows (20-row decode, the prompts' prefill) run every projection and lm_head in
-    # kernels/full_rows_gemm.py, LoRA steps their stacked [W; A]; smaller steps stay on the
-    # skinny GEMM / torch's; the tokens are those of the engine without it
-    with monkeypatch.context() as m:
-        ref, _, _ = _run(m, dirs, decode_gemm=True, lora=lora)
-    got, calls, engine = _run(monkeypatch, dirs, decode_gemm=True, lora=lora, full_rows=True)
-    assert got == ref
-    full = {(n, rows) for (k, rows, n, _) in calls if k == "full_rows_gemm"}
-    assert full and not any(rows for (_, rows) in full), calls  # none of <= 16 rows
-    cfg = engine.model.config
-    q_kv = (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim
-    widths = {n for n, _ in full}
-    base = {q_kv, cfg.hidden_size, 2 * cfg.intermediate_size}  # qkv, o and down, gate_up
-    if not lora:
-        assert widths == base | {cfg.vocab_size}, calls
-    else:  # these steps all have adapter rows: every projection streams its [W; A]
-        assert cfg.vocab_size in widths and len(widths - base - {cfg.vocab_size}) >= 3, calls
-    assert any(k == "skinny_gemm" for (k, _, _, _) in calls)  # the small steps still do

@@ -21,11 +21,10 @@ their shape (benchmarks/narrow_gemm.py times them with the weights cold in L2, a
 otherwise cuBLAS. The skinny-vs-cuBLAS figures above timed one weight over and over, so o's
 33.5 MB sat in L2.
 
-`EngineConfig.triton_full_rows_gemm` (off by default: a candidate, not yet measured on a GPU)
-sends steps of FULL_ROWS_MIN_ROWS < T <= FULL_ROWS_MAX_ROWS rows (a throughput batch's decode) to
-kernels/full_rows_gemm.py, every row in one M tile so each weight tile is read once, instead of
-cuBLAS (`set_full_rows_gemm`); benchmarks/gemm_m256.py prices it, benchmarks/async_ab.py
---switch full_rows_gemm measures a run with it.
+Steps of more rows (a throughput batch's decode, prefill) stay on cuBLAS: a Triton GEMM with
+every row of a 192-256-row step in one M tile (each weight tile read once) lost to it on every
+7b shape, 1.31 x a step's GEMMs and the offline job 5.1 % slower (H100, docs/benchmarks.md,
+session 17), and was removed.
 
 The result differs from cuBLAS's by at most rounding (an ulp where cuBLAS splits K), as any two
 GEMMs do; a given step shape always takes the same kernel, so graph replay equals eager, and the
@@ -41,7 +40,6 @@ from batchrun.engine.layers.backend import use_triton
 from batchrun.kernels.lora_meta import LoRADelta
 
 MAX_ROWS = 16  # kernels/skinny_gemm.py's MAX_ROWS
-FULL_ROWS_MIN_ROWS, FULL_ROWS_MAX_ROWS = 64, 256  # kernels/full_rows_gemm.py's steps
 MIN_WEIGHT_ELEMENTS = 12288 * 4096  # 48M: Llama-2-7b's qkv_proj takes it, down_proj (45M) not
 _HALF = (torch.float16, torch.bfloat16)
 
@@ -63,19 +61,11 @@ def split_skinny(enabled: bool, x: Tensor, weight: Tensor):
     return split_config_for(weight.shape[0], weight.shape[1])
 
 
-def takes_full_rows(enabled: bool, x: Tensor) -> bool:
-    """Whether a projection of x runs in kernels/full_rows_gemm.py (see the module docstring)."""
-    return (enabled and FULL_ROWS_MIN_ROWS < x.shape[0] <= FULL_ROWS_MAX_ROWS
-            and x.dtype in _HALF and use_triton(x))
-
-
-def gemm_kernel(decode_gemm: bool, full_rows_gemm: bool, x: Tensor, weight: Tensor) -> str | None:
-    """The GEMM x @ weight.T runs in: "skinny", "skinny_split", "full_rows" or None (cuBLAS)."""
+def gemm_kernel(decode_gemm: bool, x: Tensor, weight: Tensor) -> str | None:
+    """The GEMM x @ weight.T runs in: "skinny", "skinny_split" or None (cuBLAS)."""
     if takes_skinny(decode_gemm, x, weight):
         return "skinny"
-    if split_skinny(decode_gemm, x, weight) is not None:
-        return "skinny_split"
-    return "full_rows" if takes_full_rows(full_rows_gemm, x) else None
+    return "skinny_split" if split_skinny(decode_gemm, x, weight) is not None else None
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None, kernel: str | None) -> Tensor:
@@ -87,11 +77,8 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None, kernel: str | None) -
         from batchrun.kernels.skinny_gemm import skinny_gemm, split_config_for
         config, split_k = split_config_for(weight.shape[0], weight.shape[1])
         return skinny_gemm(x, weight, bias, config=config, split_k=split_k)
-    if kernel == "full_rows":
-        from batchrun.kernels.full_rows_gemm import full_rows_gemm
-        return full_rows_gemm(x, weight, bias)
     if kernel is not None:
-        raise ValueError(f"unknown GEMM kernel {kernel!r}: skinny, skinny_split, full_rows or None")
+        raise ValueError(f"unknown GEMM kernel {kernel!r}: skinny, skinny_split or None")
     return F.linear(x, weight, bias)
 
 
@@ -124,7 +111,3 @@ def set_decode_gemm(model: torch.nn.Module, enabled: bool) -> None:
     """Turn the Triton decode GEMM on or off for every projection of `model` and lm_head."""
     _set_switch(model, "decode_gemm", enabled)
 
-
-def set_full_rows_gemm(model: torch.nn.Module, enabled: bool) -> None:
-    """Turn kernels/full_rows_gemm.py on or off for every projection of `model` and lm_head."""
-    _set_switch(model, "full_rows_gemm", enabled)

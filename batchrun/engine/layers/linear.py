@@ -8,9 +8,7 @@ None): a step without adapters runs exactly the base matmul, whatever hooks are 
 graph captured for it holds exactly the base kernels).
 
 The matmul itself is layers/gemm.py's `linear`: cuBLAS, or on steps of at most 16 rows the Triton
-GEMM that only streams the weight, when `decode_gemm` is on (EngineConfig.triton_decode_gemm), or
-on steps of 65-256 rows kernels/full_rows_gemm.py when `full_rows_gemm` is on
-(EngineConfig.triton_full_rows_gemm, off by default).
+GEMM that only streams the weight, when `decode_gemm` is on (EngineConfig.triton_decode_gemm).
 
 `defer=True` is for callers whose next op can fuse a LoRA delta (rotary, RMSNorm, SiLU-and-mul
 take a `lora=` argument): they get `(y, delta)` where delta is a LoRADelta to pass on, or None
@@ -38,7 +36,6 @@ class Linear(nn.Module):
                      if bias else None)
         self.lora = None  # set by batchrun.engine.lora (LoRALinear)
         self.decode_gemm = False  # layers/gemm.set_decode_gemm
-        self.full_rows_gemm = False  # layers/gemm.set_full_rows_gemm
 
     def skinny(self, x: torch.Tensor) -> bool:
         # whether x @ weight.T runs in the Triton skinny GEMM (a LoRA step's [W; A] too)
@@ -46,7 +43,7 @@ class Linear(nn.Module):
 
     def kernel(self, x: torch.Tensor) -> str | None:
         # the GEMM x @ weight.T runs in (layers/gemm.py's gemm_kernel; a LoRA step's [W; A] too)
-        return gemm_kernel(self.decode_gemm, self.full_rows_gemm, x, self.weight)
+        return gemm_kernel(self.decode_gemm, x, self.weight)
 
     def forward(self, x: torch.Tensor, lora_step: LoRAStep | None = None, defer: bool = False):
         # x: [T, in_features] -> y: [T, out_features], or (y, LoRADelta | None) with defer

@@ -135,7 +135,6 @@ class LlamaForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.decode_gemm = False  # layers/gemm.set_decode_gemm: lm_head of few rows in Triton
-        self.full_rows_gemm = False  # layers/gemm.set_full_rows_gemm: lm_head of 65-256 rows
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 step: Step) -> torch.Tensor:
@@ -146,7 +145,7 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         # hidden: [N, H] -> fp32 logits [N, V] (written into `out` when given)
         w = self.lm_head.weight
-        kernel = gemm_kernel(self.decode_gemm, self.full_rows_gemm, hidden, w)
+        kernel = gemm_kernel(self.decode_gemm, hidden, w)
         logits = linear(hidden, w, None, kernel)
         if out is None:
             return logits.float()
