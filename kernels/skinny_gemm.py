@@ -46,8 +46,9 @@ CONFIG = (32, 128, 6, 4)
 # weights stay on cuBLAS (layers/gemm.py). `set_split_tuned` replaces it for a benchmark.
 # The H100 sweep of 2026-12-06 (docs/benchmarks.md, session 16) chose {(4096, 4096):
 # ((32, 256, 4, 4), 1), (4096, 11008): ((64, 128, 5, 4), 2)}: a base b8 graph step 1.0 %
-# faster. Left empty until the LoRA steps they change are measured with the chunked residual
-# norm-shrink (branch norm-shrink-chunked-residual): without it 1 active cost +16 %.
+# faster. With the chunked residual norm-shrink (session 17, H100, its own sweep's entries)
+# the b8 graph step was 1.003 x cuBLAS's LoRA-disabled, 1 active 1.011 x, 8 active 0.970 x:
+# no gain for base rows on a second machine, so it stays empty until an H200 run shows one.
 SPLIT_TUNED: dict[tuple[int, int], tuple[tuple[int, int, int, int], int]] = {}
 
 
