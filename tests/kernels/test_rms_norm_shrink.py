@@ -3,9 +3,9 @@ rms_norm / fused_add_rms_norm's `shrink=`) against the torch references: the nor
 plain norm's, the residual is updated as without the shrink, and the shrink of each row's own
 slot is rnd(normed . A) while every other column, and every column of a row without an adapter,
 is left as it was. A is a strided view of slot-major rows, as a LoRALinear stores it; the three
-launch forms are covered: plain norm (several programs a row), residual add (several programs a row,
-the sum to a new residual tensor)
-and a pending LoRA delta of the projection before (delta kernel, then the norm)."""
+launch forms are covered: plain norm (several programs a row), residual add (several programs a
+row, the sum to a new residual tensor) and a pending LoRA delta of the projection before (delta
+kernel, then the norm)."""
 import pytest
 import torch
 
