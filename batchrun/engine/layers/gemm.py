@@ -100,14 +100,9 @@ def gate_up_silu(x: Tensor, weight: Tensor, lora: LoRADelta | None = None) -> Te
     return skinny_gate_up_silu(x, weight, lora=lora)
 
 
-def _set_switch(model: torch.nn.Module, switch: str, enabled: bool) -> None:
-    # every module with the `switch` attribute: each Linear, and the model itself for lm_head
-    for m in model.modules():
-        if hasattr(m, switch):
-            setattr(m, switch, enabled)
-
-
 def set_decode_gemm(model: torch.nn.Module, enabled: bool) -> None:
     """Turn the Triton decode GEMM on or off for every projection of `model` and lm_head."""
-    _set_switch(model, "decode_gemm", enabled)
+    for m in model.modules():  # each Linear, and the model itself for lm_head
+        if hasattr(m, "decode_gemm"):
+            m.decode_gemm = enabled
 
