@@ -9,10 +9,11 @@ batch 8, in 32, out 128) and the offline one (`bench throughput --preset 7b`'s: 
 
 Switches: `async_scheduling` (the step loop; flipped between calls), `triton_decode_gemm` (the
 GEMM of steps of <= 16 rows) and `pdl` (programmatic dependent launch of the Triton kernels);
-captured graphs hold the kernels and their launches of those two and of `narrow_skinny` (o_proj and down_proj of steps of <= 16 rows in the split-K
-skinny GEMM with the entries of narrow_gemm.py's JSON, `--narrow-configs`, against cuBLAS), so
-the engine captures one decode graph set per setting and swaps them (the
-prefill graphs are captured with whatever was set last). `prefill_graphs`: small prefill steps
+captured graphs hold the kernels and their launches of those two and of `narrow_skinny`
+(o_proj and down_proj of steps of <= 16 rows in the split-K skinny GEMM with the entries of
+narrow_gemm.py's JSON, `--narrow-configs`, against cuBLAS), so the engine captures one decode
+graph set per setting and swaps them (the prefill graphs are captured with whatever was set
+last). `prefill_graphs`: small prefill steps
 replay the piecewise graphs or run eagerly (the offline workload's 8192-token prefills are
 eager either way). The official figures stay `batchrun bench latency` / `bench throughput`;
 this script measures a difference of a few percent.

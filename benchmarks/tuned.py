@@ -1,6 +1,6 @@
 """Tuned kernel entries from a sweep's JSON, for a benchmark to load into the process:
-"tuned": {"N,K": value}, as benchmarks/narrow_gemm.py writes them (kernels/skinny_gemm.SPLIT_TUNED's
-form)."""
+"tuned": {"N,K": value}, as benchmarks/narrow_gemm.py writes them (the form of
+kernels/skinny_gemm.SPLIT_TUNED)."""
 from __future__ import annotations
 
 import json

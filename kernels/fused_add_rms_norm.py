@@ -9,8 +9,9 @@ rounding once gives torch's bf16/fp16 result. Only the sum-of-squares order diff
 
 The fused op updates `residual` in place (it becomes h) and writes the normed rows to a new
 tensor; with `shrink=` and no `lora`, h goes to a new residual tensor instead (that launch runs
-several programs per row, which in place would race), and the caller takes the returned one. A row is loaded whole (BLOCK_N = next power of two >= H, masked), so any hidden size
-works. Static grid (T,), no host syncs: CUDA-graph capturable.
+several programs per row, which in place would race), and the caller takes the returned one.
+A row is loaded whole (BLOCK_N = next power of two >= H, masked), so any hidden size works.
+Static grid (T,), no host syncs: CUDA-graph capturable.
 
 With `lora` (a LoRADelta for the projection that produced x, see kernels/lora_delta.py) a
 delta kernel first makes x = rnd(x + delta), exactly the x a separate LoRA expand would have
