@@ -9,6 +9,7 @@ from __future__ import annotations
 import fcntl
 import os
 import socket
+import time
 
 
 class LockBusy(RuntimeError):
@@ -45,6 +46,23 @@ class TaskLock:
 
     def __exit__(self, *exc):
         self.release()
+
+
+def acquire_waiting(lock: TaskLock, timeout: float, on_wait=None, poll: float = 0.2) -> TaskLock:
+    """``lock.acquire()``, retried every ``poll`` s while another process holds it; ``on_wait``
+    gets the first refusal (LockBusy). Past ``timeout`` s the last refusal is raised."""
+    deadline = time.monotonic() + timeout
+    waiting = False
+    while True:
+        try:
+            return lock.acquire()
+        except LockBusy as e:
+            if not waiting and on_wait is not None:
+                on_wait(e)
+            waiting = True
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(poll)
 
 
 def is_locked(path: str) -> str | None:

@@ -22,7 +22,7 @@ from batchrun.job import preload
 from batchrun.job.inputs import check_schemas, find_input_files
 from batchrun.job.interrupt import start_up_over
 from batchrun.job.spec import JobSpec
-from batchrun.job.lock import LockBusy, TaskLock
+from batchrun.job.lock import LockBusy, TaskLock, acquire_waiting
 from batchrun.engine.lora.adapters import inspect_adapter
 from batchrun.engine.models.checkpoint import inspect_model
 from batchrun.engine.models.config import check_context_length
@@ -254,21 +254,13 @@ def _acquire_blocking(lock: TaskLock, out: OutputDir, log, timeout: float | None
     """Wait (bounded) for the worker that is planning this output directory; it publishes the
     plan and the manifest before it lets go, so the waiter then reads them instead of planning."""
     timeout = PLAN_WAIT_S if timeout is None else timeout
-    deadline = time.monotonic() + timeout
-    waiting = False
-    while True:
-        try:
-            lock.acquire()
-            return
-        except LockBusy as e:
-            if not waiting:
-                log(f"another worker is planning {out.path}; waiting for its plan (up to {timeout:g} s)")
-                waiting = True
-            if time.monotonic() > deadline:
-                raise LockBusy(f"output.path: waited {timeout:g} s for another worker to finish planning "
-                               f"{out.path} and it has not ({e}). If that worker is hung, stop it; "
-                               "then rerun (a finished plan is reused)") from None
-            time.sleep(0.2)
+    try:
+        acquire_waiting(lock, timeout, lambda e: log(
+            f"another worker is planning {out.path}; waiting for its plan (up to {timeout:g} s)"))
+    except LockBusy as e:
+        raise LockBusy(f"output.path: waited {timeout:g} s for another worker to finish planning "
+                       f"{out.path} and it has not ({e}). If that worker is hung, stop it; "
+                       "then rerun (a finished plan is reused)") from None
 
 
 def _read_manifest(out: OutputDir) -> dict | None:
