@@ -2,7 +2,9 @@
 
 Each task owns its file (under its lock) and appends its run to ``runs``; metrics.json merges
 all tasks' runs, so a job resumed five times shows five runs and concurrent tasks never race on
-one history.
+one history. The merge (read every task's file, write metrics.json) holds locks/metrics.lock:
+otherwise a task that read the directory before another task's file landed could write its
+merge last, and metrics.json would miss that task.
 """
 from __future__ import annotations
 
@@ -10,7 +12,10 @@ import json
 import os
 
 from batchrun.job.commit import committed_units, write_json_atomic
+from batchrun.job.lock import TaskLock, acquire_waiting
 from batchrun.job.output import OutputDir
+
+MERGE_WAIT_S = 60.0  # a merge takes milliseconds; the OS drops a dead holder's lock
 
 
 def write_metrics(out: OutputDir, task_id: int, this_run: dict, total_units: int, total_rows: int,
@@ -19,7 +24,12 @@ def write_metrics(out: OutputDir, task_id: int, this_run: dict, total_units: int
     path = os.path.join(out.task_metrics_dir, f"task-{task_id}.json")
     runs = _previous_runs(path) + [{k: v for k, v in this_run.items() if k != "runs"}]
     write_json_atomic(path, {**this_run, "runs": runs})  # the last run, and every run so far
-    write_json_atomic(out.metrics, job_metrics(out, total_units, total_rows, samples_per_row))
+    merge = acquire_waiting(TaskLock(os.path.join(out.locks, "metrics.lock"), "merging metrics.json"),
+                            MERGE_WAIT_S, poll=0.02)
+    try:
+        write_json_atomic(out.metrics, job_metrics(out, total_units, total_rows, samples_per_row))
+    finally:
+        merge.release()
 
 
 def _previous_runs(path: str) -> list[dict]:

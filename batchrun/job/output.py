@@ -9,7 +9,8 @@
         commits/unit-000000.json   one marker per committed unit (rows, errors, tokens)
         claims/unit-000000         a worker's claim on a unit in flight (batchrun/job/claims.py)
         tmp/task-0/                part files being written (never visible in the dataset)
-        locks/task-0.lock          one fcntl lock per task id
+        locks/task-0.lock          one fcntl lock per task id (manifest.lock: planning;
+                                   metrics.lock: merging metrics.json)
         metrics.json               totals over all committed units + each task's last run
         metrics/task-0.json        each task's last run
 """

@@ -35,7 +35,7 @@ from batchrun.job.feeder import END as FEED_END, FLUSH, Feeder, UnitSource
 from batchrun.job.interrupt import Interrupted, Signals
 from batchrun.job.inputs import RowReader
 from batchrun.job.spec import JobSpec
-from batchrun.job.lock import TaskLock
+from batchrun.job.lock import LockBusy, TaskLock
 from batchrun.job.metrics import write_metrics
 from batchrun.job.output import OutputDir
 from batchrun.job.plan import Unit, assign_tasks, engine_groups, group_rows, seqs_bound
@@ -436,7 +436,7 @@ class TaskRunner:
             this_run = {**asdict(self.stats), "output_tok_per_s": self.stats.output_tok_per_s}
             write_metrics(self.out, self.worker, this_run, len(self.plan.units), self.plan.total_rows,
                           self.spec.sampling.n)
-        except OSError as e:  # metrics must never turn a finished run into a failed one
+        except (OSError, LockBusy) as e:  # metrics must never turn a finished run into a failed one
             self.log(f"warning: could not write metrics: {e}")
 
 
