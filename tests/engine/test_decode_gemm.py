@@ -30,6 +30,20 @@ def dirs(tmp_path_factory):
     return root, adapters
 
 
+@pytest.fixture(scope="module")
+def reference():
+    # the engine without the Triton GEMM, run once per `lora` for the module's tests on `dirs`
+    # (each run is ~20 s of interpreted kernels)
+    cache = {}
+
+    def get(dirs, lora):
+        if lora not in cache:
+            with pytest.MonkeyPatch.context() as m:
+                cache[lora] = _run(m, dirs, decode_gemm=False, lora=lora)[:2]
+        return cache[lora]
+    return get
+
+
 def _run(monkeypatch, dirs, decode_gemm: bool, lora: bool):
     root, adapters = dirs
     monkeypatch.setenv("BATCHRUN_FORCE_TRITON", "1")
@@ -51,19 +65,21 @@ def _run(monkeypatch, dirs, decode_gemm: bool, lora: bool):
             calls.update([(_n, x.shape[0] <= 16, w.shape[0], k.get("lora") is not None)]),
             k.get("split_k", 1) > 1 and calls.splits.update([(_n, *w.shape, k["split_k"])]),
             _o(x, w, *a, **k))[-1])
-    # 20 rows: the first steps decode 20 rows (torch's GEMM), the last ones fewer (Triton)
+    # 20 rows: the prefill and first decode step have 20 rows (torch's GEMM), the later decode
+    # steps 16, 12, 8, 4 (Triton); rows i, i + 5, .. run equally long, so every one of those
+    # steps has rows of each adapter and base rows
     prompts = random_prompts(20, [5, 11, 3, 8], engine.model.config.vocab_size, seed=4)
     names = [None, "a", "b", None] if lora else [None]
-    reqs = [Request(i, p, SamplingParams(max_tokens=3 + i % 7, ignore_eos=True),
+    reqs = [Request(i, p, SamplingParams(max_tokens=2 + i % 5, ignore_eos=True),
                     adapter=names[i % len(names)]) for i, p in enumerate(prompts)]
     tokens = {r.request_id: r.output_token_ids for r in engine.generate(reqs)}
     return tokens, calls, engine
 
 
 @pytest.mark.parametrize("lora", [False, True])
-def test_few_row_steps_take_the_triton_gemm_with_the_same_tokens(monkeypatch, dirs, lora):
-    with monkeypatch.context() as m:
-        ref, ref_calls, _ = _run(m, dirs, decode_gemm=False, lora=lora)
+def test_few_row_steps_take_the_triton_gemm_with_the_same_tokens(monkeypatch, dirs, reference,
+                                                                lora):
+    ref, ref_calls = reference(dirs, lora)
     got, calls, engine = _run(monkeypatch, dirs, decode_gemm=True, lora=lora)
     assert not ref_calls  # off: never
     assert got == ref
@@ -84,13 +100,12 @@ def test_few_row_steps_take_the_triton_gemm_with_the_same_tokens(monkeypatch, di
 
 
 @pytest.mark.parametrize("lora", [False, True])
-def test_narrow_weights_take_the_split_k_gemm_when_tuned(monkeypatch, dirs, lora):
+def test_narrow_weights_take_the_split_k_gemm_when_tuned(monkeypatch, dirs, reference, lora):
     # o_proj is below the size rule (cuBLAS); with an entry for its shape in SPLIT_TUNED it
     # takes the skinny GEMM with K split over programs; a LoRA step's [W; A] takes W's entry
     # in the launch that also adds the delta (skinny_gemm_lora); and the tokens are those of
     # the engine without any Triton GEMM
-    with monkeypatch.context() as m:
-        ref, _, _ = _run(m, dirs, decode_gemm=False, lora=lora)
+    ref, _ = reference(dirs, lora)
     h = 64  # the tiny model's hidden size: o_proj is [h, h]
     monkeypatch.setattr(skinny_kernel, "SPLIT_TUNED", {(h, h): ((16, 16, 2, 4), 3)})
     got, calls, engine = _run(monkeypatch, dirs, decode_gemm=True, lora=lora)
