@@ -87,7 +87,8 @@ def test_piecewise_prefill_matches_eager(tmp_path, monkeypatch, lora):
     prompts = random_prompts(6, [5, 17, 40, 3, 29, 70], base.config.vocab_size, seed=4)
     prompts += [prompts[2][:20] + p for p in random_prompts(3, [4, 9, 31], base.config.vocab_size, 5)]
     names = [None, "qv", "all"] if lora else [None]
-    sp = SamplingParams(max_tokens=4, ignore_eos=True, logprobs=3)
+    # two tokens: the first from the prefill, the second from a decode step reading its K/V
+    sp = SamplingParams(max_tokens=2, ignore_eos=True, logprobs=3)
     reqs = [Request(i, p, sp, adapter=names[i % len(names)]) for i, p in enumerate(prompts)]
 
     # then base rows only: a LoRA engine's steps without adapter tokens take the no-LoRA set
