@@ -40,6 +40,13 @@ cases_config = {f"triton {c} split {s}": (c, s) for c in CONFIGS for s in SPLITS
 COLD_BYTES = 512 << 20
 
 
+def cold_copies(n: int, k: int, dtype: torch.dtype) -> list[torch.Tensor]:
+    """Random [n, k] weights, enough copies (>= COLD_BYTES) that a GEMM over each in turn reads
+    every one from HBM, not L2: time a case over all of them and divide by len()."""
+    copies = max(2, -(-COLD_BYTES // (n * k * dtype.itemsize)))
+    return [torch.randn(n, k, device="cuda", dtype=dtype) * 0.02 for _ in range(copies)]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--m", type=int, nargs="+", default=[1, 8, 16])
@@ -51,8 +58,8 @@ def main() -> None:
     print(f"{dev_name}; RANDOM bf16 weights; µs per GEMM with the weight cold in L2 "
           f"(fraction of {hbm / 1e12:.2f} TB/s)")
     for name, (n, k) in SHAPES.items():
-        copies = max(2, -(-COLD_BYTES // (n * k * 2)))
-        ws = [torch.randn(n, k, device="cuda", dtype=dt) * 0.02 for _ in range(copies)]
+        ws = cold_copies(n, k, dt)
+        copies = len(ws)
         for m in a.m:
             x = torch.randn(m, k, device="cuda", dtype=dt)
             ref = F.linear(x, ws[0]).float()

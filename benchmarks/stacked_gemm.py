@@ -4,8 +4,9 @@ On a LoRA step of a decode graph set with slot bound k, o_proj and down_proj run
 [W; A]: N = 4096 + 16 k rows (rank 16), so 4112 at bound 1 and 4224 at bound 8. cuBLAS picks
 its algorithm per card and shape; an odd N could get a poor one on one card and not on another.
 Every H200 run measured a higher absolute LoRA cost at 1 active than the H100 (52-73 against
-44-61 ms a request, docs/benchmarks.md, session 18); this times the shapes, each weight cold
-in L2 (copies >= 512 MB, inside one CUDA graph), to confirm or rule out that cause.
+44-61 ms a request, docs/benchmarks.md, session 18); this times the shapes with each weight
+cold in L2 (narrow_gemm.py's copies, timed inside one CUDA graph) to confirm or rule out that
+cause.
 
     PYTHONPATH=. python3 benchmarks/stacked_gemm.py
 
@@ -15,11 +16,10 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-import triton
 
 from batchrun.kernels.skinny_gemm import skinny_gemm
-
-COLD_BYTES = 512 << 20
+from benchmarks.narrow_gemm import cold_copies
+from benchmarks.skinny_gemm import bench  # one case, timed inside a CUDA graph, µs
 
 
 def main() -> None:
@@ -27,17 +27,12 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name()}; RANDOM bf16 weights; M = 8; µs per GEMM, weight cold")
     for k in (4096, 11008):
         for n in (4096, 4112, 4224):
-            copies = max(2, -(-COLD_BYTES // (n * k * 2)))
-            ws = [torch.randn(n, k, device="cuda", dtype=dt) * 0.02 for _ in range(copies)]
+            ws = cold_copies(n, k, dt)
             x = torch.randn(8, k, device="cuda", dtype=dt)
             res = []
             for label, f in (("cublas", lambda w: F.linear(x, w)),
                              ("triton", lambda w: skinny_gemm(x, w))):
-                def fn(f=f):
-                    return [f(w) for w in ws]
-                fn()
-                torch.cuda.synchronize()
-                us = triton.testing.do_bench_cudagraph(fn, rep=60) * 1e3 / copies
+                us = bench(lambda f=f: [f(w) for w in ws]) / len(ws)
                 res.append(f"{label} {us:7.2f} us {n * k * 2 / us / 1e6:5.2f} TB/s")
             print(f"M 8 N {n:5d} K {k:5d}: " + " | ".join(res), flush=True)
 
