@@ -5,9 +5,10 @@ import functools
 import math
 import types
 import typing
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
+from batchrun.engine.envs import Experiments
 from batchrun.errors import ConfigError
 from batchrun.job.short_repr import short_repr
 
@@ -60,8 +61,9 @@ class SamplingParams:
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 # EngineConfig fields a job file does not set in its engine: section: the job's model path,
-# whether it has adapters (enable_lora) and sampling.seed (seed) decide them.
-JOB_DERIVED_FIELDS = ("model", "enable_lora", "seed")
+# whether it has adapters (enable_lora) and sampling.seed (seed) decide them, and the experiment
+# switches come from BATCHRUN_* environment variables (engine/envs.py).
+JOB_DERIVED_FIELDS = ("model", "enable_lora", "seed", "experiments")
 
 # max_num_seqs "auto": at most this many (engine/kv_sizing.py says why; fewer when the KV cache
 # holds fewer max_model_len sequences)
@@ -126,6 +128,8 @@ class EngineConfig:
     # Same outputs bit for bit; H100: bench latency -2.1 % (decode 5.33 vs 5.46 ms a step)
     pdl: bool = True
     seed: int = 0
+    # A/B switches, not user settings: BATCHRUN_* environment variables (engine/envs.py)
+    experiments: Experiments = field(default_factory=Experiments.from_env)
 
     def __post_init__(self):
         for name, message in engine_problems(self):

@@ -33,7 +33,7 @@ def test_engine_section_is_the_engine_config(tmp_path):
 
 def test_every_engine_field_but_the_derived_ones_is_a_job_field(tmp_path):
     names = {f.name for f in dataclasses.fields(EngineConfig)}
-    assert set(job_engine_fields()) == names - {"model", "enable_lora", "seed"}
+    assert set(job_engine_fields()) == names - {"model", "enable_lora", "seed", "experiments"}
     spec = parse_job(_job(tmp_path, block_size=32, num_kv_blocks=100, cuda_graph_sizes=[1, 8]), "/")
     assert spec.engine.block_size == 32 and spec.engine.cuda_graph_sizes == [1, 8]
     with pytest.raises(ConfigError, match=r"engine.model: unknown field \(allowed under engine: device, dtype"):
