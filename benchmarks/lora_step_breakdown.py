@@ -3,7 +3,12 @@ adapter and N adapters, next to the LoRA-disabled engine A:
 - per-kernel device time of ONE eager decode step (the profiler cannot see inside graph
   replays, so launch gaps are not in these sums: kernel time only);
 - the graph step: median wall time of runner.decode (host input prep + replay + sync) and of
-  the bare graph replay + sync, so host-side and GPU-side costs separate.
+  the bare graph replay + sync, so host-side and GPU-side costs separate;
+- one prefill step per prompt length (engine.step, first-token sampling included). Engine B's
+  prefill steps add their LoRA deltas in the kernels after each projection up to
+  BATCHRUN_LORA_FUSED_MAX_TOKENS tokens (batchrun/engine/envs.py) and run shrink + expand
+  launches above it: run once with the default and once with BATCHRUN_LORA_FUSED_MAX_TOKENS=0
+  to compare the two.
 
   PYTHONPATH=. python3 benchmarks/lora_step_breakdown.py [--model llama-2-7b] [--batch-size 8]
       [--output-json F]
@@ -40,16 +45,12 @@ def prefill_us(engine, prompts, adapters, n: int = 8) -> float:
 
 
 def prefill_table(cases, batch: int, lens: list[int], vocab: int) -> dict:
-    """One prefill step per case and prompt length; engine B both fused and shrink + expand."""
+    """One prefill step per case and prompt length."""
     out = {}
     for length in lens:
         prompts = random_prompts(batch, length, vocab, seed=length)
         for case, (engine, adapters) in cases.items():
-            modes = {"": None} if engine.lora is None else {" fused": 10 ** 9, " shrink+expand": 0}
-            for label, limit in modes.items():
-                if limit is not None:
-                    engine.config.lora_fused_max_tokens = limit
-                out[f"{case}{label} T={batch * length}"] = prefill_us(engine, prompts, adapters)
+            out[f"{case} T={batch * length}"] = prefill_us(engine, prompts, adapters)
     return out
 
 
