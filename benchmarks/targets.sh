@@ -43,10 +43,11 @@ for r in "${runs[@]}"; do
       timeout 400 "$PY" -m batchrun bench lora-matrix --preset latency --no-eager \
         --num-iters 20 --num-iters-warmup 3 --profile-kernels --output-json "$json" > "$log" 2>&1 ;;
     tp-matrix)
-      # The KV budget: an environment variable since the experiment switches left EngineConfig;
-      # a tree whose EngineConfig still has num_kv_blocks takes the flag instead.
+      # The KV budget of both engines: the --num-kv-blocks flag where this tree's bench has it,
+      # and BATCHRUN_NUM_KV_BLOCKS (batchrun/engine/envs.py) in any case.
       kv=()
-      grep -qE '^\s+num_kv_blocks:' batchrun/engine/config.py && kv=(--num-kv-blocks "$TP_KV_BLOCKS")
+      "$PY" -m batchrun bench lora-matrix --help 2>/dev/null | grep -q -- '--num-kv-blocks' \
+        && kv=(--num-kv-blocks "$TP_KV_BLOCKS")
       BATCHRUN_NUM_KV_BLOCKS="$TP_KV_BLOCKS" timeout 500 "$PY" -m batchrun bench lora-matrix \
         --preset throughput --no-eager --num-iters 3 --num-iters-warmup 1 --profile-kernels \
         "${kv[@]}" --output-json "$json" > "$log" 2>&1 ;;
