@@ -50,10 +50,12 @@ class LLM:
 
     def __init__(self, model: str | os.PathLike, adapters: dict[str, str] | None = None,
                  input: dict | None = None, **engine):
+        # Sampling comes with each call (and is checked against max_model_len there): the
+        # max_tokens given here only keeps parse_job's check from refusing a short max_model_len.
         raw = {"model": str(model), "adapters": dict(adapters or {}) or None,
                "input": {"path": "-", "id_column": "id", **(input or {}),
                          **({"adapter_column": "adapter"} if adapters else {})},
-               "output": {"path": "-"}, "engine": engine}
+               "output": {"path": "-"}, "sampling": {"max_tokens": 1}, "engine": engine}
         self.spec: JobSpec = parse_job(raw, base_dir=os.getcwd())
         from batchrun.job.prepare import check_model_and_adapters
         from batchrun.job.runner import load_engine
@@ -117,6 +119,7 @@ class LLM:
         from batchrun.job.plan import Unit
         from batchrun.job.rows import build_unit
         count = len(items)
+        self._check_tokenizer(items, inp)
         names = adapter_names(adapters, lora_request, count, self.spec.adapters)
         samplings = self._samplings(sampling_params, count)
         groups: dict[tuple, list[int]] = {}
@@ -153,6 +156,18 @@ class LLM:
                                            error=res.error if res.finish_reason == "error" else None)
                 out[i].outputs.append(completion(res, slot % w.n))
         return out  # type: ignore[return-value]
+
+    def _check_tokenizer(self, items: list[CallPrompt], inp) -> None:
+        """Text needs a tokenizer and conversations a chat template (as a job's prompt_column
+        and messages_column do): refuse the call rather than fail every prompt."""
+        tok = self.engine.tokenizer
+        for i, item in enumerate(items):
+            if item.kind != "ids" and tok is None:
+                raise ConfigError(f"prompts[{i}]: {self.spec.model} has no tokenizer; give prompts as token ids")
+            chat = item.kind == "messages" or (item.kind == "text" and inp.system_prompt is not None)
+            if chat and not getattr(tok, "chat_template", None):
+                raise ConfigError(f"prompts[{i}]: the tokenizer in {self.spec.model} has no chat template to render "
+                                  "a conversation (or input.system_prompt) with; give preformatted text to generate")
 
     def _samplings(self, sampling_params, count: int) -> list[tuple[str, SamplingSpec]]:
         """(key, parsed sampling) per prompt; equal settings are parsed (and logged) once."""
