@@ -22,13 +22,13 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable, Sequence
 
 from batchrun.api_adapters import LoRARequest, adapter_names
-from batchrun.api_outputs import CompletionOutput, RequestOutput, completion
+from batchrun.api_outputs import CompletionOutput, Logprob, RequestOutput, completion
 from batchrun.api_prompts import KINDS, CallPrompt, chat_prompts, generate_prompts
 from batchrun.api_sampling import SamplingParams, sampling_key, sampling_list
 from batchrun.errors import ConfigError
 from batchrun.job.spec import JobSpec, SamplingSpec, check_max_tokens, load_job, parse_job, parse_sampling
 
-__all__ = ["LLM", "SamplingParams", "LoRARequest", "RequestOutput", "CompletionOutput", "run"]
+__all__ = ["LLM", "SamplingParams", "LoRARequest", "RequestOutput", "CompletionOutput", "Logprob", "run"]
 
 logger = logging.getLogger("batchrun")
 
@@ -144,6 +144,7 @@ class LLM:
                 unit_index, slot = res.request_id
                 works[unit_index].results[slot] = res
         prompt_ids = {r.request_id: r.prompt_token_ids for r in requests}
+        decode = self._decoder()
         out: list[RequestOutput | None] = [None] * count
         for w, members in zip(works, members_of):
             for slot, res in enumerate(w.results):
@@ -154,8 +155,13 @@ class LLM:
                     out[i] = RequestOutput(item.id, self._prompt_text(item, inp), None if ids is None else list(ids),
                                            index=i, adapter=res.adapter, prompt_tokens=res.prompt_tokens,
                                            error=res.error if res.finish_reason == "error" else None)
-                out[i].outputs.append(completion(res, slot % w.n))
+                out[i].outputs.append(completion(res, slot % w.n, decode))
         return out  # type: ignore[return-value]
+
+    def _decoder(self):
+        """token id -> its text (None without a tokenizer), cached for the call."""
+        tok = self.engine.tokenizer
+        return functools.lru_cache(maxsize=None)(lambda t: None if tok is None else tok.decode([t]))
 
     def _check_tokenizer(self, items: list[CallPrompt], inp) -> None:
         """Text needs a tokenizer and conversations a chat template (as a job's prompt_column

@@ -23,6 +23,19 @@ def test_request_output_carries_the_prompt_and_its_token_ids(demo_llm):
     assert out[0].outputs[0].cumulative_logprob is None  # as vLLM: only with logprobs requested
 
 
+def test_logprobs_in_vllms_form(demo_llm):
+    tok = demo_llm.tokenizer
+    greedy = demo_llm.generate("hello world", {"max_tokens": 6, "logprobs": 2}, use_tqdm=False)[0].outputs[0]
+    for t, d, top in zip(greedy.token_ids, greedy.logprobs, greedy.top_logprobs):
+        assert list(d) == [tid for tid, _ in top] and [p.rank for p in d.values()] == [1, 2]
+        assert d[t].rank == 1 and d[t].logprob == top[0][1] and d[t].decoded_token == tok.decode([t])
+    sampled = demo_llm.generate("hello world", {"max_tokens": 16, "logprobs": 0, "temperature": 2.0, "n": 4},
+                                use_tqdm=False)[0].outputs
+    for c in sampled:  # logprobs=0: the sampled token alone, its rank not computed
+        assert all(list(d) == [t] and d[t].rank is None for t, d in zip(c.token_ids, c.logprobs))
+        assert c.cumulative_logprob == pytest.approx(sum(d[t].logprob for t, d in zip(c.token_ids, c.logprobs)))
+
+
 def test_progress_bar_by_default_and_off_by_flag(demo_llm, capsys):
     demo_llm.generate(["hello", "fox", ""], {"max_tokens": 4})
     err = capsys.readouterr().err

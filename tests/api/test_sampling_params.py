@@ -15,7 +15,8 @@ def test_vllm_names_give_the_dict_forms_tokens(demo_llm):
     assert [[c.token_ids for c in o.outputs] for o in got] == [[c.token_ids for c in o.outputs] for o in want]
     assert [len(o.outputs) for o in got] == [3, 3]
     c = got[0].outputs[0]
-    assert len(c.logprobs) == len(c.token_ids) and c.cumulative_logprob == pytest.approx(sum(c.logprobs))
+    assert len(c.logprobs) == len(c.token_ids)
+    assert c.cumulative_logprob == pytest.approx(sum(d[t].logprob for d, t in zip(c.logprobs, c.token_ids)))
     assert repr(sp).startswith("SamplingParams(n=3, temperature=1.0")
 
 
