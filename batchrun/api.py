@@ -84,7 +84,8 @@ class LLM:
         return self._run(items, sampling_params, use_tqdm, lora_request, adapters, self.spec.input)
 
     def chat(self, messages: Any, sampling_params: Any = None, use_tqdm: bool | Callable = True,
-             lora_request: Any = None, chat_template: str | None = None, add_generation_prompt: bool = True,
+             lora_request: Any = None, chat_template: str | None = None,
+             chat_template_content_format: str = "auto", add_generation_prompt: bool = True,
              continue_final_message: bool = False, tools: Any = None,
              chat_template_kwargs: dict | None = None, *, adapters: Any = None,
              request_ids: Sequence | None = None) -> list[RequestOutput]:
@@ -97,6 +98,8 @@ class LLM:
                 ("chat_template", chat_template, chat_template is None,
                  "batchrun uses the model's own template, as a job does; edit tokenizer_config.json or "
                  "chat_template.jinja in a copy of the model"),
+                ("chat_template_content_format", chat_template_content_format,
+                 chat_template_content_format in ("auto", "string"), "message content is always a string"),
                 ("add_generation_prompt", add_generation_prompt, add_generation_prompt is True,
                  "jobs always add the generation prompt"),
                 ("continue_final_message", continue_final_message, continue_final_message is False,

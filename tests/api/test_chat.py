@@ -47,6 +47,8 @@ def test_chat_template_kwargs_reach_the_template(tmp_path, char_model):
     (lambda llm: llm.chat(CONV, continue_final_message=True), "continue_final_message=True is not supported"),
     (lambda llm: llm.chat(CONV, chat_template="{{ x }}"), "chat_template='{{ x }}' is not supported"),
     (lambda llm: llm.chat(CONV, tools=[{"type": "function"}]), "tools=.* is not supported"),
+    (lambda llm: llm.chat(CONV, chat_template_content_format="openai"),
+     "chat_template_content_format='openai' is not supported"),
 ])
 def test_chat_mistakes_are_clear(char_llm, call, needle):
     with pytest.raises(ConfigError, match=needle):
