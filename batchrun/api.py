@@ -119,18 +119,27 @@ class LLM:
 
     def _run(self, items: list[CallPrompt], sampling_params, use_tqdm, lora_request, adapters,
              inp) -> list[RequestOutput]:
+        self._check_tokenizer(items, inp)
+        names = adapter_names(adapters, lora_request, len(items), self.spec.adapters)
+        works, members_of = self._works(items, names, self._samplings(sampling_params, len(items)), inp)
+        requests = [r for w in works for r in w.requests]
+        with _Progress(use_tqdm, works, len(items)) as bar:
+            for res in self.engine.generate(requests, on_result=bar.done):
+                unit_index, slot = res.request_id
+                works[unit_index].results[slot] = res
+        return self._outputs(items, works, members_of, {r.request_id: r.prompt_token_ids for r in requests}, inp)
+
+    def _works(self, items: list[CallPrompt], names: list, samplings: list, inp) -> tuple[list, list]:
+        """The call's prompts as the runner's units: one per (prompt kind, adapter, sampling), each
+        built by rows.build_unit as a job builds a unit's rows. Returns (works, call positions per work)."""
         from batchrun.job.plan import Unit
         from batchrun.job.rows import build_unit
-        count = len(items)
-        self._check_tokenizer(items, inp)
-        names = adapter_names(adapters, lora_request, count, self.spec.adapters)
-        samplings = self._samplings(sampling_params, count)
         groups: dict[tuple, list[int]] = {}
         for i, item in enumerate(items):
             groups.setdefault((item.kind, names[i], samplings[i][0]), []).append(i)
         check = functools.partial(self.engine.check_request, job=True)
         works, members_of = [], []
-        for index, ((kind, adapter, key), members) in enumerate(groups.items()):
+        for index, ((kind, adapter, _), members) in enumerate(groups.items()):
             col = KINDS[kind]
             columns = {"prompt_column": None, "messages_column": None, "prompt_token_ids_column": None,
                        f"{col}_column": col}
@@ -141,16 +150,14 @@ class LLM:
                     "adapter": [adapter] * len(members)}
             works.append(build_unit(unit, rows, None, None, _CallPlan(), spec, self.engine.tokenizer, check))
             members_of.append(members)
-        requests = [r for w in works for r in w.requests]
-        with _Progress(use_tqdm, works, members_of, count) as bar:
-            for res in self.engine.generate(requests, on_result=bar.done):
-                unit_index, slot = res.request_id
-                works[unit_index].results[slot] = res
-        prompt_ids = {r.request_id: r.prompt_token_ids for r in requests}
+        return works, members_of
+
+    def _outputs(self, items: list[CallPrompt], works: list, members_of: list, prompt_ids: dict,
+                 inp) -> list[RequestOutput]:
         decode = self._decoder()
-        out: list[RequestOutput | None] = [None] * count
+        out: list[RequestOutput | None] = [None] * len(items)
         for w, members in zip(works, members_of):
-            for slot, res in enumerate(w.results):
+            for slot, res in enumerate(w.results):  # slot = row * n + sample
                 i = members[slot // w.n]
                 if out[i] is None:
                     item = items[i]
@@ -235,7 +242,7 @@ class _CallPlan:
 class _Progress:
     """A tqdm bar over the call's prompts: one step when a prompt's last output is done."""
 
-    def __init__(self, use_tqdm, works, members_of, count: int):
+    def __init__(self, use_tqdm, works, count: int):
         self.bar = None
         self.left: dict[tuple, int] = {}
         self.works = works
