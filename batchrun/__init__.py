@@ -5,6 +5,7 @@ from batchrun import _kernels_path
 
 _kernels_path.install()
 
-from batchrun.api import LLM, CompletionOutput, RequestOutput, run  # noqa: E402  (no torch until used)
+from batchrun.api import (LLM, CompletionOutput, Logprob, LoRARequest, RequestOutput,  # noqa: E402
+                          SamplingParams, run)  # (no torch until used)
 
-__all__ = ["LLM", "CompletionOutput", "RequestOutput", "run", "__version__"]
+__all__ = ["LLM", "SamplingParams", "LoRARequest", "CompletionOutput", "Logprob", "RequestOutput", "run", "__version__"]

@@ -13,10 +13,9 @@ from runner_helpers import read_output, write_rows  # noqa: E402
 DEMO = Path(__file__).resolve().parent.parent.parent / "demo"
 
 
-@pytest.fixture(scope="module")
-def llm():
-    return batchrun.LLM(DEMO / "model", adapters={"upper": str(DEMO / "adapters" / "upper")},
-                        device="cpu", max_model_len=128)
+@pytest.fixture
+def llm(demo_llm):
+    return demo_llm
 
 
 def test_generate_text_ids_messages_and_adapters(llm):
