@@ -150,3 +150,16 @@ def test_task_count_from_min_max_when_slurm_sets_no_count(monkeypatch):
     assert slurm_task_defaults() == (2, 4)
     monkeypatch.setenv("SLURM_ARRAY_TASK_COUNT", "4")
     assert slurm_task_defaults() == (2, 4)
+
+
+def test_the_shipped_example_claims_at_run_time_and_logs_on_the_node(tmp_path, fake_batchrun):
+    script = REPO / "jobs" / "slurm-array.sbatch"
+    text = script.read_text()
+    sbatch = re.findall(r"^#SBATCH (\S+)$", text, re.M)
+    assert "--gpus-per-task=1" in sbatch and "--open-mode=append" in sbatch
+    assert not any(o.startswith("--gpus=") for o in sbatch) and not any("$" in o for o in sbatch)
+    r = run_script(script, SCRATCH=str(tmp_path / "scratch"), HOME=str(tmp_path), SLURM_ARRAY_JOB_ID="5",
+                   SLURM_ARRAY_TASK_ID="2", SLURM_ARRAY_TASK_MIN="0", SLURM_ARRAY_TASK_COUNT="8")
+    assert r.returncode == 0, r.stderr
+    log = tmp_path / "scratch" / "nightly" / "out" / "_batchrun" / "slurm" / "5_2.out"
+    assert log.read_text().splitlines()[0] == f"args: run {tmp_path}/jobs/nightly.yaml"  # no --num-tasks
