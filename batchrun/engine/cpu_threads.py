@@ -19,8 +19,6 @@ import math
 import os
 import sys
 
-import torch
-
 EXPLICIT = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
 CGROUP_V2 = "/sys/fs/cgroup/cpu.max"  # "max 100000" or "<quota_us> <period_us>"
 CGROUP_V1 = ("/sys/fs/cgroup/cpu/cpu.cfs_quota_us", "/sys/fs/cgroup/cpu/cpu.cfs_period_us")
@@ -74,9 +72,17 @@ def default_threads(cpus: int) -> int:
     return max(1, cpus - 1)
 
 
+def worker_threads(workers: int, env=os.environ) -> int:
+    """Threads for each of ``workers`` CPU engines sharing this node (`run --workers N`): an equal
+    share of the CPUs, less one for each worker's feeder and writer, at least one."""
+    cpus, _ = available_cpus(env)
+    return max(1, cpus // workers - 1)
+
+
 def limit_cpu_threads(env=os.environ) -> int | None:
     """Set the CPU engine's intra-op thread count (see the module docstring); returns it, or None
     when OMP_NUM_THREADS / MKL_NUM_THREADS decide. Prints the choice once per process."""
+    import torch  # here, so that a --workers parent can size its workers without importing torch
     explicit = [f"{v}={env[v]}" for v in EXPLICIT if env.get(v)]
     if explicit:
         _report(f"{torch.get_num_threads()} (from {', '.join(explicit)})")

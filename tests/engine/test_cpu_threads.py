@@ -1,6 +1,7 @@
 """The CPU engine's intra-op thread default (engine/cpu_threads.py): one per CPU this process may
 use, less one for the feeder and writer threads; OMP_NUM_THREADS wins; never raised; said once."""
 import os
+import sys
 
 import pytest
 import torch
@@ -73,3 +74,18 @@ def test_cgroup_quota(tmp_path, v2, v1, want):
         q1.write_text(v1[0] + "\n")
         p1.write_text(v1[1] + "\n")
     assert REAL_CGROUP_CPUS(str(p2), (str(q1), str(p1))) == want
+
+
+@pytest.mark.parametrize("affinity,workers,want", [(2, 2, "1"), (16, 4, "3"), (8, 3, "1"), (4, 1, "3")])
+def test_cpu_workers_on_one_node_share_the_cpus(tmp_path, monkeypatch, affinity, workers, want):
+    from batchrun.job.workers import run_workers
+    cpus(monkeypatch, affinity)
+    seen = tmp_path / "threads"
+    cmd = [sys.executable, "-c", "import os, sys; open(sys.argv[1], 'a').write(os.environ.get('OMP_NUM_THREADS', '-') "
+           "+ '\\n')", str(seen)]
+    env = {k: v for k, v in os.environ.items() if k not in ct.EXPLICIT}
+    assert run_workers(cmd, [None] * workers, str(tmp_path), log=lambda m: None, env=env) == 0
+    assert seen.read_text().split() == [want] * workers
+    seen.unlink()
+    assert run_workers(cmd, [None] * workers, str(tmp_path), log=lambda m: None, env={**env, "OMP_NUM_THREADS": "5"}) == 0
+    assert seen.read_text().split() == ["5"] * workers  # the user's setting wins
