@@ -24,6 +24,8 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+import yaml
+
 from batchrun.engine.config import DEVICES
 from batchrun.errors import ConfigError
 from batchrun.job.safe_yaml import load_yaml
@@ -102,7 +104,7 @@ def read_job(path: str | os.PathLike) -> SlurmJob:
         raise ConfigError(f"cannot read job file {path}: {e.strerror or e}") from None
     except ConfigError as e:
         raise ConfigError(f"{path}: {e}") from None
-    except Exception as e:  # yaml.YAMLError: load_job words it
+    except yaml.YAMLError as e:
         raise ConfigError(f"{path}: not valid YAML: {str(e)[:600]}") from None
     raw = raw if isinstance(raw, dict) else {}
     out = raw.get("output") if isinstance(raw.get("output"), dict) else {}
@@ -232,7 +234,8 @@ def sbatch_script(job: SlurmJob, array: int, script_path: str, *, cpus: int = 8,
     exe = shutil.which("batchrun") or f"{sys.executable} -m batchrun"
     text = HEADER.format(
         job_file=job.job_file.replace("\n", " "), name=name, last=array - 1, cpus=cpus, mem=mem, time=time,
-        slurm_log=os.path.join(log_dir, "%A_%a.out" if job.static_output else f"{name}-%A_%a.out"),
+        slurm_log=os.path.join(log_dir.replace("%", "%%"),  # a literal % in a path, not a Slurm pattern
+                               "%A_%a.out" if job.static_output else f"{name.replace('%', '%%')}-%A_%a.out"),
         extra="\n".join(extra), signal_before=signal_before,
         gpus=f"\n#SBATCH --gpus-per-task={gpus}" if gpus else "")
     if job.static_output is None:

@@ -163,3 +163,9 @@ def test_the_shipped_example_claims_at_run_time_and_logs_on_the_node(tmp_path, f
     assert r.returncode == 0, r.stderr
     log = tmp_path / "scratch" / "nightly" / "out" / "_batchrun" / "slurm" / "5_2.out"
     assert log.read_text().splitlines()[0] == f"args: run {tmp_path}/jobs/nightly.yaml"  # no --num-tasks
+
+
+def test_a_percent_in_the_output_path_is_not_a_slurm_pattern(tmp_path):
+    job = sl.read_job(write_job(tmp_path, output="out%j"))
+    text = sl.sbatch_script(job, 2, str(tmp_path / "job.sbatch"))
+    assert f"#SBATCH --output={tmp_path}/out%%j/_batchrun/slurm/%A_%a.out\n" in text
