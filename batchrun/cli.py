@@ -37,14 +37,18 @@ def slurm_task_defaults() -> tuple[int | None, int | None]:
     """(task_id, num_tasks) from a Slurm array's environment, or (None, None) outside one.
 
     Array ids may start at an offset (--array=1-8) or step (--array=0-15:4), so the task id is
-    (SLURM_ARRAY_TASK_ID - SLURM_ARRAY_TASK_MIN) / SLURM_ARRAY_TASK_STEP.
+    (SLURM_ARRAY_TASK_ID - SLURM_ARRAY_TASK_MIN) / SLURM_ARRAY_TASK_STEP; the count is
+    SLURM_ARRAY_TASK_COUNT, else (SLURM_ARRAY_TASK_MAX - SLURM_ARRAY_TASK_MIN) / STEP + 1.
     """
     tid = _env_int("SLURM_ARRAY_TASK_ID")
     if tid is None:
         return None, None
     tmin = _env_int("SLURM_ARRAY_TASK_MIN") or 0
     step = _env_int("SLURM_ARRAY_TASK_STEP") or 1
-    return (tid - tmin) // step, _env_int("SLURM_ARRAY_TASK_COUNT")
+    count, tmax = _env_int("SLURM_ARRAY_TASK_COUNT"), _env_int("SLURM_ARRAY_TASK_MAX")
+    if count is None and tmax is not None:  # Slurm without SLURM_ARRAY_TASK_COUNT
+        count = (tmax - tmin) // step + 1
+    return (tid - tmin) // step, count
 
 
 def worker_name(task_id: int) -> str:
@@ -269,8 +273,9 @@ def show(out, limit, prompts):
 @click.option("--mem", default="64G", show_default=True, help="#SBATCH --mem")
 @click.option("--partition", default=None, help="#SBATCH --partition")
 @click.option("--account", default=None, help="#SBATCH --account")
-@click.option("--gpus-per-task", type=click.IntRange(min=0), default=1, show_default=True,
-              help="GPUs of each array task (#SBATCH --gpus=N, --ntasks=1); 0 writes no GPU request (CPU runs, clusters without GPU gres).")
+@click.option("--gpus-per-task", type=click.IntRange(min=0), default=None,
+              help="GPUs of each array task (#SBATCH --gpus-per-task=N, --ntasks=1). Default: the job's "
+                   "engine.device (cpu: none; auto or cuda: 1); 0 writes no GPU request (clusters without GPU gres).")
 @click.option("--sbatch-arg", "sbatch_args", multiple=True, metavar="ARG",
               help="Another #SBATCH line, e.g. --sbatch-arg=--qos=long (repeatable).")
 @click.option("--restart", is_flag=True,
@@ -284,16 +289,19 @@ def show(out, limit, prompts):
 def slurm(job, array, script, time_, cpus, mem, partition, account, gpus_per_task, sbatch_args, restart,
           signal_before, submit):
     """Write an sbatch script running JOB as a Slurm array of ARRAY tasks; --submit submits it."""
-    from batchrun.job.spec import load_job
     from batchrun.job import slurm as sl
     try:
-        spec = load_job(job)
-        text = sl.sbatch_script(spec, array, cpus=cpus, mem=mem, time=time_, partition=partition,
+        spec = sl.read_job(job)  # variables in its paths are expanded by each task, not here
+        path = script or os.path.splitext(spec.job_file)[0] + ".sbatch"
+        text = sl.sbatch_script(spec, array, path, cpus=cpus, mem=mem, time=time_, partition=partition,
                                 account=account, restart=restart, gpus_per_task=gpus_per_task,
                                 sbatch_args=sbatch_args, signal_before=signal_before)
-        path = script or os.path.splitext(spec.job_file)[0] + ".sbatch"
         sl.write_script(spec, path, text)
         click.echo(f"wrote {path}")
+        if spec.unset:
+            click.echo(f"note: {', '.join('$' + v for v in spec.unset)} not set here: the job's paths are "
+                       "expanded and checked by each task when it starts (`batchrun plan` where they are set "
+                       "checks them now)")
         if submit:
             click.echo(sl.submit(path))
         else:

@@ -6,13 +6,13 @@
 """
 from __future__ import annotations
 
-import os
 from typing import Callable
 
 import torch
 
 from batchrun.engine.config import EngineConfig
 from batchrun.engine.block_manager import BlockManager
+from batchrun.engine.cpu_threads import limit_cpu_threads
 from batchrun.engine.kv_sizing import check_one_sequence_fits, num_kv_blocks, resolve_max_num_seqs
 from batchrun.engine.model_runner import ModelRunner
 from batchrun.engine.request import Request, Result
@@ -35,24 +35,6 @@ def resolve_device(name: str) -> torch.device:
         raise ConfigError("engine.device: 'cuda' asked for but no CUDA GPU is visible; "
                           "use device: auto or cpu")
     return torch.device(name)
-
-
-def limit_cpu_threads() -> int | None:
-    """CPU engine: at most one intra-op thread per core this process may run on.
-
-    torch sizes its pool from the machine's cores, but a Slurm task (--cpus-per-task), taskset or
-    a container may own only a few of them; a pool larger than that oversubscribes them. Only
-    lowers the count; OMP_NUM_THREADS / MKL_NUM_THREADS, when set, win. Returns the limit used.
-    """
-    if any(os.environ.get(v) for v in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")):
-        return None
-    try:
-        n = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        n = os.cpu_count() or 1
-    if torch.get_num_threads() > n:
-        torch.set_num_threads(n)
-    return n
 
 
 def max_position(config: EngineConfig, mcfg: ModelConfig) -> int:

@@ -5,7 +5,8 @@ stops them all (exit 130), exit code the worst of theirs.
 Each worker is an ordinary `batchrun run JOB --task-id i --num-tasks N` child; the claims
 (batchrun/job/claims.py) share the units. A GPU worker checks at start that exactly its one device is
 visible (``check_worker_device``), so a wrong binding fails loudly instead of stacking workers on
-one GPU.
+one GPU. CPU workers get OMP_NUM_THREADS = their share of the node's CPUs (engine/cpu_threads.py),
+unless the user set it, so N engines do not each size their thread pool to the whole node.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import sys
 import time
 from typing import Callable, Sequence
 
+from batchrun.engine.cpu_threads import EXPLICIT, worker_threads
 from batchrun.errors import ConfigError
 from batchrun.job.interrupt import Interrupted
 
@@ -94,6 +96,8 @@ def run_workers(cmd: Sequence[str], devices: Sequence[str | None], out_path: str
             e = dict(base)
             if dev is None:
                 e.pop(GPU_ENV, None)
+                if not any(e.get(v) for v in EXPLICIT):  # N engines share the CPUs, not N x all of them
+                    e["OMP_NUM_THREADS"] = str(worker_threads(n, e))
             else:
                 e["CUDA_VISIBLE_DEVICES"] = e[GPU_ENV] = dev
             procs.append(subprocess.Popen([*cmd, "--task-id", str(i), "--num-tasks", str(n)], env=e))

@@ -1,7 +1,8 @@
 """batchrun against a real single-node Slurm (scripts/slurm-ci.sh start; .ci/run does it in CI).
 
 Skipped with a message where no Slurm answers, except in CI (CI=true), where that fails.
-The demo model on the CPU engine, 48 rows (12 units); `--gpus-per-task 0`, small --mem/--cpus.
+The demo model on the CPU engine (so no GPU request: the job says device: cpu), 48 rows (12 units),
+small --mem/--cpus.
 """
 import json
 import os
@@ -61,7 +62,7 @@ def make_job(tmp_path: Path, rows: int = ROWS, **over) -> Path:
 
 def submit(job: Path, array: int, script: str, *extra, time_limit: str = "00:10:00") -> str:
     r = subprocess.run([sys.executable, "-m", "batchrun", "slurm", str(job), "--array", str(array),
-                        "--gpus-per-task", "0", "--cpus", "1", "--mem", "1G", "--time", time_limit,
+                        "--cpus", "1", "--mem", "1G", "--time", time_limit,
                         "--script", str(job.parent / script), "--submit", *extra],
                        capture_output=True, text=True, timeout=60,
                        env={**os.environ, "PYTHONPATH": str(REPO), "BATCHRUN_CLAIM_LEASE": "3",
@@ -104,6 +105,26 @@ def test_array_of_4_submitted_finishes_every_id_once(tmp_path):
     every_id_once(out)
     assert logs(out).count("batchrun: summary task") == 4, logs(out)[-3000:]
     assert os.listdir(out / "_batchrun" / "claims") == []
+
+
+def test_output_under_a_variable_unset_when_written_is_expanded_on_the_node(tmp_path):
+    job = make_job(tmp_path, output={"path": "$BATCHRUN_CI_SCRATCH/out"})
+    env = {k: v for k, v in os.environ.items() if k != "BATCHRUN_CI_SCRATCH"}
+    r = subprocess.run([sys.executable, "-m", "batchrun", "slurm", str(job), "--array", "2", "--cpus", "1",
+                        "--mem", "1G", "--time", "00:10:00"], capture_output=True, text=True, timeout=60,
+                       env={**env, "PYTHONPATH": str(REPO)})
+    assert r.returncode == 0 and "$BATCHRUN_CI_SCRATCH" in r.stdout, r.stdout + r.stderr
+    scratch = tmp_path / "scratch"
+    r = subprocess.run(["sbatch", str(tmp_path / "job.sbatch")], capture_output=True, text=True, check=True,
+                       env={**env, "PYTHONPATH": str(REPO), "BATCHRUN_CI_SCRATCH": str(scratch),
+                            "BATCHRUN_CLAIM_LEASE": "3", "OMP_NUM_THREADS": "1"})
+    jid = r.stdout.split()[-1]
+    wait_gone([jid])
+    out = scratch / "out"
+    every_id_once(out)
+    assert logs(out).count("batchrun: summary task") == 2, logs(out)[-3000:]
+    assert sorted(p.name for p in (out / "_batchrun" / "slurm").glob("*.out")) == [f"{jid}_0.out", f"{jid}_1.out"]
+    assert sorted(p.name for p in tmp_path.glob("job-*.out")) == [f"job-{jid}_0.out", f"job-{jid}_1.out"]
 
 
 def test_a_second_array_of_another_size_joins_a_running_one(tmp_path):
