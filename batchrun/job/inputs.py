@@ -19,6 +19,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from batchrun.errors import ConfigError
+from batchrun.job.arrow_types import check_round_trip, has_view, plain_table
 from batchrun.job.spec import JOB_ONLY_SAMPLING, OVERRIDE_COLUMNS, InputSpec
 
 _GLOB_CHARS = set("*?[")
@@ -78,8 +79,14 @@ def _is_int(t: pa.DataType) -> bool:
     return pa.types.is_integer(t)
 
 
+def _is_list(t: pa.DataType) -> bool:
+    """Any variable-size list layout (list, large_list, list_view, large_list_view)."""
+    return (pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_list_view(t)
+            or pa.types.is_large_list_view(t))
+
+
 def _is_messages(t: pa.DataType) -> bool:
-    if not (pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_list_view(t)):
+    if not _is_list(t):
         return False
     item = t.value_type
     if not pa.types.is_struct(item):
@@ -116,7 +123,7 @@ def _override_type_ok(col: str, t: pa.DataType) -> tuple[bool, str]:
         return pa.types.is_boolean(t), "true/false values"
     if col == "response_format":
         return _is_str(t), "JSON strings ({type: json_schema, schema: ...} and the like)"
-    listy = pa.types.is_list(t) or pa.types.is_large_list(t)
+    listy = _is_list(t)
     if col == "stop":
         return _is_str(t) or (listy and _is_str(t.value_type)), "strings or lists of strings"
     return listy and _is_int(t.value_type), "lists of integer token ids"  # stop_token_ids
@@ -161,8 +168,29 @@ def _passthrough(spec: InputSpec, f: str, schema: pa.Schema, consumed: set) -> l
                    else "leave it out of the list")
             raise ConfigError(f"input.passthrough_columns: column {col!r} of {f} is named like an output column "
                               f"({', '.join(OUTPUT_COLUMNS)}); rename it in the input, or {how}")
-        out.append((col, schema.field(col).type))
+        t = schema.field(col).type
+        _check_readable("input.passthrough_columns", f, col, t)
+        out.append((col, t))
     return out
+
+
+def _type_fix(t: pa.DataType, expected: str) -> str:
+    binary = (pa.types.is_binary(t) or pa.types.is_large_binary(t) or pa.types.is_binary_view(t)
+              or pa.types.is_fixed_size_binary(t))
+    if binary and "strings" in expected:
+        return ("binary columns are not decoded as text: if it holds UTF-8 text, cast it to string "
+                "when writing the file (pyarrow: col.cast(pa.string()))")
+    return f"rewrite the column as {expected}, or point the job at another column"
+
+
+def _check_readable(field: str, f: str, column: str, t: pa.DataType) -> None:
+    """A column holding view types is read through their non-view equivalents (arrow_types.py);
+    refuse one whose type cannot make that round trip."""
+    why = check_round_trip(t)
+    if why is not None:
+        raise ConfigError(f"{field}: column {column!r} in {f} has type {t}, which batchrun cannot read "
+                          f"({why}); rewrite the column with string/binary instead of "
+                          "string_view/binary_view")
 
 
 def check_schemas(files: list[str], spec: InputSpec, overrides="auto") -> InputSchema:
@@ -184,7 +212,9 @@ def check_schemas(files: list[str], spec: InputSpec, overrides="auto") -> InputS
                                   f"(columns: {', '.join(schema.names)})")
             t = schema.field(column).type
             if not (ok(t) or pa.types.is_null(t)):
-                raise ConfigError(f"input.{field}: column {column!r} in {f} has type {t}, expected {expected}")
+                raise ConfigError(f"input.{field}: column {column!r} in {f} has type {t}, expected {expected}; "
+                                  f"{_type_fix(t, expected)}")
+            _check_readable(f"input.{field}", f, column, t)
             return t
 
         if spec.id_column:
@@ -197,7 +227,7 @@ def check_schemas(files: list[str], spec: InputSpec, overrides="auto") -> InputS
                  "a list of {role: string, content: string} structs")
         if spec.prompt_token_ids_column:
             need("prompt_token_ids_column", spec.prompt_token_ids_column,
-                 lambda t: (pa.types.is_list(t) or pa.types.is_large_list(t)) and _is_int(t.value_type),
+                 lambda t: _is_list(t) and _is_int(t.value_type),
                  "a list of integer token ids")
         if spec.adapter_column:
             need("adapter_column", spec.adapter_column, _is_str, "strings (adapter names)")
@@ -256,7 +286,7 @@ class RowReader:
             self._cache.move_to_end(key)
             return self._cache[key]
         pf, _ = self._file(fi)
-        table = pf.read_row_group(rg, columns=self.columns)
+        table = plain_table(pf.read_row_group(rg, columns=self.columns))
         self._cache[key] = table
         if len(self._cache) > self._cache_size:
             self._cache.popitem(last=False)
@@ -284,8 +314,9 @@ class RowReader:
             piece = self._row_group(fi, rg).take(pa.array(row_index[i:j] - lo))
             for c in out:
                 out[c] += column_values(piece.column(c))
-            for c in arrow:
-                arrow[c] += piece.column(c).chunks
+            for c in arrow:  # passthrough: back to the input's own type (arrow_types.py)
+                col, t = piece.column(c), self._file(fi)[0].schema_arrow.field(c).type
+                arrow[c] += (col.cast(t) if has_view(t) else col).chunks
             i = j
         if self.arrow_columns:
             out[ARROW] = {c: pa.chunked_array(chunks) for c, chunks in arrow.items()}

@@ -24,6 +24,7 @@ import pyarrow.dataset as ds
 from batchrun.engine.config import AUTO_MAX_NUM_SEQS
 from batchrun.job.commit import fsync_path
 from batchrun.errors import ConfigError
+from batchrun.job.arrow_types import plain_table
 from batchrun.job.inputs import InputSchema, check_schemas, column_values, find_input_files, id_array
 from batchrun.job.spec import JobSpec
 
@@ -140,7 +141,7 @@ def make_plan(spec: JobSpec, files: list[str] | None = None, root: str | None = 
     file_rows, code_parts, id_parts = [], [], []
     for fi, path in enumerate(files):
         try:
-            table = ds.dataset(path, format="parquet").to_table(columns=columns)
+            table = plain_table(ds.dataset(path, format="parquet").to_table(columns=columns))
         except (OSError, pa.ArrowException) as e:
             raise ConfigError(f"input file {path} cannot be read: {e}") from None
         n = table.num_rows
