@@ -1,15 +1,13 @@
-"""Input Parquet files: find them, check their schemas, read selected rows.
+"""Input Parquet files: check their schemas, read selected rows (finding them: input_files.py).
 
-Size (~390 lines): discovery, schema checks and the row reader share the schema description
-(InputSchema) and the per-file Arrow handling; each is short, and the checks must agree exactly
-with what the reader later reads.
+The schema checks and the row reader share the schema description (InputSchema) and the
+per-file Arrow handling (view types: arrow_types.py); the checks must agree exactly with what the
+reader later reads.
 
 Checks happen before any model is loaded, and each failure names the file and the column.
 """
 from __future__ import annotations
 
-import glob
-import os
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -20,54 +18,8 @@ import pyarrow.parquet as pq
 
 from batchrun.errors import ConfigError
 from batchrun.job.arrow_types import check_round_trip, has_view, plain_table
+from batchrun.job.input_files import find_input_files, glob_root, is_glob  # noqa: F401 (re-exported)
 from batchrun.job.spec import JOB_ONLY_SAMPLING, OVERRIDE_COLUMNS, InputSpec
-
-_GLOB_CHARS = set("*?[")
-
-
-def is_glob(path: str) -> bool:
-    return any(c in path for c in _GLOB_CHARS)
-
-
-def glob_root(pattern: str) -> str:
-    """The part of a glob before its first wildcard component (names default ids, bounds output)."""
-    root = pattern
-    while is_glob(root):
-        root = os.path.dirname(root)
-    return root
-
-
-def find_input_files(spec: InputSpec) -> tuple[list[str], str]:
-    """Return (sorted absolute file paths, root dir used to name default ids).
-
-    ``spec.path`` is a file, a directory (every ``*.parquet`` below it, skipping ``_``/``.``
-    names as pyarrow does) or a glob (``**`` allowed).
-    """
-    path = spec.path
-    if is_glob(path):
-        files = sorted(f for f in glob.glob(path, recursive=True) if os.path.isfile(f))
-        root = glob_root(path)
-        if not files:
-            raise ConfigError(f"input.path: no files match {path}")
-    elif os.path.isdir(path):
-        files = []
-        for dirpath, dirnames, filenames in os.walk(path):
-            dirnames[:] = sorted(d for d in dirnames if not d.startswith(("_", ".")))
-            files += [os.path.join(dirpath, f) for f in filenames
-                      if f.endswith(".parquet") and not f.startswith(("_", "."))]
-        files.sort()
-        root = path
-        if not files:
-            raise ConfigError(f"input.path: directory {path} holds no *.parquet files")
-    elif os.path.exists(path):
-        files, root = [path], os.path.dirname(path)
-    else:
-        raise ConfigError(f"input.path: {path} does not exist")
-    for f in files:
-        if not os.access(f, os.R_OK):
-            raise ConfigError(f"input.path: {f} is not readable (permissions)")
-    return files, root
-
 
 def _is_str(t: pa.DataType) -> bool:
     if pa.types.is_dictionary(t):
