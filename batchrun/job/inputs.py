@@ -270,8 +270,9 @@ class RowReader:
                 col, t = piece.column(c), self._file(fi)[0].schema_arrow.field(c).type
                 arrow[c] += (col.cast(t) if has_view(t) else col).chunks
             i = j
-        if self.arrow_columns:
-            out[ARROW] = {c: pa.chunked_array(chunks) for c, chunks in arrow.items()}
+        if self.arrow_columns:  # typed, so that no rows still give the output its columns
+            types = self._file(0)[0].schema_arrow if self.files else None
+            out[ARROW] = {c: pa.chunked_array(chunks, type=types.field(c).type) for c, chunks in arrow.items()}
         return out
 
 

@@ -177,6 +177,8 @@ def make_plan(spec: JobSpec, files: list[str] | None = None, root: str | None = 
         for start in range(lo, hi, inp.rows_per_unit):
             units.append(Unit(len(units), name, code <= len(spec.adapters), start,
                               min(inp.rows_per_unit, hi - start)))
+    if not units:  # no input rows: one empty unit, so the output still gets a part file with its
+        units.append(Unit(0, None, True, 0, 0))  # columns (readers see the schema, not nothing)
 
     roots = root or os.path.dirname(files[0])
     return Plan(

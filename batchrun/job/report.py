@@ -330,6 +330,8 @@ def show_rows(out_path: str, limit: int, prompts: bool) -> str:
         for q in queues:
             if q and len(rows) < limit:
                 rows.append(q.pop(0))
+    if not rows:  # committed units of no rows: make_plan's one unit for an input without rows
+        return "(no rows: the job's input has none)"
     prompt_of = _prompts_for(out, manifest, [r["id"] for r in rows]) if prompts else {}
     lines = []
     for r in rows:
