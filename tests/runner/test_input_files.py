@@ -113,3 +113,17 @@ def test_unlistable_directory_is_refused_not_skipped(tmp_path, monkeypatch):
     for path in ("data", "data/**/*.parquet"):
         with pytest.raises(ConfigError, match=r"cannot list the input directory .*locked \(Permission denied\)"):
             found(tmp_path, path)
+
+
+def test_run_reads_the_rows_under_a_symlinked_subdirectory(make_job, tmp_path):
+    from batchrun.job.runner import run_job
+    from batchrun.job.spec import load_job
+    from batchrun.job.verify import verify
+    from fake_engine import FakeEngine
+    from runner_helpers import demo_rows, read_output
+    job = make_job(demo_rows(6))
+    write_rows(tmp_path / "elsewhere" / "more.parquet", demo_rows(5, start=6))
+    os.symlink(tmp_path / "elsewhere", tmp_path / "data" / "linked")
+    run_job(load_job(job), progress=False, log=lambda m: None, engine_factory=FakeEngine.from_spec)
+    assert sorted(read_output(tmp_path / "out").column("id").to_pylist()) == list(range(11))
+    assert verify(str(tmp_path / "out"))[1]

@@ -90,6 +90,27 @@ PASSTHROUGH_TYPES = {
     "json": pa.array(['{"a": %d}' % i for i in range(N)], pa.json_()),
 }
 
+TOKEN_IDS = [[1, 5 + i, 6, 7] for i in range(N)]
+TOKEN_ID_TYPES = {
+    "list<int32>": pa.array(TOKEN_IDS, pa.list_(pa.int32())),
+    "large_list<int8>": pa.array(TOKEN_IDS, pa.large_list(pa.int8())),
+    "list_view<uint64>": pa.array(TOKEN_IDS, pa.list_view(pa.uint64())),
+    "large_list_view<int64>": pa.array(TOKEN_IDS, pa.large_list_view(pa.int64())),
+}
+
+OVERRIDE_TYPES = {  # (column, array, the sampling value every row gets)
+    "stop string_view": ("stop", pa.array(["zz"] * N, pa.string_view()), None),
+    "stop list<string_view>": ("stop", pa.array([["zz"]] * N, pa.list_(pa.string_view())), None),
+    "stop large_list_view<large_string>": ("stop", pa.array([["zz"]] * N, pa.large_list_view(pa.large_string())),
+                                           None),
+    "stop dictionary<string>": ("stop", dict_of(["zz"] * N, pa.string()), None),
+    "max_tokens int8": ("max_tokens", pa.array([3] * N, pa.int8()), 3),
+    "max_tokens uint64": ("max_tokens", pa.array([3] * N, pa.uint64()), 3),
+    "temperature float16": ("temperature", pa.array([0.0] * N, pa.float16()), None),
+    "stop_token_ids list_view<int16>": ("stop_token_ids", pa.array([[99]] * N, pa.list_view(pa.int16())), None),
+    "max_tokens null": ("max_tokens", pa.nulls(N, pa.null()), None),
+}
+
 REFUSED = [  # (role, name, array)
     ("id", "float64", pa.array([float(i) for i in range(N)])),
     ("id", "binary", pa.array([b"r%d" % i for i in range(N)], pa.binary())),
@@ -190,3 +211,21 @@ def test_refused_types_name_file_column_type_and_fix(role, name, col, make_job, 
     msg = str(e.value)
     assert "in.parquet" in msg and repr(role) in msg and str(col.type) in msg, msg
     assert "rewrite the column" in msg or "cast it" in msg, msg  # the fix
+
+
+@pytest.mark.parametrize("name", list(TOKEN_ID_TYPES))
+def test_prompt_token_ids_types(name, make_job, tmp_path):
+    job = make_job(ROWS, input={"prompt_column": None, "prompt_token_ids_column": "toks"})
+    write(tmp_path, columns(toks=TOKEN_ID_TYPES[name]))
+    table = end_to_end(job, tmp_path)
+    assert table.column("prompt_tokens").to_pylist() == [4] * N
+
+
+@pytest.mark.parametrize("name", list(OVERRIDE_TYPES))
+def test_override_column_types(name, make_job, tmp_path):
+    column, col, max_tokens = OVERRIDE_TYPES[name]
+    job = make_job(ROWS)
+    write(tmp_path, columns(**{column: col}))
+    table = end_to_end(job, tmp_path)
+    if max_tokens is not None:
+        assert max(table.column("output_tokens").to_pylist()) <= max_tokens
