@@ -67,10 +67,27 @@ def find_input_files(spec) -> tuple[list[str], str]:
     return files, root
 
 
+def deep_input_dirs(path: str) -> set[str]:
+    """Real paths of the directories whose whole subtree ``path`` (a directory or a glob with
+    ``**``) reads, links followed: an output directory inside one would be read back as input.
+    Call after find_input_files accepted ``path`` (this walk then raises nothing new)."""
+    if is_glob(path):
+        root = glob_root(path)
+        parts = os.path.relpath(path, root).split(os.sep)
+    elif os.path.isdir(path):
+        root, parts = path, ["**", "*" + _EXT]
+    else:
+        return set()
+    matcher = _Matcher(path)
+    matcher.match(root, parts)
+    return matcher.deep
+
+
 class _Matcher:
     def __init__(self, written: str):
         self.written = written  # input.path as the user wrote it, for messages
         self.found: dict[str, None] = {}
+        self.deep: set[str] = set()  # real paths of the directories a ** reads whole subtrees of
 
     def match(self, root: str, parts: list[str]) -> list[str]:
         if os.path.isdir(root):
@@ -89,6 +106,7 @@ class _Matcher:
     def _walk(self, d: str, parts: list[str], stack: tuple) -> None:
         head, rest = parts[0], parts[1:]
         if head == "**":
+            self.deep.add(os.path.realpath(d))
             if rest:
                 self._walk(d, rest, stack)  # zero directories
             for name in self._names(d):

@@ -127,3 +127,17 @@ def test_run_reads_the_rows_under_a_symlinked_subdirectory(make_job, tmp_path):
     run_job(load_job(job), progress=False, log=lambda m: None, engine_factory=FakeEngine.from_spec)
     assert sorted(read_output(tmp_path / "out").column("id").to_pylist()) == list(range(11))
     assert verify(str(tmp_path / "out"))[1]
+
+
+def test_output_inside_a_symlinked_input_subdirectory_is_refused(make_job, tmp_path):
+    from batchrun.job.output_path import check_output_path
+    from batchrun.job.spec import load_job
+    from runner_helpers import demo_rows
+    job = make_job(demo_rows(3), output={"path": "elsewhere/out"})
+    put(tmp_path / "elsewhere" / "b.parquet")
+    os.symlink(tmp_path / "elsewhere", tmp_path / "data" / "linked")
+    spec = load_job(job)
+    files, _ = find_input_files(spec.input)
+    with pytest.raises(ConfigError, match=r"output.path: .*elsewhere/out lies inside .*elsewhere, which input.path "
+                                          r".*data reads \(through a symlink\)"):
+        check_output_path(spec, files)
