@@ -39,8 +39,13 @@ def check_text(raw: Any, where: str = "") -> None:
     """Raise ConfigError naming the first field (``input.path``, ``sampling.stop[1]``, or the key
     itself) whose key or string value is not valid text."""
     stack = [(raw, where)]
-    while stack:
+    seen: set[int] = set()  # containers already checked: a structure shared many times (YAML
+    while stack:            # aliases, a Python dict) is walked once, not once per use
         value, path = stack.pop()
+        if isinstance(value, (dict, list, tuple)):
+            if id(value) in seen:
+                continue
+            seen.add(id(value))
         if isinstance(value, str):
             why = text_problem(value)
             if why:
