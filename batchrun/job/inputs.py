@@ -222,6 +222,7 @@ class RowReader:
         self._pf: dict[int, tuple[pq.ParquetFile, np.ndarray]] = {}
         self._cache: OrderedDict[tuple[int, int], pa.Table] = OrderedDict()
         self._cache_size = cache_size
+        self._arrow_types: dict[str, pa.DataType] | None = None
 
     def _file(self, fi: int) -> tuple[pq.ParquetFile, np.ndarray]:
         if fi not in self._pf:
@@ -267,13 +268,19 @@ class RowReader:
             for c in out:
                 out[c] += column_values(piece.column(c))
             for c in arrow:  # passthrough: back to the input's own type (arrow_types.py)
-                col, t = piece.column(c), self._file(fi)[0].schema_arrow.field(c).type
+                col, t = piece.column(c), self._arrow_type(c)
                 arrow[c] += (col.cast(t) if has_view(t) else col).chunks
             i = j
         if self.arrow_columns:  # typed, so that no rows still give the output its columns
-            types = self._file(0)[0].schema_arrow if self.files else None
-            out[ARROW] = {c: pa.chunked_array(chunks, type=types.field(c).type) for c, chunks in arrow.items()}
+            out[ARROW] = {c: pa.chunked_array(chunks, type=self._arrow_type(c)) for c, chunks in arrow.items()}
         return out
+
+    def _arrow_type(self, column: str) -> pa.DataType:
+        """A passthrough column's input type (check_schemas made it the same in every file)."""
+        if self._arrow_types is None:
+            schema = pq.read_schema(self.files[0])
+            self._arrow_types = {c: schema.field(c).type for c in self.arrow_columns}
+        return self._arrow_types[column]
 
 
 ARROW = "\0arrow"  # RowReader.read: the key under which arrow_columns come back, {name: ChunkedArray}
