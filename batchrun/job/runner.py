@@ -270,6 +270,7 @@ class TaskRunner:
         try:
             self.signals.install()
             if not todo:
+                st.startup_s = time.time() - st.started  # all of it: no generation to count
                 self.log(f"{name}: nothing to do: " + (
                     f"the input has no rows ({len(self.plan.files)} file(s) of 0 rows)" if not self.plan.total_rows
                     else f"all {len(units)} of its units were committed by an earlier run"))
@@ -293,6 +294,7 @@ class TaskRunner:
                 return st
             if not self.plan.total_rows:  # the plan's one empty unit: no engine, nothing to generate
                 self._commit_empty(_chain(first, claimed))
+                st.startup_s = time.time() - st.started
                 self.log(f"{name}: the input has no rows ({len(self.plan.files)} file(s) of 0 rows); wrote "
                          "an empty part file with the output's columns")
                 st.status = "done"

@@ -29,6 +29,7 @@ def test_zero_row_inputs_write_the_output_schema_and_say_the_input_is_empty(make
     logs = []
     stats = run(job, logs)
     assert stats.status == "done" and stats.units_done == 1 and stats.output_rows == 0
+    assert stats.startup_s >= stats.prepare_s > 0  # no generation time is reported for it
     text = "\n".join(logs)
     assert "committed by an earlier run" not in text
     assert "the input has no rows (2 file(s) of 0 rows)" in text
@@ -49,6 +50,7 @@ def test_zero_row_inputs_write_the_output_schema_and_say_the_input_is_empty(make
     logs = []
     again = run(job, logs)
     assert again.units_done == 0 and again.units_skipped == 1
+    assert again.startup_s >= again.prepare_s > 0
     assert any("nothing to do: the input has no rows" in line for line in logs), logs
 
 
