@@ -229,3 +229,23 @@ def test_override_column_types(name, make_job, tmp_path):
     table = end_to_end(job, tmp_path)
     if max_tokens is not None:
         assert max(table.column("output_tokens").to_pylist()) <= max_tokens
+
+
+def test_a_view_type_that_cannot_round_trip_is_refused_at_plan(make_job, tmp_path, monkeypatch):
+    import batchrun.job.inputs as inputs
+    job = make_job(ROWS, input={"passthrough_columns": ["extra"]})
+    write(tmp_path, columns(extra=PASSTHROUGH_TYPES["string_view"]))
+    monkeypatch.setattr(inputs, "check_round_trip", lambda t: "no cast kernel" if str(t) == "string_view" else None)
+    with pytest.raises(ConfigError, match=r"input.passthrough_columns: column 'extra' in .*in.parquet has type "
+                                          r"string_view, which batchrun cannot read \(no cast kernel\); rewrite"):
+        plan_report(load_job(job), 1)
+
+
+def test_plain_type_replaces_views_at_any_depth():
+    from batchrun.job.arrow_types import plain_type
+    t = pa.struct([("a", pa.list_(pa.string_view())), ("m", pa.map_(pa.string_view(), pa.binary_view())),
+                   ("d", pa.dictionary(pa.int8(), pa.string_view())), ("n", pa.int32())])
+    assert plain_type(t) == pa.struct([("a", pa.list_(pa.large_string())),
+                                       ("m", pa.map_(pa.large_string(), pa.large_binary())),
+                                       ("d", pa.dictionary(pa.int8(), pa.large_string())), ("n", pa.int32())])
+    assert plain_type(pa.list_(pa.int64(), 2)) == pa.list_(pa.int64(), 2)
