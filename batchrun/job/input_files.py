@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 from fnmatch import fnmatchcase
+from typing import NamedTuple
 
 from batchrun.errors import ConfigError
 
@@ -83,11 +84,18 @@ def deep_input_dirs(path: str) -> set[str]:
     return matcher.deep
 
 
+class _Entry(NamedTuple):
+    name: str
+    is_dir: bool  # links followed
+    key: tuple[int, int] | None  # (st_dev, st_ino) of what it names, when known without a stat
+
+
 class _Matcher:
     def __init__(self, written: str):
         self.written = written  # input.path as the user wrote it, for messages
-        self.found: dict[str, None] = {}
+        self.found: dict[str, tuple[int, int] | None] = {}  # path -> identity (None: stat it)
         self.deep: set[str] = set()  # real paths of the directories a ** reads whole subtrees of
+        self._listed: dict[str, list[_Entry]] = {}
 
     def match(self, root: str, parts: list[str]) -> list[str]:
         if os.path.isdir(root):
@@ -95,7 +103,7 @@ class _Matcher:
         files = sorted(self.found)
         seen: dict[tuple[int, int], str] = {}
         for f in files:
-            key = _identity(f)
+            key = self.found[f] or _identity(f)
             if key in seen:
                 raise ConfigError(f"input.path: {seen[key]} and {f} are the same file (reached through a "
                                   f"symlink), so {self.written} would read its rows twice; remove one of "
@@ -104,16 +112,18 @@ class _Matcher:
         return files
 
     def _walk(self, d: str, parts: list[str], stack: tuple) -> None:
+        """Match ``parts`` below directory ``d``; ``stack``: identities of the directories from the
+        root down to ``d`` (the last is d's own)."""
         head, rest = parts[0], parts[1:]
         if head == "**":
             self.deep.add(os.path.realpath(d))
             if rest:
                 self._walk(d, rest, stack)  # zero directories
-            for name, is_dir in self._entries(d):
-                full = os.path.join(d, name)
-                if name.startswith(("_", ".")):
+            for e in self._entries(d, stack[-1][0]):
+                full = os.path.join(d, e.name)
+                if e.name.startswith(("_", ".")):
                     continue
-                if is_dir:
+                if e.is_dir:
                     key = _identity(full)
                     if key in stack:
                         raise ConfigError(f"input.path: {full} is a symlink back to a directory it is in "
@@ -121,7 +131,7 @@ class _Matcher:
                                           "give input.path as a glob that does not descend through it")
                     self._walk(full, parts, stack + (key,))
                 elif not rest:
-                    self._file(full)
+                    self._file(full, e.key)
             return
         if not is_glob(head):
             full = os.path.join(d, head)
@@ -129,30 +139,31 @@ class _Matcher:
                 if os.path.isdir(full):
                     self._walk(full, rest, stack + (_identity(full),))
             elif os.path.lexists(full) and not os.path.isdir(full):
-                self._file(full)
+                self._file(full, None)
             return
-        for name, is_dir in self._entries(d):
-            full = os.path.join(d, name)
-            if not fnmatchcase(name, head):
+        for e in self._entries(d, stack[-1][0]):
+            full = os.path.join(d, e.name)
+            if not fnmatchcase(e.name, head):
                 if not rest:
-                    self._check_case(full, name, head)
+                    self._check_case(full, e.name, head)
                 continue
-            if name.startswith(("_", ".")) and not head.startswith(name[0]):
+            if e.name.startswith(("_", ".")) and not head.startswith(e.name[0]):
                 continue
             if rest:
-                if is_dir:
+                if e.is_dir:
                     self._walk(full, rest, stack + (_identity(full),))
-            elif not is_dir:
-                self._file(full)
+            elif not e.is_dir:
+                self._file(full, e.key)
 
-    def _file(self, full: str) -> None:
-        if not os.path.lexists(full):
-            raise ConfigError(f"input.path: {full} disappeared while batchrun listed the input; rerun once "
-                              "the input is complete")
-        if not os.path.exists(full):
-            raise ConfigError(f"input.path: {full} is a broken symlink (to {os.readlink(full)}) where "
-                              f"{self.written} looks for inputs; remove it or restore its target")
-        self.found[full] = None
+    def _file(self, full: str, key: tuple[int, int] | None) -> None:
+        if key is None:  # a symlink (or an entry that vanished while listed): what does it name?
+            if not os.path.lexists(full):
+                raise ConfigError(f"input.path: {full} disappeared while batchrun listed the input; rerun "
+                                  "once the input is complete")
+            if not os.path.exists(full):
+                raise ConfigError(f"input.path: {full} is a broken symlink (to {os.readlink(full)}) where "
+                                  f"{self.written} looks for inputs; remove it or restore its target")
+        self.found[full] = key
 
     def _check_case(self, full: str, name: str, head: str) -> None:
         ext = name[-len(_EXT):]
@@ -162,23 +173,26 @@ class _Matcher:
                               f"({ext!r}, where {self.written} takes {_EXT!r}); rename it to end in "
                               f"{_EXT!r}, or move it out of the input")
 
-    @staticmethod
-    def _entries(d: str) -> list[tuple[str, bool]]:
-        """(name, is a directory, links followed) of each entry, sorted; scandir's d_type spares
-        a stat per entry (what os.walk relied on: cheap on network file systems)."""
-        try:
-            with os.scandir(d) as it:
-                return sorted((e.name, _is_dir(e)) for e in it)
-        except OSError as e:
-            raise ConfigError(f"input.path: cannot list the input directory {d} ({e.strerror or e}); "
-                              "fix its permissions or move it out of the input") from None
+    def _entries(self, d: str, dev: int) -> list[_Entry]:
+        """The entries of directory ``d`` (on device ``dev``), sorted by name, listed once per walk.
+        scandir's d_type and d_ino say which entries are directories and what a non-link names
+        without a stat per entry (as os.walk relied on: stats are slow on network file systems)."""
+        if d not in self._listed:
+            try:
+                with os.scandir(d) as it:
+                    self._listed[d] = sorted((_entry(e, dev) for e in it), key=lambda e: e.name)
+            except OSError as e:
+                raise ConfigError(f"input.path: cannot list the input directory {d} ({e.strerror or e}); "
+                                  "fix its permissions or move it out of the input") from None
+        return self._listed[d]
 
 
-def _is_dir(entry: os.DirEntry) -> bool:
+def _entry(e: os.DirEntry, dev: int) -> _Entry:
     try:
-        return entry.is_dir()  # follows a symlink; a broken one is not a directory
-    except OSError:
-        return False  # vanished while listed: _file says so if the pattern matches it
+        link = e.is_symlink()
+        return _Entry(e.name, e.is_dir(), None if link else (dev, e.inode()))
+    except OSError:  # vanished while listed: _file says so if the pattern matches it
+        return _Entry(e.name, False, None)
 
 
 def _identity(path: str) -> tuple[int, int]:
