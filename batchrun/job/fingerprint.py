@@ -4,6 +4,9 @@ Parts: model, adapters, inputs, sampling, engine settings that change outputs (d
 max_model_len), and the input layout (columns, rows_per_unit: they decide the work units).
 Performance-only settings (max_num_seqs, max_loras, enforce_eager, ...) are left out so they
 can be tuned between a crash and the rerun.
+The engine settings are hashed as written; what ``auto`` resolves to on the node (device, dtype,
+the checkpoint's quantization) is recorded beside the fingerprint in the manifest and checked on
+every resume (resolve_engine.py), which keeps the fingerprints of existing outputs unchanged.
 
 Files are identified by content, not mtime, so a model copied to node-local scratch by each Slurm
 task still matches: small files (<= 64 MiB: configs, tokenizers, adapters) are hashed whole;

@@ -1,15 +1,13 @@
-"""Input Parquet files: find them, check their schemas, read selected rows.
+"""Input Parquet files: check their schemas, read selected rows (finding them: input_files.py).
 
-Size (~390 lines): discovery, schema checks and the row reader share the schema description
-(InputSchema) and the per-file Arrow handling; each is short, and the checks must agree exactly
-with what the reader later reads.
+The schema checks and the row reader share the schema description (InputSchema) and the
+per-file Arrow handling (view types: arrow_types.py); the checks must agree exactly with what the
+reader later reads.
 
 Checks happen before any model is loaded, and each failure names the file and the column.
 """
 from __future__ import annotations
 
-import glob
-import os
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -19,54 +17,9 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from batchrun.errors import ConfigError
+from batchrun.job.arrow_types import check_round_trip, has_view, plain_table
+from batchrun.job.input_files import find_input_files, glob_root, is_glob  # noqa: F401 (re-exported)
 from batchrun.job.spec import JOB_ONLY_SAMPLING, OVERRIDE_COLUMNS, InputSpec
-
-_GLOB_CHARS = set("*?[")
-
-
-def is_glob(path: str) -> bool:
-    return any(c in path for c in _GLOB_CHARS)
-
-
-def glob_root(pattern: str) -> str:
-    """The part of a glob before its first wildcard component (names default ids, bounds output)."""
-    root = pattern
-    while is_glob(root):
-        root = os.path.dirname(root)
-    return root
-
-
-def find_input_files(spec: InputSpec) -> tuple[list[str], str]:
-    """Return (sorted absolute file paths, root dir used to name default ids).
-
-    ``spec.path`` is a file, a directory (every ``*.parquet`` below it, skipping ``_``/``.``
-    names as pyarrow does) or a glob (``**`` allowed).
-    """
-    path = spec.path
-    if is_glob(path):
-        files = sorted(f for f in glob.glob(path, recursive=True) if os.path.isfile(f))
-        root = glob_root(path)
-        if not files:
-            raise ConfigError(f"input.path: no files match {path}")
-    elif os.path.isdir(path):
-        files = []
-        for dirpath, dirnames, filenames in os.walk(path):
-            dirnames[:] = sorted(d for d in dirnames if not d.startswith(("_", ".")))
-            files += [os.path.join(dirpath, f) for f in filenames
-                      if f.endswith(".parquet") and not f.startswith(("_", "."))]
-        files.sort()
-        root = path
-        if not files:
-            raise ConfigError(f"input.path: directory {path} holds no *.parquet files")
-    elif os.path.exists(path):
-        files, root = [path], os.path.dirname(path)
-    else:
-        raise ConfigError(f"input.path: {path} does not exist")
-    for f in files:
-        if not os.access(f, os.R_OK):
-            raise ConfigError(f"input.path: {f} is not readable (permissions)")
-    return files, root
-
 
 def _is_str(t: pa.DataType) -> bool:
     if pa.types.is_dictionary(t):
@@ -78,8 +31,14 @@ def _is_int(t: pa.DataType) -> bool:
     return pa.types.is_integer(t)
 
 
+def _is_list(t: pa.DataType) -> bool:
+    """Any variable-size list layout (list, large_list, list_view, large_list_view)."""
+    return (pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_list_view(t)
+            or pa.types.is_large_list_view(t))
+
+
 def _is_messages(t: pa.DataType) -> bool:
-    if not (pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_list_view(t)):
+    if not _is_list(t):
         return False
     item = t.value_type
     if not pa.types.is_struct(item):
@@ -116,7 +75,7 @@ def _override_type_ok(col: str, t: pa.DataType) -> tuple[bool, str]:
         return pa.types.is_boolean(t), "true/false values"
     if col == "response_format":
         return _is_str(t), "JSON strings ({type: json_schema, schema: ...} and the like)"
-    listy = pa.types.is_list(t) or pa.types.is_large_list(t)
+    listy = _is_list(t)
     if col == "stop":
         return _is_str(t) or (listy and _is_str(t.value_type)), "strings or lists of strings"
     return listy and _is_int(t.value_type), "lists of integer token ids"  # stop_token_ids
@@ -161,8 +120,29 @@ def _passthrough(spec: InputSpec, f: str, schema: pa.Schema, consumed: set) -> l
                    else "leave it out of the list")
             raise ConfigError(f"input.passthrough_columns: column {col!r} of {f} is named like an output column "
                               f"({', '.join(OUTPUT_COLUMNS)}); rename it in the input, or {how}")
-        out.append((col, schema.field(col).type))
+        t = schema.field(col).type
+        _check_readable("input.passthrough_columns", f, col, t)
+        out.append((col, t))
     return out
+
+
+def _type_fix(t: pa.DataType, expected: str) -> str:
+    binary = (pa.types.is_binary(t) or pa.types.is_large_binary(t) or pa.types.is_binary_view(t)
+              or pa.types.is_fixed_size_binary(t))
+    if binary and "strings" in expected:
+        return ("binary columns are not decoded as text: if it holds UTF-8 text, cast it to string "
+                "when writing the file (pyarrow: col.cast(pa.string()))")
+    return f"rewrite the column as {expected}, or point the job at another column"
+
+
+def _check_readable(field: str, f: str, column: str, t: pa.DataType) -> None:
+    """A column holding view types is read through their non-view equivalents (arrow_types.py);
+    refuse one whose type cannot make that round trip."""
+    why = check_round_trip(t)
+    if why is not None:
+        raise ConfigError(f"{field}: column {column!r} in {f} has type {t}, which batchrun cannot read "
+                          f"({why}); rewrite the column with string/binary instead of "
+                          "string_view/binary_view")
 
 
 def check_schemas(files: list[str], spec: InputSpec, overrides="auto") -> InputSchema:
@@ -184,7 +164,9 @@ def check_schemas(files: list[str], spec: InputSpec, overrides="auto") -> InputS
                                   f"(columns: {', '.join(schema.names)})")
             t = schema.field(column).type
             if not (ok(t) or pa.types.is_null(t)):
-                raise ConfigError(f"input.{field}: column {column!r} in {f} has type {t}, expected {expected}")
+                raise ConfigError(f"input.{field}: column {column!r} in {f} has type {t}, expected {expected}; "
+                                  f"{_type_fix(t, expected)}")
+            _check_readable(f"input.{field}", f, column, t)
             return t
 
         if spec.id_column:
@@ -197,7 +179,7 @@ def check_schemas(files: list[str], spec: InputSpec, overrides="auto") -> InputS
                  "a list of {role: string, content: string} structs")
         if spec.prompt_token_ids_column:
             need("prompt_token_ids_column", spec.prompt_token_ids_column,
-                 lambda t: (pa.types.is_list(t) or pa.types.is_large_list(t)) and _is_int(t.value_type),
+                 lambda t: _is_list(t) and _is_int(t.value_type),
                  "a list of integer token ids")
         if spec.adapter_column:
             need("adapter_column", spec.adapter_column, _is_str, "strings (adapter names)")
@@ -240,6 +222,7 @@ class RowReader:
         self._pf: dict[int, tuple[pq.ParquetFile, np.ndarray]] = {}
         self._cache: OrderedDict[tuple[int, int], pa.Table] = OrderedDict()
         self._cache_size = cache_size
+        self._arrow_types: dict[str, pa.DataType] | None = None
 
     def _file(self, fi: int) -> tuple[pq.ParquetFile, np.ndarray]:
         if fi not in self._pf:
@@ -256,7 +239,7 @@ class RowReader:
             self._cache.move_to_end(key)
             return self._cache[key]
         pf, _ = self._file(fi)
-        table = pf.read_row_group(rg, columns=self.columns)
+        table = plain_table(pf.read_row_group(rg, columns=self.columns))
         self._cache[key] = table
         if len(self._cache) > self._cache_size:
             self._cache.popitem(last=False)
@@ -284,12 +267,20 @@ class RowReader:
             piece = self._row_group(fi, rg).take(pa.array(row_index[i:j] - lo))
             for c in out:
                 out[c] += column_values(piece.column(c))
-            for c in arrow:
-                arrow[c] += piece.column(c).chunks
+            for c in arrow:  # passthrough: back to the input's own type (arrow_types.py)
+                col, t = piece.column(c), self._arrow_type(c)
+                arrow[c] += (col.cast(t) if has_view(t) else col).chunks
             i = j
-        if self.arrow_columns:
-            out[ARROW] = {c: pa.chunked_array(chunks) for c, chunks in arrow.items()}
+        if self.arrow_columns:  # typed, so that no rows still give the output its columns
+            out[ARROW] = {c: pa.chunked_array(chunks, type=self._arrow_type(c)) for c, chunks in arrow.items()}
         return out
+
+    def _arrow_type(self, column: str) -> pa.DataType:
+        """A passthrough column's input type (check_schemas made it the same in every file)."""
+        if self._arrow_types is None:
+            schema = pq.read_schema(self.files[0])
+            self._arrow_types = {c: schema.field(c).type for c in self.arrow_columns}
+        return self._arrow_types[column]
 
 
 ARROW = "\0arrow"  # RowReader.read: the key under which arrow_columns come back, {name: ChunkedArray}

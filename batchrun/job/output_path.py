@@ -12,7 +12,7 @@ import os
 import re
 
 from batchrun.errors import ConfigError
-from batchrun.job.inputs import glob_root, is_glob
+from batchrun.job.input_files import deep_input_dirs, glob_root, is_glob
 from batchrun.job.spec import JobSpec
 from batchrun.job.output import META, OutputDir
 
@@ -88,6 +88,11 @@ def check_output_path(spec: JobSpec, files: list[str]) -> None:
             raise ConfigError(f"output.path: {out} is {'inside' if _inside(real, root) else 'a parent of'} "
                               f"the input folder {ipath}, so its part files would be read as inputs by the "
                               "next run; choose an output directory outside the input folder")
+    for d in sorted(deep_input_dirs(ipath)):  # sub-directories reached through symlinks included
+        if _inside(real, d):
+            raise ConfigError(f"output.path: {out} lies inside {d}, which input.path {ipath} reads (through "
+                              "a symlink), so its part files would be read as inputs by the next run; choose "
+                              "an output directory outside it")
     meta = os.path.join(out, META)
     if os.path.islink(meta):
         raise ConfigError(f"output.path: {meta} is a symlink (to {os.readlink(meta)}); batchrun keeps its "

@@ -24,6 +24,7 @@ import pyarrow.dataset as ds
 from batchrun.engine.config import AUTO_MAX_NUM_SEQS
 from batchrun.job.commit import fsync_path
 from batchrun.errors import ConfigError
+from batchrun.job.arrow_types import plain_table
 from batchrun.job.inputs import InputSchema, check_schemas, column_values, find_input_files, id_array
 from batchrun.job.spec import JobSpec
 
@@ -140,7 +141,7 @@ def make_plan(spec: JobSpec, files: list[str] | None = None, root: str | None = 
     file_rows, code_parts, id_parts = [], [], []
     for fi, path in enumerate(files):
         try:
-            table = ds.dataset(path, format="parquet").to_table(columns=columns)
+            table = plain_table(ds.dataset(path, format="parquet").to_table(columns=columns))
         except (OSError, pa.ArrowException) as e:
             raise ConfigError(f"input file {path} cannot be read: {e}") from None
         n = table.num_rows
@@ -176,6 +177,8 @@ def make_plan(spec: JobSpec, files: list[str] | None = None, root: str | None = 
         for start in range(lo, hi, inp.rows_per_unit):
             units.append(Unit(len(units), name, code <= len(spec.adapters), start,
                               min(inp.rows_per_unit, hi - start)))
+    if not units:  # no input rows: one empty unit, so the output still gets a part file with its
+        units.append(Unit(0, None, True, 0, 0))  # columns (readers see the schema, not nothing)
 
     roots = root or os.path.dirname(files[0])
     return Plan(

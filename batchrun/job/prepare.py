@@ -29,6 +29,7 @@ from batchrun.engine.models.config import check_context_length
 from batchrun.job.output import META, OutputDir
 from batchrun.job.output_path import check_output_path, check_unowned_dir
 from batchrun.job.pins import InputPins, Pin, identity
+from batchrun.job.resolve_engine import changed_message, resolution_changes, resolve_engine
 from batchrun.job.plan import Plan, make_plan
 from batchrun.job.token_count import load_counter, load_tokenizer
 from batchrun.job.restart import begin_wipe, check_no_active_task, end_wipe, finish_wipe, pending_wipe
@@ -147,6 +148,7 @@ def prepare(spec: JobSpec, restart: bool = False, log=None, restart_token: str |
     fp = combine(parts)
     check_tokenizer(spec, for_run=True)  # waits for the preload thread's imports and tokenizer
     preload.wait()  # (token-id prompts load no tokenizer) the preload thread is idle from here on,
+    resolved = resolve_engine(spec, model_config)  # (may import torch: only after the wait)
     start_up_over()  # and the first write follows: a signal now raises Interrupted (interrupt.py)
     token = restart_token or os.environ.get("SLURM_ARRAY_JOB_ID")  # restart once per token
     restart = restart or bool(restart_token)
@@ -159,7 +161,7 @@ def prepare(spec: JobSpec, restart: bool = False, log=None, restart_token: str |
     try:
         file_ids = [[p.size, p.mtime_ns, p.digest] for p in pins]
         plan = _job_state(spec, out, restart, parts, fp, token, files, root, schema, file_ids,
-                          log or (lambda m: None))
+                          log or (lambda m: None), resolved)
     except OSError as e:
         raise OutputIOError(io_message(e, "output.path")) from None
     finally:
@@ -193,7 +195,7 @@ def _pins(out: OutputDir, files: list[str]) -> list[Pin]:
     return pins
 
 
-def _job_state(spec, out, restart, parts, fp, token, files, root, schema, file_ids, log) -> Plan:
+def _job_state(spec, out, restart, parts, fp, token, files, root, schema, file_ids, log, resolved) -> Plan:
     """Under the manifest lock: finish an interrupted restart, then resume, refuse, or restart."""
     wiped = pending_wipe(out)
     if wiped:
@@ -214,6 +216,8 @@ def _job_state(spec, out, restart, parts, fp, token, files, root, schema, file_i
     if restart and not (manifest is not None and token and manifest.get("restart_token") == token):
         begin_wipe(out, manifest)
         manifest, wiped = None, True
+    if manifest is not None:
+        _check_resolved(out, manifest, resolved, log)
     plan = None
     if manifest is None:
         if not wiped:  # a directory just restarted is this job's, whatever else the user keeps there
@@ -236,6 +240,7 @@ def _job_state(spec, out, restart, parts, fp, token, files, root, schema, file_i
         write_json_atomic(out.manifest, {
             "fingerprint": fp, "parts": parts, "restart_token": token,
             "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "batchrun_version": __version__,
+            "engine_resolved": resolved,
             "job_file": spec.job_file, "job": spec.to_dict(),
             "total_rows": plan.total_rows, "total_units": len(plan.units),
             "part_files": "part-NNNNNN.parquet for units 0 .. total_units-1 (only these are ever deleted)",
@@ -243,6 +248,24 @@ def _job_state(spec, out, restart, parts, fp, token, files, root, schema, file_i
     if wiped:
         end_wipe(out)
     return plan
+
+
+def _check_resolved(out: OutputDir, manifest: dict, resolved: dict, log) -> None:
+    """Refuse to resume an output whose engine settings resolved differently when it was started
+    (resolve_engine.py); record them in a manifest that lacks some (an older batchrun's)."""
+    started = manifest.get("engine_resolved")
+    started = started if isinstance(started, dict) else {}
+    changes = resolution_changes(started, resolved)
+    if changes:
+        raise JobChanged(changed_message(out.path, changes))
+    missing = [k for k in resolved if k not in started]
+    if not missing:
+        return
+    if not started:
+        log(f"note: {out.path} was started by a batchrun that did not record what engine.device/dtype "
+            f"resolved to; recording this node's ({', '.join(f'{k} {resolved[k]}' for k in missing)}). "
+            "If its units so far ran elsewhere with other numerics, rerun with --restart")
+    write_json_atomic(out.manifest, {**manifest, "engine_resolved": {**started, **resolved}})
 
 
 # How long a worker waits for another to finish planning the same output directory: planning

@@ -13,6 +13,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from batchrun.job.arrow_types import plain_table
 from batchrun.job.commit import check_part, committed_units, read_commits, uncommitted_parts
 from batchrun.errors import ConfigError
 from batchrun.job.inputs import INVALID, InvalidText, RowReader, column_values
@@ -130,6 +131,7 @@ def _prompt_tokens(spec: JobSpec, plan: Plan, estimate: bool = False) -> tuple[d
     for fi, path in enumerate(plan.files):
         start = 0
         for batch in pq.ParquetFile(path).iter_batches(batch_size=32768, columns=[col] + extra):
+            batch = plain_table(batch)  # view types: arrow_types.py
             n = batch.num_rows
             codes = per_file[fi][start:start + n]
             start += n
@@ -328,6 +330,8 @@ def show_rows(out_path: str, limit: int, prompts: bool) -> str:
         for q in queues:
             if q and len(rows) < limit:
                 rows.append(q.pop(0))
+    if not rows:  # committed units of no rows: make_plan's one unit for an input without rows
+        return "(no rows: the job's input has none)"
     prompt_of = _prompts_for(out, manifest, [r["id"] for r in rows]) if prompts else {}
     lines = []
     for r in rows:

@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 import pyarrow as pa
 
-from batchrun.job import prompts
+from batchrun.job import arrow_types, prompts
 from batchrun.engine.config import SamplingParams
 from batchrun.engine.request import Request, Result
 from batchrun.job.inputs import ARROW, INVALID, InvalidText
@@ -263,7 +263,7 @@ def unit_table(work: UnitWork, id_type: pa.DataType) -> pa.Table:
     extra = {}
     if work.passthrough:
         take = pa.array([i // work.n for i in range(len(res))], pa.int64())
-        extra = {name: col.take(take) for name, col in work.passthrough.items()}
+        extra = {name: arrow_types.take(col, take) for name, col in work.passthrough.items()}
     schema = output_schema(id_type, work.columns, [(name, col.type) for name, col in extra.items()])
     data = {name: cols[name] if name in cols else extra[name] for name in schema.names}
     return pa.table(data, schema=schema)

@@ -270,7 +270,10 @@ class TaskRunner:
         try:
             self.signals.install()
             if not todo:
-                self.log(f"{name}: nothing to do: all {len(units)} of its units were committed by an earlier run")
+                st.startup_s = time.time() - st.started  # all of it: no generation to count
+                self.log(f"{name}: nothing to do: " + (
+                    f"the input has no rows ({len(self.plan.files)} file(s) of 0 rows)" if not self.plan.total_rows
+                    else f"all {len(units)} of its units were committed by an earlier run"))
                 st.status = "done"
                 return st
             self.log(f"{name}: {len(todo)} of {len(units)} units to run ({st.units_skipped} already committed), "
@@ -287,6 +290,13 @@ class TaskRunner:
             first = next((u for u in claimed if u is not None), None)  # waits while others hold every unit
             if first is None:
                 self.log(f"{name}: nothing to do: other workers committed the remaining units")
+                st.status = "done"
+                return st
+            if not self.plan.total_rows:  # the plan's one empty unit: no engine, nothing to generate
+                self._commit_empty(_chain(first, claimed))
+                st.startup_s = time.time() - st.started
+                self.log(f"{name}: the input has no rows ({len(self.plan.files)} file(s) of 0 rows); wrote "
+                         "an empty part file with the output's columns")
                 st.status = "done"
                 return st
             t0 = time.time()
@@ -319,6 +329,17 @@ class TaskRunner:
             self._note_progress(force=True)
             self._write_metrics()
         return st
+
+    def _commit_empty(self, todo: Iterable[Unit]) -> None:
+        """Commit units of no rows (make_plan's one unit for an input without rows): each part
+        file holds the output's columns, passthrough columns typed as in the input."""
+        reader = RowReader(self.plan.files, input_columns(self.spec, self.plan), arrow_columns=arrow_columns(self.plan))
+        for unit in todo:
+            if unit is None:
+                continue
+            rf, ri = self.plan.unit_rows(unit)
+            assert not unit.rows, "_commit_empty takes units of no rows"
+            self._finish(build_unit(unit, reader.read(rf, ri), rf, ri, self.plan, self.spec, None, None))
 
     def _run_units(self, engine, todo: Iterable[Unit]) -> None:
         """Stream ``todo`` (any iterable, consumed lazily and in order; ``None`` items = the claims

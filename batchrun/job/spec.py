@@ -26,6 +26,7 @@ import yaml
 from batchrun.engine.config import TYPE_NAMES as _TYPE_NAMES, EngineConfig, job_engine_fields
 from batchrun.engine.config import finite_float, show as _show, type_ok as _type_ok
 from batchrun.errors import ConfigError
+from batchrun.job.job_text import check_text, decode_job_file, text_problem
 from batchrun.job.safe_yaml import load_yaml
 from batchrun.job.short_repr import short_repr as _short
 
@@ -184,6 +185,9 @@ def _resolve(base: Path, value: str, path: str) -> str:
             raise ConfigError(f"{path}: environment variable {ref} is not set (in {_short(value)}); "
                               "set it or write the path out")
     p = Path(os.path.expanduser(os.path.expandvars(value)))
+    if (why := text_problem(str(p))) is not None:  # an environment value of non-UTF-8 bytes
+        raise ConfigError(f"{path}: {_short(value)} expands to a path that {why}; batchrun needs paths "
+                          "that are valid text: rename the directory or set the variable to another path")
     if not p.is_absolute():
         p = base / p
     return os.path.normpath(str(p))
@@ -195,9 +199,13 @@ def load_job(path: str | os.PathLike) -> JobSpec:
     """Read and validate a job file. Raises ConfigError naming the file and field."""
     path = Path(path).absolute()
     try:
-        text = path.read_text()
+        data = path.read_bytes()
     except OSError as e:
         raise ConfigError(f"cannot read job file {path}: {e.strerror or e}") from None
+    try:
+        text = decode_job_file(data)
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}") from None
     try:
         raw = load_yaml(text)
     except ConfigError as e:
@@ -216,6 +224,7 @@ def load_job(path: str | os.PathLike) -> JobSpec:
 def parse_job(raw: Any, base_dir: str | os.PathLike, job_file: str = "") -> JobSpec:
     """Validate an already-parsed job mapping; relative paths resolve against ``base_dir``."""
     base = Path(base_dir).absolute()
+    check_text(raw)  # NUL, lone surrogates: job_text.py
     top = _fields(raw, "", {
         "model": (str, False, _REQUIRED),
         "adapters": (dict, True, None),
