@@ -15,6 +15,7 @@ import pyarrow.parquet as pq
 
 from batchrun.job.commit import check_part, committed_units, read_commits, uncommitted_parts
 from batchrun.errors import ConfigError
+from batchrun.job.exit_codes import ExitCode
 from batchrun.job.inputs import INVALID, InvalidText, RowReader, column_values
 from batchrun.job.spec import JobSpec, sampling_summary
 from batchrun.job.lock import is_locked
@@ -262,7 +263,9 @@ def load_state(out_path: str) -> tuple[OutputDir, dict, list]:
     return out, manifest, units
 
 
-def status_report(out_path: str) -> tuple[str, bool]:
+def status_report(out_path: str) -> tuple[str, ExitCode]:
+    """(text, exit code): OK when every unit is committed, DAMAGED when a committed unit's part
+    file is missing or damaged, else PENDING while units are not committed yet."""
     out, manifest, units = load_state(out_path)
     commits = read_commits(out)
     damaged = dict(commits.damaged)
@@ -306,7 +309,8 @@ def status_report(out_path: str) -> tuple[str, bool]:
                      "between writing and committing); the next run rewrites them")
     complete = len(done) == len(units)
     lines.append("complete" if complete else "incomplete: rerun the same command to finish")
-    return "\n".join(lines), complete
+    code = ExitCode.OK if complete else ExitCode.DAMAGED if damaged else ExitCode.PENDING
+    return "\n".join(lines), code
 
 
 def show_rows(out_path: str, limit: int, prompts: bool) -> str:
