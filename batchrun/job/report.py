@@ -22,6 +22,7 @@ from batchrun.job.lock import is_locked
 from batchrun.job.output import OutputDir
 from batchrun.job.output_path import check_unowned_dir
 from batchrun.job.plan import Plan, assign_tasks, engine_groups, group_rows, make_plan
+from batchrun.job.plan_formats import format_checker
 from batchrun.job.prepare import token_counter, validate
 from batchrun.job.prompts import chat_messages
 from batchrun.job.rows import _sampling
@@ -44,7 +45,8 @@ def _table(header: list[str], rows: list[list]) -> str:
 def plan_report(spec: JobSpec, num_tasks: int, count_tokens: bool = True, estimate_tokens: bool = False) -> str:
     """``estimate_tokens``: token totals of plain-text prompts from a sample (token_estimate.py),
     error rows still exact."""
-    files, root, schema, _ = validate(spec)
+    files, root, schema, model_config = validate(spec)
+    check_device(spec.engine.device)  # what the run would refuse, plan refuses too
     out = OutputDir(spec.output.path)
     if not os.path.lexists(out.manifest):
         check_unowned_dir(out)  # what run would refuse, plan refuses too
@@ -55,11 +57,15 @@ def plan_report(spec: JobSpec, num_tasks: int, count_tokens: bool = True, estima
              f"input:    {len(files)} file(s), {plan.total_rows} rows",
              f"output:   {spec.output.path}"]
     lines += sampling_summary(spec.sampling, plan.override_columns)
+    if spec.sampling.response_format is not None:
+        lines.append(f"          response_format={spec.sampling.response_format}")
     e = spec.engine
     seqs = ("auto (sized from the KV cache when the engine starts)" if e.max_num_seqs == "auto"
             else e.max_num_seqs)
-    lines += [f"engine:   max_num_seqs={seqs}, max_model_len={e.max_model_len}, max_loras={e.max_loras}", ""]
-    tokens, bad, note = (_prompt_tokens(spec, plan, estimate_tokens) if count_tokens else ({}, {}, None))
+    lines += [f"engine:   device={e.device}, dtype={e.dtype}, max_num_seqs={seqs}, max_model_len={e.max_model_len}, "
+              f"{loras_line(spec)}", ""]
+    tokens, bad, note = (_prompt_tokens(spec, plan, estimate_tokens, model_config) if count_tokens
+                         else ({}, {}, None))
     shards = plan.shards()
     n = spec.sampling.n  # the run writes n output rows per input row, an error row per sample too
     rows = []
@@ -76,7 +82,7 @@ def plan_report(spec: JobSpec, num_tasks: int, count_tokens: bool = True, estima
     if note:
         lines.append(note)
     lines += ["", "engine batches (adapters whose rows share the engine's steps, "
-              f"up to engine.max_loras = {spec.engine.max_loras}):"]
+              f"up to {lora_slots(spec)} at once):"]
     for g in _batches(plan, spec):
         lines.append("  " + " + ".join(dict.fromkeys(_shard_name(u.adapter, u.known) for u in g))
                      + f": {sum(u.rows for u in g)} rows")
@@ -92,6 +98,33 @@ def plan_report(spec: JobSpec, num_tasks: int, count_tokens: bool = True, estima
     return "\n".join(lines)
 
 
+def lora_slots(spec: JobSpec) -> int:
+    """The LoRA slots the run's engine will have: engine.max_loras, but never more than the
+    configured adapters (lora/manager.py sizes them so)."""
+    return max(1, min(spec.engine.max_loras, len(spec.adapters)))
+
+
+def loras_line(spec: JobSpec) -> str:
+    """plan's max_loras: what the run will use, and where it came from when that differs."""
+    if not spec.adapters:
+        return "max_loras=0 (no adapters: LoRA is off)"
+    slots = lora_slots(spec)
+    if slots == spec.engine.max_loras:
+        return f"max_loras={slots}"
+    return f"max_loras={slots} (engine.max_loras {spec.engine.max_loras}, {len(spec.adapters)} adapter(s) configured)"
+
+
+def check_device(device: str) -> None:
+    """engine.device: cuda on a machine without a visible GPU fails plan as it fails the run
+    (engine.resolve_device; imports torch only for device: cuda)."""
+    if device != "cuda":
+        return
+    import torch
+    if not torch.cuda.is_available():
+        raise ConfigError("engine.device: 'cuda' asked for but no CUDA GPU is visible; "
+                          "use device: auto or cpu")
+
+
 def _batches(plan: Plan, spec: JobSpec) -> list[list]:
     """The runner's engine groups over the whole plan, consecutive ones of equal adapters merged
     (a long shard is cut into several calls only to bound memory)."""
@@ -105,10 +138,12 @@ def _batches(plan: Plan, spec: JobSpec) -> list[list]:
     return merged
 
 
-def _prompt_tokens(spec: JobSpec, plan: Plan, estimate: bool = False) -> tuple[dict, dict, str | None]:
+def _prompt_tokens(spec: JobSpec, plan: Plan, estimate: bool = False,
+                   model_config=None) -> tuple[dict, dict, str | None]:
     """Prompt tokens and predictable error rows per shard (tokenizer only, file by file, in
     column batches: token_count.py's counts, numpy for the checks, no Python object kept per row),
-    and a note for the table when the totals are estimated."""
+    and a note for the table when the totals are estimated. ``model_config``: validate()'s, for
+    compiling per-row response_format values (plan_formats.py)."""
     inp = spec.input
     tok = None if inp.prompt_token_ids_column else token_counter(spec)
     shard_keys = list(dict.fromkeys((u.adapter, u.known) for u in plan.units))
@@ -127,6 +162,8 @@ def _prompt_tokens(spec: JobSpec, plan: Plan, estimate: bool = False) -> tuple[d
              and inp.system_prompt is None)
     est = (Estimate(tok, inp.add_special_tokens is not False, plan.total_rows, len(shard_keys))
            if estimate and plain else None)
+    compiles = (format_checker(spec, model_config)
+                if "response_format" in extra and model_config is not None else None)
     first_row = 0
     for fi, path in enumerate(plan.files):
         start = 0
@@ -139,9 +176,15 @@ def _prompt_tokens(spec: JobSpec, plan: Plan, estimate: bool = False) -> tuple[d
                 overrides = {c: column_values(batch.column(c)) for c in extra}
                 for i in range(n):
                     try:
-                        mt[i] = _sampling(spec, overrides, i, None, extra).max_tokens
+                        sp = _sampling(spec, overrides, i, None, extra)
                     except (ValueError, TypeError):
                         mt[i] = np.inf
+                        continue
+                    mt[i] = sp.max_tokens
+                    fmt = sp.response_format
+                    if compiles is not None and fmt is not None and fmt != spec.sampling.response_format \
+                            and not compiles(fmt):
+                        mt[i] = np.inf  # the engine refuses a format that does not compile
             if est is not None:
                 is_bad = _estimated_batch(est, tok, inp, batch.column(col), codes, mt,
                                           spec.engine.max_model_len, first_row)
