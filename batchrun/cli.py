@@ -61,7 +61,13 @@ def worker_name(task_id: int) -> str:
 @click.version_option(package_name="batchrun")
 @click.pass_context
 def main(ctx):
-    """Offline batch inference: Parquet prompts + a local HF model + LoRA adapters -> Parquet outputs."""
+    """Offline batch inference: Parquet prompts + a local HF model + LoRA adapters -> Parquet outputs.
+
+    Rows that cannot run are written as error rows and the job goes on (on_error: skip). The run
+    that completes a job exits 10 when error rows are more than max_error_rate of its output rows
+    (job file or `run --max-error-rate`, counted over the whole output); unset, only when every
+    row failed. `verify` and `status` exit 0 only for a complete output (9 while units are
+    pending, 8 for damaged parts)."""
     if ctx.invoked_subcommand != "run":  # `run` ends its start-up itself, before its first write
         from batchrun.job.interrupt import start_up_over
         start_up_over()
