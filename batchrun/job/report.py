@@ -15,6 +15,7 @@ import pyarrow.parquet as pq
 
 from batchrun.job.commit import check_part, committed_units, read_commits, uncommitted_parts
 from batchrun.errors import ConfigError
+from batchrun.job.error_rate import error_rate_problem
 from batchrun.job.exit_codes import ExitCode
 from batchrun.job.inputs import INVALID, InvalidText, RowReader, column_values
 from batchrun.job.spec import JobSpec, sampling_summary
@@ -69,9 +70,11 @@ def plan_report(spec: JobSpec, num_tasks: int, count_tokens: bool = True, estima
     shards = plan.shards()
     n = spec.sampling.n  # the run writes n output rows per input row, an error row per sample too
     rows = []
+    predicted = 0  # error output rows plan can foresee (a lower bound: the engine may refuse more)
     for code, sh in enumerate(shards):
         key = (sh.adapter, sh.known)
         bad_rows = sh.rows if not sh.known else bad.get(key, None if not count_tokens else 0)
+        predicted += (bad_rows or 0) * n
         rows.append([_shard_name(*key), sh.rows, tokens.get(key, "-"), sh.units]
                     + ([sh.rows * n] if n > 1 else []) + ["-" if bad_rows is None else bad_rows * n])
     lines.append(_table(["shard", "rows", "prompt tokens", "units"] + (["output rows"] if n > 1 else [])
@@ -81,6 +84,8 @@ def plan_report(spec: JobSpec, num_tasks: int, count_tokens: bool = True, estima
                      f"a bad input row gives {n} error rows)")
     if note:
         lines.append(note)
+    if predicted:
+        lines.append(_error_rate_note(predicted, plan.total_rows * n, spec.max_error_rate))
     lines += ["", "engine batches (adapters whose rows share the engine's steps, "
               f"up to {lora_slots(spec)} at once):"]
     for g in _batches(plan, spec):
@@ -96,6 +101,15 @@ def plan_report(spec: JobSpec, num_tasks: int, count_tokens: bool = True, estima
         trows.append([f"task {t}", len(us), span, sum(u.rows for u in us), names])
     lines += ["", _table(["task", "units", "unit ids", "rows", "shards"], trows)]
     return "\n".join(lines)
+
+
+def _error_rate_note(predicted: int, total: int, limit: float | None) -> str:
+    """plan's line on the predicted error rows, and whether the run will exit 10 for them."""
+    text = f"predicted error rows: {predicted} of {total} output rows ({100 * predicted / max(total, 1):.2f} %)"
+    rule = "max_error_rate unset: fails only if every row failed" if limit is None else f"max_error_rate {limit:g}"
+    if error_rate_problem(predicted, total, limit) is not None:
+        return f"{text}: the run will exit {int(ExitCode.ERROR_RATE)} ({rule})"
+    return f"{text}; within {rule}"
 
 
 def lora_slots(spec: JobSpec) -> int:

@@ -19,7 +19,7 @@ def error_rows(output: str) -> dict[str, int]:
     start = next(i for i, l in enumerate(lines) if l.startswith("shard"))
     table = {}
     for line in lines[start + 1:]:
-        if not line.strip():
+        if not line.strip() or line.startswith(("predicted", "(")):
             break
         name = line.rsplit(None, 4)[0]
         table[name] = int(line.split()[-1])
@@ -82,3 +82,18 @@ def test_plan_refuses_device_cuda_without_a_gpu(make_job):
     r = cli("plan", make_job(demo_rows(3), engine={"device": "cuda"}))
     assert r.exit_code == ExitCode.CONFIG, r.output
     assert "engine.device: 'cuda' asked for but no CUDA GPU is visible" in r.output
+
+
+def test_plan_says_when_the_run_will_exit_10(make_job):
+    rows = demo_rows(6)
+    for r in rows:
+        r["adapter"] = "missing"
+    r = cli("plan", make_job(rows))
+    assert "predicted error rows: 6 of 6 output rows (100.00 %): the run will exit 10 " \
+           "(max_error_rate unset: fails only if every row failed)" in r.output, r.output
+    rows = demo_rows(6)
+    rows[2]["prompt"] = ""
+    r = cli("plan", make_job(rows, max_error_rate=0.5))
+    assert "predicted error rows: 1 of 6 output rows (16.67 %); within max_error_rate 0.5" in r.output
+    r = cli("plan", make_job(rows, max_error_rate=0.1))
+    assert "the run will exit 10 (max_error_rate 0.1)" in r.output
