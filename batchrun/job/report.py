@@ -106,10 +106,13 @@ def plan_report(spec: JobSpec, num_tasks: int, count_tokens: bool = True, estima
 def _error_rate_note(predicted: int, total: int, limit: float | None) -> str:
     """plan's line on the predicted error rows, and whether the run will exit 10 for them."""
     text = f"predicted error rows: {predicted} of {total} output rows ({100 * predicted / max(total, 1):.2f} %)"
-    rule = "max_error_rate unset: fails only if every row failed" if limit is None else f"max_error_rate {limit:g}"
-    if error_rate_problem(predicted, total, limit) is not None:
-        return f"{text}: the run will exit {int(ExitCode.ERROR_RATE)} ({rule})"
-    return f"{text}; within {rule}"
+    fails = error_rate_problem(predicted, total, limit) is not None
+    code = int(ExitCode.ERROR_RATE)
+    if limit is None:
+        return (f"{text}: every row, so the run will exit {code} (max_error_rate: 1 accepts it)" if fails else
+                f"{text}; max_error_rate is unset: the run exits {code} only if every row fails")
+    return (f"{text}: more than max_error_rate {limit:g}, so the run will exit {code}" if fails else
+            f"{text}; within max_error_rate {limit:g}")
 
 
 def lora_slots(spec: JobSpec) -> int:

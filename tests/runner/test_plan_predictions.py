@@ -89,11 +89,29 @@ def test_plan_says_when_the_run_will_exit_10(make_job):
     for r in rows:
         r["adapter"] = "missing"
     r = cli("plan", make_job(rows))
-    assert "predicted error rows: 6 of 6 output rows (100.00 %): the run will exit 10 " \
-           "(max_error_rate unset: fails only if every row failed)" in r.output, r.output
+    assert "predicted error rows: 6 of 6 output rows (100.00 %): every row, so the run will exit 10" in r.output, r.output
     rows = demo_rows(6)
     rows[2]["prompt"] = ""
     r = cli("plan", make_job(rows, max_error_rate=0.5))
     assert "predicted error rows: 1 of 6 output rows (16.67 %); within max_error_rate 0.5" in r.output
     r = cli("plan", make_job(rows, max_error_rate=0.1))
-    assert "the run will exit 10 (max_error_rate 0.1)" in r.output
+    assert "(16.67 %): more than max_error_rate 0.1, so the run will exit 10" in r.output
+
+
+def test_plan_predicts_what_the_real_engine_refuses(make_job, tmp_path):
+    """The real engine (CPU, tiny model) on the same rows: its error rows are the ones plan counted."""
+    pytest.importorskip("xgrammar")
+    from runner_helpers import read_output
+    rows = demo_rows(6)
+    for r in rows:
+        r["adapter"] = None
+        r["response_format"] = SCHEMA_OK
+    rows[1]["response_format"] = SCHEMA_BAD
+    rows[2]["response_format"] = REGEX_BAD
+    job = make_job(rows, sampling={"max_tokens": 4})
+    assert error_rows(cli("plan", job).output) == {"base": 2}
+    r = cli("run", job, "--no-progress")
+    assert r.exit_code == 0, r.output
+    out = read_output(tmp_path / "out").to_pylist()
+    assert sorted(x["id"] for x in out if x["finish_reason"] == "error") == [1, 2]
+    assert all("does not compile" in x["error"] for x in out if x["finish_reason"] == "error")
