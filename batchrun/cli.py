@@ -13,11 +13,14 @@ import os
 import sys
 import traceback
 from contextlib import contextmanager
+from dataclasses import replace
 
 import click
 
 from batchrun.errors import ConfigError, OutputIOError, io_message
+from batchrun.job.error_rate import ErrorRateExceeded, check_job
 from batchrun.job.exit_codes import HELP as EXIT_CODES_HELP, ExitCode, exit_code_of
+from batchrun.job.interrupt import Interrupted
 
 
 def _fail(code: ExitCode, message: str):
@@ -62,7 +65,13 @@ def worker_name(task_id: int) -> str:
 @click.version_option(package_name="batchrun")
 @click.pass_context
 def main(ctx):
-    """Offline batch inference: Parquet prompts + a local HF model + LoRA adapters -> Parquet outputs."""
+    """Offline batch inference: Parquet prompts + a local HF model + LoRA adapters -> Parquet outputs.
+
+    Rows that cannot run are written as error rows and the job goes on (on_error: skip). The run
+    that completes a job exits 10 when error rows are more than max_error_rate of its output rows
+    (job file or `run --max-error-rate`, counted over the whole output); unset, only when every
+    row failed. `verify` and `status` exit 0 only for a complete output (9 while units are
+    pending, 8 for damaged parts)."""
     if ctx.invoked_subcommand != "run":  # `run` ends its start-up itself, before its first write
         from batchrun.job.interrupt import start_up_over
         start_up_over()
@@ -95,9 +104,20 @@ def main(ctx):
               help="Run N worker processes on this node over the same unit claims (CPU workers unless --gpus).")
 @click.option("--gpus", default=None, metavar="0,1,...|all",
               help="One worker per listed GPU (CUDA_VISIBLE_DEVICES=that id); 'all' = every visible GPU.")
+@click.option("--max-error-rate", type=click.FloatRange(0.0, 1.0), default=None, metavar="R",
+              help="Exit 10 when the finished job's error rows are more than this fraction of its output "
+                   "rows, counted over the whole output (resumed runs and other workers included); the "
+                   "output is kept. Overrides the job file's max_error_rate. Default: exit 10 only when "
+                   "every row is an error row; 1 never fails.")
 def run(job, task_id, num_tasks, restart, restart_token, progress, log_interval, verbose, no_progress,
-        claim_lease, workers, gpus):
-    """Run JOB (a job.yaml), or this task's share of it; resumes a previous run."""
+        claim_lease, workers, gpus, max_error_rate):
+    """Run JOB (a job.yaml), or this task's share of it; resumes a previous run.
+
+    \b
+    Error rows: a row that cannot run (bad prompt, bad per-row override, unknown adapter) is written
+    as an error row (on_error: skip, the default) and the run goes on. When the whole job is done,
+    it exits 10 if error rows are more than max_error_rate of the output rows (job file or
+    --max-error-rate; unset: only if every row failed)."""
     from batchrun.job import preload
     if workers is None and gpus is None:  # a worker pool's parent runs no engine
         preload.start()  # torch & co. import while the job is checked and planned (preload.py)
@@ -121,7 +141,7 @@ def run(job, task_id, num_tasks, restart, restart_token, progress, log_interval,
     if workers is not None or gpus is not None:
         from batchrun.job.interrupt import start_up_over
         start_up_over()  # the parent forwards signals to its workers (workers.py)
-        _run_workers(job, workers, gpus, restart, restart_token, log_interval, claim_lease)
+        _run_workers(job, workers, gpus, restart, restart_token, log_interval, claim_lease, max_error_rate)
     try:
         from batchrun.job.workers import GPU_ENV, check_worker_device
         if os.environ.get(GPU_ENV):
@@ -130,6 +150,8 @@ def run(job, task_id, num_tasks, restart, restart_token, progress, log_interval,
         _fail(ExitCode.CONFIG, str(e))
     try:
         spec = load_job(job)
+        if max_error_rate is not None:
+            spec = replace(spec, max_error_rate=max_error_rate)
         _preload_tokenizer(spec)
         stats = run_job(spec, task_id, num_tasks, restart=restart, progress="none" if no_progress else progress,
                         log=lambda m: click.echo(m, err=True), log_interval=log_interval, verbose=verbose,
@@ -141,17 +163,24 @@ def run(job, task_id, num_tasks, restart, restart_token, progress, log_interval,
         code = exit_code_of(e)
         if code == ExitCode.INTERNAL:
             traceback.print_exc()
+        signal_name = str(e) if isinstance(e, Interrupted) else "SIGINT"  # else: KeyboardInterrupt
         if held:
-            _summary_block(held[0], code, f"{held[0].status}: {type(e).__name__}")
+            _summary_block(held[0], code, f"interrupted by {signal_name}" if code == ExitCode.INTERRUPTED
+                           else f"{held[0].status}: {type(e).__name__}")
         if code == ExitCode.INTERRUPTED:
-            _fail(code, f"interrupted ({e}); no partial file was left. "
+            _fail(code, f"interrupted ({signal_name}); no partial file was left. "
                   "Rerun the same command to resume after the committed units.")
         if code == ExitCode.INTERNAL:
             _fail(code, "internal error (traceback above); committed units are kept, a rerun resumes")
         if isinstance(e, OSError) and not isinstance(e, OutputIOError):
             _fail(code, io_message(e, "cannot access a file"))
         _fail(code, str(e))
-    _summary(spec, stats)
+    job_totals = _summary(spec, stats)
+    try:
+        check_job(job_totals, spec.max_error_rate)
+    except ErrorRateExceeded as e:
+        _summary_block(stats, ExitCode.ERROR_RATE, "done, but too many error rows")
+        _fail(ExitCode.ERROR_RATE, str(e))
     _summary_block(stats, ExitCode.OK, "done")
 
 
@@ -164,7 +193,7 @@ def _preload_tokenizer(spec) -> None:
         preload.then(lambda: load_tokenizer(spec.model))
 
 
-def _run_workers(job, workers, gpus, restart, restart_token, log_interval, claim_lease):
+def _run_workers(job, workers, gpus, restart, restart_token, log_interval, claim_lease, max_error_rate):
     """--workers/--gpus: the parent of N `batchrun run` workers; exits with the worst of their codes."""
     import uuid
     from batchrun.job import workers as wk
@@ -177,6 +206,8 @@ def _run_workers(job, workers, gpus, restart, restart_token, log_interval, claim
     except ConfigError as e:
         _fail(ExitCode.CONFIG if not str(e).startswith("--") else ExitCode.USAGE, str(e))
     args = ["run", job, "--progress", "none", "--claim-lease", str(claim_lease)]
+    if max_error_rate is not None:  # the worker that completes the job judges it (error_rate.py)
+        args += ["--max-error-rate", repr(max_error_rate)]
     if restart or restart_token:  # restart once for the whole pool, not once per worker
         args += ["--restart-token", restart_token or uuid.uuid4().hex[:16]]
     code = wk.run_workers(wk.worker_command() + args, devices, spec.output.path,
@@ -190,7 +221,8 @@ def _summary_block(st, code, what: str) -> None:
         click.echo(line, err=True)
 
 
-def _summary(spec, st) -> None:
+def _summary(spec, st) -> dict:
+    """Print the task's and the job's totals; return the job's (metrics.job_metrics)."""
     from batchrun.job.metrics import job_metrics
     from batchrun.job.output import OutputDir
     import json
@@ -198,8 +230,8 @@ def _summary(spec, st) -> None:
     with open(out.manifest) as f:
         m = json.load(f)
     job = job_metrics(out, m["total_units"], m["total_rows"], spec.sampling.n)
-    rows = (f"{st.input_rows} rows" if st.input_rows == st.output_rows  # sampling.n = 1
-            else f"{st.input_rows} input rows -> {st.output_rows} output rows")
+    rows = (f"{st.committed_rows} rows" if st.committed_rows == st.committed_output_rows  # sampling.n = 1
+            else f"{st.committed_rows} input rows -> {st.committed_output_rows} output rows")
     click.echo(
         f"task {st.task_id}/{st.num_tasks}: {st.units_done} unit(s) written, {st.units_skipped} already done; "
         f"{rows} ({st.error_rows} error rows), {st.output_tokens} output tokens in {st.elapsed_s:.1f}s "
@@ -207,6 +239,7 @@ def _summary(spec, st) -> None:
     click.echo(f"job: {job['units_committed']}/{job['units_total']} units, {job['rows_committed']}/"
                f"{job['rows_total']} rows, {job['error_rows']} error rows -> {out.path}"
                + ("" if job["complete"] else "  (other tasks' units still pending)"), err=True)
+    return job
 
 
 @main.command()
@@ -230,11 +263,16 @@ def plan(job, num_tasks, no_tokens, estimate_tokens):
 @main.command()
 @click.argument("out", type=click.Path(file_okay=False))
 def status(out):
-    """Progress of the job whose output directory is OUT: units, rows, errors, running tasks."""
+    """Progress of the job whose output directory is OUT: units, rows, errors, running tasks.
+
+    Exit 0 when every unit is committed, 9 while some are pending (running, or a rerun must finish
+    them), 8 when a committed unit's part file is missing or damaged (a rerun rewrites it)."""
     from batchrun.job.report import status_report
     with _read_errors():
-        text, _ = status_report(out)
+        text, code = status_report(out)
     click.echo(text)
+    if code != ExitCode.OK:
+        sys.exit(int(code))
 
 
 @main.command()
@@ -242,14 +280,15 @@ def status(out):
 def verify(out):
     """Read every part file of OUT and check it against its commit (sha256, rows, unique ids).
 
-    Exit 0 when every committed unit is whole, 8 when some are missing or damaged (a rerun of the
-    job rewrites them)."""
-    from batchrun.job.verify import verify as run_verify
+    Exit 0 only when every unit of the job is committed and whole; 8 when some committed unit is
+    missing or damaged (a rerun of the job rewrites it); 9 while units are pending (the output is
+    incomplete: `verify OUT && publish` never publishes part of a job)."""
+    from batchrun.job.verify import verify_output
     with _read_errors():
-        text, ok = run_verify(out)
+        text, code = verify_output(out)
     click.echo(text)
-    if not ok:
-        sys.exit(int(ExitCode.DAMAGED))
+    if code != ExitCode.OK:
+        sys.exit(int(code))
 
 
 @main.command()

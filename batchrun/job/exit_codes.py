@@ -1,4 +1,10 @@
-"""Exit codes (README "Exit codes", `batchrun --help`) and which failure maps to which."""
+"""Exit codes (README "Exit codes", `batchrun --help`) and which failure maps to which.
+
+``ExitCode`` is the one list: README's table and the --help text are checked against it
+(tests/runner/test_exit_code_docs.py). Codes 9 and 10 are the ones a script acts on after a run
+that did not crash: 9 = not finished yet (`verify`/`status`), 10 = finished, but too many rows
+failed to trust the output (`run`).
+"""
 from __future__ import annotations
 
 from enum import IntEnum
@@ -14,19 +20,36 @@ class ExitCode(IntEnum):
     LOCKED = 6  # another run of this task (or a run being restarted) holds the output dir's lock
     OUTPUT_IO = 7  # the output dir cannot be written/read (disk full, read-only, permissions); kept
     DAMAGED = 8  # `verify` found missing/damaged part files; rerun the job to rewrite them
+    PENDING = 9  # `verify`/`status`: some units are not committed yet (the output is incomplete)
+    ERROR_RATE = 10  # `run`: the job's error rows exceed max_error_rate (error_rate.py); kept
     INTERRUPTED = 130  # SIGINT/SIGTERM: stopped between units, no partial file; rerun to resume
 
 
-HELP = """Exit codes: 0 done (bad rows are error rows); 1 internal error (traceback; committed units
-kept); 2 bad command line; 3 bad job file/input/model/adapter/output dir (nothing ran); 4 on_error:
-fail and a row failed; 5 output dir holds a different job, or an input changed mid-run; 6 another
-run of this task is running; 7 output dir not writable/readable (disk full, read-only); 8 verify
-found damaged parts; 130 interrupted (SIGINT/SIGTERM), rerun to resume."""
+# code -> its meaning as `batchrun --help` prints it (README's table says the same, at more length)
+MEANINGS = {
+    ExitCode.OK: "done (rows that could not run are error rows, counted in the summary)",
+    ExitCode.INTERNAL: "internal error (traceback printed); committed units kept",
+    ExitCode.USAGE: "bad command line",
+    ExitCode.CONFIG: "bad job file, input, model, adapter or output dir; nothing ran",
+    ExitCode.ROW_ERROR: "on_error: fail and a row could not run",
+    ExitCode.JOB_CHANGED: "output dir holds a different job, or an input changed mid-run",
+    ExitCode.LOCKED: "another run of this task holds the output dir's lock",
+    ExitCode.OUTPUT_IO: "output dir not writable/readable (disk full, read-only)",
+    ExitCode.DAMAGED: "verify/status found missing or damaged part files",
+    ExitCode.PENDING: "verify/status: units still pending (output incomplete)",
+    ExitCode.ERROR_RATE: ("run: the job's error rows exceed max_error_rate (default: every row "
+                          "failed); committed units kept"),
+    ExitCode.INTERRUPTED: "interrupted (SIGINT/SIGTERM); rerun to resume",
+}
+
+# \b keeps click from rewrapping the paragraph: one code per line, as README's table has them
+HELP = "\b\nExit codes:\n" + "\n".join(f"  {int(c):>3}  {MEANINGS[c]}" for c in ExitCode)
 
 
 def exit_code_of(exc: BaseException | None) -> ExitCode:
     """The exit code `batchrun run` gives for a run that ended with ``exc`` (None: success)."""
     from batchrun.errors import ConfigError, JobChanged, OutputIOError
+    from batchrun.job.error_rate import ErrorRateExceeded
     from batchrun.job.interrupt import Interrupted
     from batchrun.job.lock import LockBusy
     from batchrun.job.runner import RowFailure
@@ -34,7 +57,7 @@ def exit_code_of(exc: BaseException | None) -> ExitCode:
         return ExitCode.OK
     for types, code in ((JobChanged, ExitCode.JOB_CHANGED), (ConfigError, ExitCode.CONFIG),
                         (LockBusy, ExitCode.LOCKED), (RowFailure, ExitCode.ROW_ERROR),
-                        (OutputIOError, ExitCode.OUTPUT_IO),
+                        (ErrorRateExceeded, ExitCode.ERROR_RATE), (OutputIOError, ExitCode.OUTPUT_IO),
                         ((Interrupted, KeyboardInterrupt), ExitCode.INTERRUPTED)):
         if isinstance(exc, types):
             return code

@@ -20,12 +20,18 @@ def _hms(seconds: float) -> str:
 
 
 class Progress:
+    """Counts the whole job: ``total_rows``/``total_units`` are the job's, ``done_rows``/``done_units``
+    the part committed before this run started (a resumed run starts at its real percentage);
+    rates and the ETA use only this run's rows."""
+
     def __init__(self, mode: str, task: str, total_rows: int, total_units: int, log: Callable[[str], None],
-                 interval: float = 30.0, verbose: bool = False, clock=time.time):
+                 interval: float = 30.0, verbose: bool = False, clock=time.time, done_rows: int = 0,
+                 done_units: int = 0):
         if mode == "auto":
             mode = "bar" if sys.stderr.isatty() else "log"
         self.mode, self.task, self.log, self.interval, self.verbose = mode, task, log, interval, verbose
         self.total_rows, self.total_units = total_rows, total_units
+        self.done_rows, self.done_units = done_rows, done_units
         self.clock = clock
         self.rows = self.errors = self.tokens = self.units = 0
         self.shard = "-"
@@ -34,7 +40,8 @@ class Progress:
         self.bar = None
         if mode == "bar":
             from tqdm import tqdm
-            self.bar = tqdm(total=total_rows, unit="row", dynamic_ncols=True, mininterval=0.5, desc=task)
+            self.bar = tqdm(total=total_rows, initial=done_rows, unit="row", dynamic_ncols=True, mininterval=0.5,
+                            desc=task)
 
     def set_shard(self, adapter: str | None) -> None:
         self.shard = adapter or "base"
@@ -59,7 +66,7 @@ class Progress:
         self.units += 1
         if self.mode == "log" and self.verbose:
             self.log(f"{self._stamp()} {self.task}: committed unit {index} ({rows} rows, {errors} error rows, "
-                     f"shard {self.shard}); {self.units}/{self.total_units} units")
+                     f"shard {self.shard}); {self.done_units + self.units}/{self.total_units} units")
 
     def _stamp(self) -> str:
         return time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(self.clock()))
@@ -69,12 +76,13 @@ class Progress:
         overall = self.tokens / max(now - self.start, 1e-9)
         recent = (self.tokens - self.last_tokens) / dt
         row_rate = self.rows / max(now - self.start, 1e-9)
-        eta = _hms((self.total_rows - self.rows) / row_rate) if row_rate > 0 else "?"
-        pct = 100.0 * self.rows / max(self.total_rows, 1)
-        self.log(f"{self._stamp()} {self.task}: rows {self.rows}/{self.total_rows} ({pct:.1f}%), "
+        done = self.done_rows + self.rows
+        eta = _hms((self.total_rows - done) / row_rate) if row_rate > 0 else "?"
+        pct = 100.0 * done / max(self.total_rows, 1)
+        self.log(f"{self._stamp()} {self.task}: rows {done}/{self.total_rows} ({pct:.1f}%), "
                  f"{self.errors} error rows, out tok/s {recent:.0f} (last {dt:.1f}s) {overall:.0f} (overall), "
                  f"ETA {eta}, shard {self.shard} (graphs: {self.graph_set}), "
-                 f"units {self.units}/{self.total_units} committed")
+                 f"units {self.done_units + self.units}/{self.total_units} committed")
         self.last_t, self.last_tokens = now, self.tokens
 
     def close(self) -> None:
@@ -86,11 +94,22 @@ class Progress:
 
 
 def row_counts(st) -> str:
-    """'12 (1 error rows)', or with sampling.n > 1 '12 input -> 36 output (3 error rows)': error
-    rows are output rows (one per sample), so they are only comparable with the output count."""
-    if st.output_rows == st.input_rows:
-        return f"{st.input_rows} ({st.error_rows} error rows)"
-    return f"{st.input_rows} input -> {st.output_rows} output ({st.error_rows} error rows)"
+    """The rows of the units this run committed: '12 (1 error rows)', or with sampling.n > 1
+    '12 input -> 36 output (3 error rows)' (error rows are output rows, one per sample, so they are
+    only comparable with the output count). Rows that finished in units that were not committed
+    (an interrupt or failure stopped the unit; a unit another worker took over) are not in the
+    output: ``discarded`` names them apart."""
+    rows, out = st.committed_rows, st.committed_output_rows
+    text = (f"{rows} ({st.error_rows} error rows)" if out == rows else
+            f"{rows} input -> {out} output ({st.error_rows} error rows)")
+    return text
+
+
+def discarded(st) -> str:
+    """'; N finished output row(s) discarded ...' when rows finished in units this run did not commit."""
+    lost = st.output_rows - st.committed_output_rows
+    return (f"; {lost} finished output row(s) discarded with their uncommitted units (a rerun runs them again)"
+            if lost > 0 else "")
 
 
 def summary_lines(st, exit_code: int, what: str) -> list[str]:
@@ -99,7 +118,8 @@ def summary_lines(st, exit_code: int, what: str) -> list[str]:
     head = "batchrun: summary"
     lines = [f"{head} task {st.task_id}/{st.num_tasks}: exit {exit_code} ({what})",
              f"{head} rows {row_counts(st)}; units {st.units_done} written, "
-             f"{st.units_skipped} already done, {st.units_repaired} rewritten (damaged), of {st.units_total}",
+             f"{st.units_skipped} already done, {st.units_repaired} rewritten (damaged), of {st.units_total}"
+             + discarded(st),
              f"{head} tokens {st.prompt_tokens} prompt, {st.output_tokens} output; {tok_s:.0f} output tok/s "
              "during generation"]
     reasons = sorted(st.error_reasons.items(), key=lambda kv: (-kv[1], kv[0]))

@@ -16,12 +16,15 @@ import pyarrow.parquet as pq
 from batchrun.job.arrow_types import plain_table
 from batchrun.job.commit import check_part, committed_units, read_commits, uncommitted_parts
 from batchrun.errors import ConfigError
+from batchrun.job.error_rate import error_rate_problem
+from batchrun.job.exit_codes import ExitCode
 from batchrun.job.inputs import INVALID, InvalidText, RowReader, column_values
 from batchrun.job.spec import JobSpec, sampling_summary
 from batchrun.job.lock import is_locked
 from batchrun.job.output import OutputDir
 from batchrun.job.output_path import check_unowned_dir
 from batchrun.job.plan import Plan, assign_tasks, engine_groups, group_rows, make_plan
+from batchrun.job.plan_formats import format_checker
 from batchrun.job.prepare import token_counter, validate
 from batchrun.job.prompts import chat_messages
 from batchrun.job.rows import _sampling
@@ -44,7 +47,8 @@ def _table(header: list[str], rows: list[list]) -> str:
 def plan_report(spec: JobSpec, num_tasks: int, count_tokens: bool = True, estimate_tokens: bool = False) -> str:
     """``estimate_tokens``: token totals of plain-text prompts from a sample (token_estimate.py),
     error rows still exact."""
-    files, root, schema, _ = validate(spec)
+    files, root, schema, model_config = validate(spec)
+    check_device(spec.engine.device)  # what the run would refuse, plan refuses too
     out = OutputDir(spec.output.path)
     if not os.path.lexists(out.manifest):
         check_unowned_dir(out)  # what run would refuse, plan refuses too
@@ -55,17 +59,23 @@ def plan_report(spec: JobSpec, num_tasks: int, count_tokens: bool = True, estima
              f"input:    {len(files)} file(s), {plan.total_rows} rows",
              f"output:   {spec.output.path}"]
     lines += sampling_summary(spec.sampling, plan.override_columns)
+    if spec.sampling.response_format is not None:
+        lines.append(f"          response_format={spec.sampling.response_format}")
     e = spec.engine
     seqs = ("auto (sized from the KV cache when the engine starts)" if e.max_num_seqs == "auto"
             else e.max_num_seqs)
-    lines += [f"engine:   max_num_seqs={seqs}, max_model_len={e.max_model_len}, max_loras={e.max_loras}", ""]
-    tokens, bad, note = (_prompt_tokens(spec, plan, estimate_tokens) if count_tokens else ({}, {}, None))
+    lines += [f"engine:   device={e.device}, dtype={e.dtype}, max_num_seqs={seqs}, max_model_len={e.max_model_len}, "
+              f"{loras_line(spec)}", ""]
+    tokens, bad, note = (_prompt_tokens(spec, plan, estimate_tokens, model_config) if count_tokens
+                         else ({}, {}, None))
     shards = plan.shards()
     n = spec.sampling.n  # the run writes n output rows per input row, an error row per sample too
     rows = []
+    predicted = 0  # error output rows plan can foresee (a lower bound: the engine may refuse more)
     for code, sh in enumerate(shards):
         key = (sh.adapter, sh.known)
         bad_rows = sh.rows if not sh.known else bad.get(key, None if not count_tokens else 0)
+        predicted += (bad_rows or 0) * n
         rows.append([_shard_name(*key), sh.rows, tokens.get(key, "-"), sh.units]
                     + ([sh.rows * n] if n > 1 else []) + ["-" if bad_rows is None else bad_rows * n])
     lines.append(_table(["shard", "rows", "prompt tokens", "units"] + (["output rows"] if n > 1 else [])
@@ -75,8 +85,10 @@ def plan_report(spec: JobSpec, num_tasks: int, count_tokens: bool = True, estima
                      f"a bad input row gives {n} error rows)")
     if note:
         lines.append(note)
+    if predicted:
+        lines.append(_error_rate_note(predicted, plan.total_rows * n, spec.max_error_rate))
     lines += ["", "engine batches (adapters whose rows share the engine's steps, "
-              f"up to engine.max_loras = {spec.engine.max_loras}):"]
+              f"up to {lora_slots(spec)} at once):"]
     for g in _batches(plan, spec):
         lines.append("  " + " + ".join(dict.fromkeys(_shard_name(u.adapter, u.known) for u in g))
                      + f": {sum(u.rows for u in g)} rows")
@@ -92,6 +104,45 @@ def plan_report(spec: JobSpec, num_tasks: int, count_tokens: bool = True, estima
     return "\n".join(lines)
 
 
+def _error_rate_note(predicted: int, total: int, limit: float | None) -> str:
+    """plan's line on the predicted error rows, and whether the run will exit 10 for them."""
+    text = f"predicted error rows: {predicted} of {total} output rows ({100 * predicted / max(total, 1):.2f} %)"
+    fails = error_rate_problem(predicted, total, limit) is not None
+    code = int(ExitCode.ERROR_RATE)
+    if limit is None:
+        return (f"{text}: every row, so the run will exit {code} (max_error_rate: 1 accepts it)" if fails else
+                f"{text}; max_error_rate is unset: the run exits {code} only if every row fails")
+    return (f"{text}: more than max_error_rate {limit:g}, so the run will exit {code}" if fails else
+            f"{text}; within max_error_rate {limit:g}")
+
+
+def lora_slots(spec: JobSpec) -> int:
+    """The LoRA slots the run's engine will have: engine.max_loras, but never more than the
+    configured adapters (lora/manager.py sizes them so)."""
+    return max(1, min(spec.engine.max_loras, len(spec.adapters)))
+
+
+def loras_line(spec: JobSpec) -> str:
+    """plan's max_loras: what the run will use, and where it came from when that differs."""
+    if not spec.adapters:
+        return "max_loras=0 (no adapters: LoRA is off)"
+    slots = lora_slots(spec)
+    if slots == spec.engine.max_loras:
+        return f"max_loras={slots}"
+    return f"max_loras={slots} (engine.max_loras {spec.engine.max_loras}, {len(spec.adapters)} adapter(s) configured)"
+
+
+def check_device(device: str) -> None:
+    """engine.device: cuda on a machine without a visible GPU fails plan as it fails the run
+    (engine.resolve_device; imports torch only for device: cuda)."""
+    if device != "cuda":
+        return
+    import torch
+    if not torch.cuda.is_available():
+        raise ConfigError("engine.device: 'cuda' asked for but no CUDA GPU is visible; "
+                          "use device: auto or cpu")
+
+
 def _batches(plan: Plan, spec: JobSpec) -> list[list]:
     """The runner's engine groups over the whole plan, consecutive ones of equal adapters merged
     (a long shard is cut into several calls only to bound memory)."""
@@ -105,10 +156,12 @@ def _batches(plan: Plan, spec: JobSpec) -> list[list]:
     return merged
 
 
-def _prompt_tokens(spec: JobSpec, plan: Plan, estimate: bool = False) -> tuple[dict, dict, str | None]:
+def _prompt_tokens(spec: JobSpec, plan: Plan, estimate: bool = False,
+                   model_config=None) -> tuple[dict, dict, str | None]:
     """Prompt tokens and predictable error rows per shard (tokenizer only, file by file, in
     column batches: token_count.py's counts, numpy for the checks, no Python object kept per row),
-    and a note for the table when the totals are estimated."""
+    and a note for the table when the totals are estimated. ``model_config``: validate()'s, for
+    compiling per-row response_format values (plan_formats.py)."""
     inp = spec.input
     tok = None if inp.prompt_token_ids_column else token_counter(spec)
     shard_keys = list(dict.fromkeys((u.adapter, u.known) for u in plan.units))
@@ -127,6 +180,8 @@ def _prompt_tokens(spec: JobSpec, plan: Plan, estimate: bool = False) -> tuple[d
              and inp.system_prompt is None)
     est = (Estimate(tok, inp.add_special_tokens is not False, plan.total_rows, len(shard_keys))
            if estimate and plain else None)
+    compiles = (format_checker(spec, model_config)
+                if "response_format" in extra and model_config is not None else None)
     first_row = 0
     for fi, path in enumerate(plan.files):
         start = 0
@@ -140,9 +195,15 @@ def _prompt_tokens(spec: JobSpec, plan: Plan, estimate: bool = False) -> tuple[d
                 overrides = {c: column_values(batch.column(c)) for c in extra}
                 for i in range(n):
                     try:
-                        mt[i] = _sampling(spec, overrides, i, None, extra).max_tokens
+                        sp = _sampling(spec, overrides, i, None, extra)
                     except (ValueError, TypeError):
                         mt[i] = np.inf
+                        continue
+                    mt[i] = sp.max_tokens
+                    fmt = sp.response_format
+                    if compiles is not None and fmt is not None and fmt != spec.sampling.response_format \
+                            and not compiles(fmt):
+                        mt[i] = np.inf  # the engine refuses a format that does not compile
             if est is not None:
                 is_bad = _estimated_batch(est, tok, inp, batch.column(col), codes, mt,
                                           spec.engine.max_model_len, first_row)
@@ -264,7 +325,9 @@ def load_state(out_path: str) -> tuple[OutputDir, dict, list]:
     return out, manifest, units
 
 
-def status_report(out_path: str) -> tuple[str, bool]:
+def status_report(out_path: str) -> tuple[str, ExitCode]:
+    """(text, exit code): OK when every unit is committed, DAMAGED when a committed unit's part
+    file is missing or damaged, else PENDING while units are not committed yet."""
     out, manifest, units = load_state(out_path)
     commits = read_commits(out)
     damaged = dict(commits.damaged)
@@ -308,7 +371,8 @@ def status_report(out_path: str) -> tuple[str, bool]:
                      "between writing and committing); the next run rewrites them")
     complete = len(done) == len(units)
     lines.append("complete" if complete else "incomplete: rerun the same command to finish")
-    return "\n".join(lines), complete
+    code = ExitCode.OK if complete else ExitCode.DAMAGED if damaged else ExitCode.PENDING
+    return "\n".join(lines), code
 
 
 def show_rows(out_path: str, limit: int, prompts: bool) -> str:

@@ -67,7 +67,9 @@ class TaskStats:
     worker: str = ""  # lock / temp-dir / metrics name (the task id, plus the Slurm array job id)
     input_rows: int = 0  # input rows finished: every one of their sampling.n samples has a result
     output_rows: int = 0  # output rows finished (one per sample: input_rows x sampling.n when done)
-    error_rows: int = 0  # output rows that are error rows (a bad input row gives n of them)
+    error_rows: int = 0  # output rows of the units this run committed that are error rows (n per bad input row)
+    committed_rows: int = 0  # input rows of the units this run committed (what the summary reports)
+    committed_output_rows: int = 0  # their output rows (committed_rows x sampling.n)
     prompt_tokens: int = 0
     output_tokens: int = 0
     started: float = field(default_factory=time.time)
@@ -154,6 +156,8 @@ class TaskRunner:
         with self._lock:
             st.writing_s += time.time() - t0
             st.units_done += 1
+            st.committed_rows += work.unit.rows
+            st.committed_output_rows += len(work.results)
             st.error_rows += errors
             st.prompt_tokens += info["prompt_tokens"]
             if self.progress is not None:
@@ -306,9 +310,11 @@ class TaskRunner:
             self._note_progress(force=True)  # the engine is ready: rates count from here
             st.import_wait_s = preload.waited_s
             if self.mode != "none":
+                n = self.spec.sampling.n  # the whole job, with the units committed before this run done
                 self.progress = Progress(self.mode, f"task {self.task_id}/{self.num_tasks}",
-                                         sum(u.rows for u in todo) * self.spec.sampling.n,
-                                         len(todo), self.log, self.log_interval, self.verbose)
+                                         self.plan.total_rows * n, len(units), self.log, self.log_interval,
+                                         self.verbose, done_rows=sum(u.rows for u in units if u.index in done) * n,
+                                         done_units=len(done))
             self._run_units(engine, _chain(first, claimed))
             st.status = "done"
         except Interrupted:

@@ -26,6 +26,7 @@ import yaml
 from batchrun.engine.config import TYPE_NAMES as _TYPE_NAMES, EngineConfig, job_engine_fields
 from batchrun.engine.config import finite_float, show as _show, type_ok as _type_ok
 from batchrun.errors import ConfigError
+from batchrun.job.error_rate import check_rate
 from batchrun.job.job_text import check_text, decode_job_file, text_problem
 from batchrun.job.safe_yaml import load_yaml
 from batchrun.job.short_repr import short_repr as _short
@@ -101,6 +102,7 @@ class JobSpec:
     engine: EngineConfig  # its model is the job's model (parse_job fills it)
     sampling: SamplingSpec = field(default_factory=SamplingSpec)
     on_error: str = "skip"
+    max_error_rate: float | None = None  # None: fail (exit 10) only if every row failed; error_rate.py
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -233,6 +235,7 @@ def parse_job(raw: Any, base_dir: str | os.PathLike, job_file: str = "") -> JobS
         "sampling": (dict, True, None),
         "engine": (dict, True, None),
         "on_error": (str, False, "skip"),
+        "max_error_rate": (object, True, None),
     })
     model = _resolve(base, top["model"], "model")
 
@@ -294,11 +297,15 @@ def parse_job(raw: Any, base_dir: str | os.PathLike, job_file: str = "") -> JobS
 
     _check(top["on_error"] in ON_ERROR, "on_error",
            f"expected skip (bad rows become error rows) or fail (stop the job), got {_short(top['on_error'])}")
+    try:
+        max_error_rate = check_rate(top["max_error_rate"], "max_error_rate")
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
     return JobSpec(
         job_file=job_file, model=model, adapters=adapters,
         input=InputSpec(**inp), output=OutputSpec(**out),
-        sampling=smp, engine=eng, on_error=top["on_error"],
+        sampling=smp, engine=eng, on_error=top["on_error"], max_error_rate=max_error_rate,
     )
 
 

@@ -13,11 +13,20 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from batchrun.job.commit import check_part, read_commits, uncommitted_parts
+from batchrun.job.exit_codes import ExitCode
 from batchrun.job.report import load_state
 
 
 def verify(out_path: str) -> tuple[str, bool]:
-    """(report text, ok)."""
+    """(report text, ok): ok only when every unit of the job is committed and whole."""
+    text, code = verify_output(out_path)
+    return text, code == ExitCode.OK
+
+
+def verify_output(out_path: str) -> tuple[str, ExitCode]:
+    """(report text, exit code): DAMAGED when a committed unit is missing or damaged (or ids
+    repeat), else PENDING while some unit is not committed yet (what is committed checked out, but
+    the output is not the whole job: a script must not publish it), else OK."""
     out, manifest, units = load_state(out_path)
     commits = read_commits(out)
     plan_rows = {u[0]: u[4] for u in units}
@@ -58,8 +67,15 @@ def verify(out_path: str) -> tuple[str, bool]:
     if problems:
         lines.append(f"damaged:  {len(problems)} unit(s); rerun the job (same command) to rewrite them:")
         lines += [f"  {p}" for p in problems[:20]] + ([f"  ... and {len(problems) - 20} more"] if len(problems) > 20 else [])
-    missing = len(units) - checked - len(problems)
+    missing = len(units) - len(commits.valid) - len(commits.damaged)
     if missing > 0:
-        lines.append(f"pending:  {missing} unit(s) not committed yet")
-    lines.append("ok" if not problems else "DAMAGED")
-    return "\n".join(lines), not problems
+        lines.append(f"pending:  {missing} of {len(units)} unit(s) not committed yet; the output is incomplete "
+                     "(a run is still going, or rerun the job to finish it)")
+    if problems:
+        lines.append("DAMAGED")
+        return "\n".join(lines), ExitCode.DAMAGED
+    if missing > 0:
+        lines.append("INCOMPLETE")
+        return "\n".join(lines), ExitCode.PENDING
+    lines.append("ok")
+    return "\n".join(lines), ExitCode.OK

@@ -24,6 +24,10 @@ CASES = {
     "layers_pattern": dict(r=2, lora_alpha=8, target_modules=["o_proj", "gate_proj"],
                            layers_to_transform=0, layers_pattern="layers"),
     "some_modules": dict(r=6, lora_alpha=3, target_modules=["o_proj", "gate_proj", "up_proj"]),
+    # plain LoRA at inference: their extra tensors (lora_velora_embed, lora_monteclora_sampler.*)
+    # only serve training and are skipped
+    "velora": dict(r=4, lora_alpha=8, velora_config={"num_groups": 4}),
+    "monteclora": dict(r=4, lora_alpha=8, target_modules=["q_proj", "down_proj"], monteclora_config={}),
 }
 
 
@@ -101,6 +105,16 @@ REFUSALS = {
     "missing_weights": (dict(), lambda p: _edit_config(p, target_modules=["q_proj", "v_proj", "o_proj"]),
                         ["selects model.layers.0.self_attn.o_proj", "no weights"]),
     "peft_type": (dict(), lambda p: _edit_config(p, peft_type="IA3"), ["peft_type='IA3'"]),
+    # peft's variants that do not run as plain LoRA on the unmodified base: named, with the fix
+    "bdlora": (dict(use_bdlora={"target_modules_bd_a": ["q_proj"], "target_modules_bd_b": ["v_proj"], "nblocks": 2}),
+               None, ["use_bdlora=", "BD-LoRA adapters are not supported", "merge_and_unload"]),
+    "kasa": (dict(kasa_config={}), None,
+             ["kasa_config=", "KaSA adapters are not supported", "lora_diag"]),
+    "arrow": (dict(), lambda p: _edit_config(p, arrow_config={"top_k": 2}), ["Arrow adapters"]),
+    "pissa": (dict(), lambda p: _edit_config(p, init_lora_weights="pissa_niter_4"),
+              ["init_lora_weights='pissa_niter_4'", "PiSSA", "path_initial_model_for_weight_conversion"]),
+    "olora": (dict(), lambda p: _edit_config(p, init_lora_weights="olora"), ["OLoRA", "residual base"]),
+    "loftq": (dict(), lambda p: _edit_config(p, init_lora_weights="loftq"), ["LoftQ"]),
 }
 
 
@@ -144,3 +158,11 @@ def test_other_model_types(tmp_path):
     qwen.model_type = "qwen2"
     with pytest.raises(AdapterError, match="trained on a LlamaForCausalLM"):
         inspect_adapter("a", tmp_path, qwen, 8)
+
+
+@pytest.mark.parametrize("case, part", [("velora", ".lora_velora_embed"), ("monteclora", ".lora_monteclora_sampler.")])
+def test_training_only_tensors_are_in_the_file_and_skipped(tmp_path, mcfg, case, part):
+    make_adapter(tmp_path, **CASES[case])
+    assert any(part in k for k in load_file(str(tmp_path / "adapter_model.safetensors")))
+    info = inspect_adapter("a", tmp_path, mcfg, 8)
+    assert all(part not in t.key_a and part not in t.key_b for t in info.targets)

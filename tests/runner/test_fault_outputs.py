@@ -130,7 +130,7 @@ def test_damaged_part_is_reported_and_rewritten(make_job, tmp_path, damage):
         os.remove(part)
         os.symlink(tmp_path / "copy.parquet", part)
     r = run_cli("status", out)
-    assert r.returncode == 0 and "damaged: 1 committed unit(s)" in r.stdout and "incomplete" in r.stdout
+    assert r.returncode == ExitCode.DAMAGED and "damaged: 1 committed unit(s)" in r.stdout and "incomplete" in r.stdout
     r = run_cli("verify", out)
     assert r.returncode == ExitCode.DAMAGED and "unit 3:" in r.stdout, r.stdout
     stats = run(job)

@@ -9,9 +9,10 @@ import time
 import pytest
 
 from batchrun.errors import ConfigError
+from batchrun.job.exit_codes import ExitCode
 from batchrun.job.workers import GPU_ENV, check_worker_device, pick_gpus, run_workers, visible_gpus, worst
 from fault_helpers import assert_every_id_once, wait_for, commits
-from runner_helpers import HERE, REPO, demo_rows
+from runner_helpers import HERE, REPO, demo_rows, read_output
 
 FAKE = [sys.executable, str(HERE / "fake_cli.py")]
 
@@ -88,3 +89,16 @@ def test_sigterm_stops_every_worker_with_130(make_job, tmp_path):
     _, err = proc.communicate(timeout=90)
     assert proc.returncode == 130, err[-2000:]
     assert err.count("batchrun: summary task") == 2 and err.count("exit 130") >= 2, err[-3000:]
+
+
+def test_max_error_rate_reaches_the_workers_and_the_pool_exits_10(make_job, tmp_path):
+    rows = demo_rows(16)
+    for i in (1, 6, 11):
+        rows[i]["prompt"] = "  "  # 3 of 16 error rows (18.75 %)
+    job = make_job(rows)
+    r = subprocess.run([*FAKE, "run", str(job), "--workers", "2", "--max-error-rate", "0.1"], capture_output=True,
+                       text=True, timeout=120, env=_env(BATCHRUN_CLAIM_LEASE="2"))
+    assert r.returncode == ExitCode.ERROR_RATE, r.stderr[-2000:]
+    assert "3 of 16 output rows are error rows" in r.stderr
+    ids = read_output(tmp_path / "out").column("id").to_pylist()
+    assert sorted(ids) == list(range(16))  # the output is kept, every row once

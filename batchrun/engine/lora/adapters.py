@@ -124,7 +124,7 @@ def inspect_adapter(name: str, path, model_config, max_lora_rank: int) -> Adapte
             raise adapter_error(name, path, f"adapter_config.json says it was trained on a "
                                 f"{pc.base_model_class}, but the base model is {model_type!r}; "
                                 "use an adapter trained for this base model")
-    header = _read_header(name, path)
+    header = {k: v for k, v in _read_header(name, path).items() if not pc.ignores(k)}
     n_layers = cfg.num_hidden_layers
     shapes = _shapes(cfg)
 

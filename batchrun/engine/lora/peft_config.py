@@ -36,9 +36,19 @@ def adapter_error(name: str, path, msg: str) -> AdapterError:
 
 
 # Config fields batchrun refuses when set (truthy, or not "none" for bias): the fix for each.
+# peft's LoRA variants (LoraConfig fields that pick a LoraVariant, peft 0.21) are named, so a
+# refused adapter says which variant it is rather than failing later on a tensor shape or name.
+_MERGE = "merge the adapter into the base model (peft's merge_and_unload) and run the merged model"
 _REFUSED = {
     "use_dora": "DoRA adapters are not supported; merge the DoRA adapter into the base model "
                 "or retrain with use_dora=false",
+    "kasa_config": "KaSA adapters are not supported: KaSA truncates the base weights' smallest singular "
+                   "components and scales the update by a learned diagonal (lora_diag), so it does not run "
+                   f"on the unmodified base model; {_MERGE}",
+    "use_bdlora": "BD-LoRA adapters are not supported: their block-diagonal LoRA factors are stored "
+                  f"compressed (fewer columns than the base layer); {_MERGE}, or retrain as plain LoRA",
+    "arrow_config": "Arrow adapters (routing between several LoRA experts per token) are not supported; "
+                    "run each expert adapter as a plain LoRA adapter",
     "modules_to_save": "fully trained modules (modules_to_save) are not supported; merge the "
                        "adapter into a new base model, or retrain without modules_to_save",
     "lora_bias": "LoRA bias terms (lora_bias=true) are not supported; retrain with lora_bias=false",
@@ -50,6 +60,18 @@ _REFUSED = {
     "alora_invocation_tokens": "activated LoRA (aLoRA) is not supported",
     "use_qalora": "QALoRA adapters are not supported",
 }
+
+# init_lora_weights values whose initialisation rewrote the base weights (W - B0 A0, or a
+# quantised/residual base): such an adapter is only right on that residual base model. peft's
+# save_pretrained(path_initial_model_for_weight_conversion=...) turns it into a plain LoRA adapter
+# for the original base (and records init_lora_weights=true).
+_RESIDUAL_BASE = {"pissa": "PiSSA", "olora": "OLoRA", "corda": "CorDA", "loftq": "LoftQ", "lora_ga": "LoRA-GA"}
+
+# Variants that are plain LoRA at inference (B @ A x * scaling): their extra tensors only serve
+# training, and are skipped. VeLoRA changes the backward pass only (lora_velora_embed is its
+# activation-compression state); MonteCLoRA samples A only while training (eval forward is plain).
+_TRAINING_ONLY_TENSORS = {"velora_config": (".lora_velora_embed",),
+                          "monteclora_config": (".lora_monteclora_sampler.",)}
 
 
 @dataclass(frozen=True)
@@ -64,6 +86,11 @@ class PeftLoraConfig:
     layers_to_transform: object  # int | list[int] | None
     layers_pattern: object  # str | list[str] | None
     base_model_class: str | None
+    training_only: tuple[str, ...] = ()  # tensor-name parts of training-only variant state (skipped)
+
+    def ignores(self, key: str) -> bool:
+        """Whether tensor ``key`` is a training-only tensor of an inference-plain variant."""
+        return any(part in key for part in self.training_only)
 
     @classmethod
     def read(cls, name: str, path: Path) -> "PeftLoraConfig":
@@ -84,6 +111,15 @@ class PeftLoraConfig:
         for key, fix in _REFUSED.items():
             if raw.get(key):
                 raise adapter_error(name, path, f"adapter_config.json {key}={raw[key]!r}: {fix}")
+        init = raw.get("init_lora_weights")
+        if isinstance(init, str):
+            variant = next((v for k, v in _RESIDUAL_BASE.items() if init.lower().startswith(k)), None)
+            if variant is not None:
+                raise adapter_error(name, path, f"adapter_config.json init_lora_weights={init!r}: a {variant} "
+                                    "adapter saved as trained only works on the residual base model its "
+                                    "initialisation wrote, not on this one. Convert it to plain LoRA with "
+                                    "peft's save_pretrained(..., path_initial_model_for_weight_conversion=...) "
+                                    f"or {_MERGE}")
         bias = raw.get("bias", "none")
         if bias not in (None, "none"):
             raise adapter_error(name, path, f"adapter_config.json bias={bias!r}: trained bias "
@@ -106,6 +142,8 @@ class PeftLoraConfig:
             layers_to_transform=raw.get("layers_to_transform"),
             layers_pattern=raw.get("layers_pattern"),
             base_model_class=auto.get("base_model_class") if isinstance(auto, dict) else None,
+            training_only=tuple(part for key, parts in _TRAINING_ONLY_TENSORS.items() if raw.get(key)
+                                for part in parts),
         )
 
     def resolved_targets(self, num_layers: int):
