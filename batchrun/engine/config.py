@@ -10,7 +10,7 @@ from typing import Any
 
 from batchrun.engine.envs import Experiments, env_name
 from batchrun.errors import ConfigError
-from batchrun.job.short_repr import short_repr
+from batchrun.common.short_repr import short_repr
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ from batchrun.engine.config import removed_key_message
 from batchrun.engine.config import finite_float, show as _show, type_ok as _type_ok
 from batchrun.errors import ConfigError
 from batchrun.job.safe_yaml import load_yaml
-from batchrun.job.short_repr import short_repr as _short
+from batchrun.common.short_repr import short_repr as _short
 
 ON_ERROR = ("skip", "fail")
 # A job file is a small mapping; anything that expands past this many values (counting every
