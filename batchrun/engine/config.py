@@ -67,10 +67,12 @@ JOB_DERIVED_FIELDS = ("model", "enable_lora", "seed", "experiments")
 # engine: keys that became experiment switches (old key -> Experiments field): a job file, an
 # LLM(**engine) call or a bench flag that still sets one is refused with the variable to set
 REMOVED_ENGINE_KEYS = {"async_scheduling": "async_scheduling", "enable_mixed_steps": "mixed_steps",
-                       "triton_decode_gemm": "triton_decode_gemm", "pdl": "pdl",
+                       "triton_decode_gemm": "triton_decode_gemm",
                        "prefill_graph_max_tokens": "prefill_graph_max_tokens",
                        "lora_fused_max_tokens": "lora_fused_max_tokens",
                        "num_kv_blocks": "num_kv_blocks"}
+# engine: keys that became a kernel's variable, read when kernels/ imports (envs.py lists them)
+_KERNEL_VARIABLES = {"pdl": "BATCHRUN_PDL"}
 
 # max_num_seqs "auto": at most this many (engine/kv_sizing.py says why; fewer when the KV cache
 # holds fewer max_model_len sequences)
@@ -120,9 +122,12 @@ TYPE_NAMES = {str: "a string", int: "an integer", float: "a number", bool: "true
 def removed_key_message(key: str, value: Any = None) -> str | None:
     """Why engine key `key` is refused and what replaces it, or None when it is not a removed key.
     `value` (what the caller set) is shown as the variable's value when it is one."""
-    if key not in REMOVED_ENGINE_KEYS:
+    if key in _KERNEL_VARIABLES:
+        var = _KERNEL_VARIABLES[key]
+    elif key in REMOVED_ENGINE_KEYS:
+        var = env_name(REMOVED_ENGINE_KEYS[key])
+    else:
         return None
-    var = env_name(REMOVED_ENGINE_KEYS[key])
     if isinstance(value, bool):
         shown = "1" if value else "0"
     elif isinstance(value, int) or value is None:

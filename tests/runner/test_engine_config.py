@@ -66,6 +66,7 @@ def test_engine_section_holds_only_user_keys():
     experiment_fields = {f.name for f in dataclasses.fields(Experiments)}
     assert set(REMOVED_ENGINE_KEYS.values()) <= experiment_fields
     assert not set(REMOVED_ENGINE_KEYS) & set(job_engine_fields())
+    assert "pdl" not in job_engine_fields()
 
 
 @pytest.mark.parametrize("key, value, setting", [
@@ -82,8 +83,12 @@ def test_a_removed_engine_key_names_its_variable(tmp_path, monkeypatch, key, val
                "environment")
     with pytest.raises(ConfigError, match=message):
         parse_job(_job(tmp_path, device="cpu", **{key: value}), "/")
-    # the variable named is one Experiments reads, and it sets what the key did
+    # the variable named is one Experiments (or kernels/pdl.py) reads, and it sets what the key did
     var, raw = setting.split("=")
+    if key == "pdl":
+        from batchrun.kernels.pdl import flag_from_env
+        assert flag_from_env(var, not value, {var: raw}) is value
+        return
     field = REMOVED_ENGINE_KEYS[key]
     assert var == env_name(field)
     assert getattr(Experiments.from_env({var: raw}), field) == value
