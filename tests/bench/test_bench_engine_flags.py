@@ -26,16 +26,22 @@ def test_engine_flags_get_engine_config_checks_under_the_flag_name():
 
 
 def test_experiment_flags_are_refused_with_their_variable():
-    # the engine's experiment switches are BATCHRUN_* variables, not bench flags
+    # the engine's experiment switches are BATCHRUN_* variables, not bench flags (a tiny model
+    # and short runs: were a flag accepted, the bench would run and exit 0)
+    small = ["--model", "tiny", "--device", "cpu", "--output-len", "2", "--num-iters", "1",
+             "--num-iters-warmup", "0"]
     for args, message in [
-            (["latency", "--no-async-scheduling"],
+            (["latency", "--no-async-scheduling", *small],
              "--no-async-scheduling: async_scheduling was removed: it is an experiment switch now, "
              "set BATCHRUN_ASYNC_SCHEDULING=0 in the environment"),
-            (["latency", "--triton-decode-gemm"], "set BATCHRUN_TRITON_DECODE_GEMM=1"),
-            (["lora-matrix", "--lora-fused-max-tokens", "64"], "set BATCHRUN_LORA_FUSED_MAX_TOKENS=64"),
-            (["throughput", "--enable-mixed-steps"], "set BATCHRUN_MIXED_STEPS=1"),
-            (["throughput", "--no-async-scheduling"], "set BATCHRUN_ASYNC_SCHEDULING=0")]:
-        res = CliRunner().invoke(main, ["bench", *args, "--device", "cpu"])
+            (["latency", "--triton-decode-gemm", *small], "set BATCHRUN_TRITON_DECODE_GEMM=1"),
+            (["lora-matrix", "--lora-fused-max-tokens", "64", *small, "--no-eager"],
+             "set BATCHRUN_LORA_FUSED_MAX_TOKENS=64"),
+            (["throughput", "--enable-mixed-steps", "--preset", "tiny", "--device", "cpu",
+              "--num-prompts", "4", "--output-len", "2"], "set BATCHRUN_MIXED_STEPS=1"),
+            (["throughput", "--no-async-scheduling", "--preset", "tiny", "--device", "cpu",
+              "--num-prompts", "4", "--output-len", "2"], "set BATCHRUN_ASYNC_SCHEDULING=0")]:
+        res = CliRunner().invoke(main, ["bench", *args])
         assert res.exit_code == 2 and message in res.output, res.output
     res = CliRunner().invoke(main, ["bench", "latency", "--help"])
     assert res.exit_code == 0 and "async-scheduling" not in res.output  # hidden
