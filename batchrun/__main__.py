@@ -29,7 +29,7 @@ def _exit(code) -> None:
     came first), leave at once: interpreter shutdown can block forever on the import lock that
     thread holds (seen as a run that ignored SIGTERM during start-up). Everything this process
     writes is already on disk or flushed here, and its locks are released by the OS."""
-    from batchrun.job import preload
+    from batchrun.common import preload
     if preload.busy():
         if code is not None and not isinstance(code, int):
             sys.stderr.write(f"{code}\n")

@@ -118,7 +118,7 @@ def run(job, task_id, num_tasks, restart, restart_token, progress, log_interval,
     as an error row (on_error: skip, the default) and the run goes on. When the whole job is done,
     it exits 10 if error rows are more than max_error_rate of the output rows (job file or
     --max-error-rate; unset: only if every row failed)."""
-    from batchrun.job import preload
+    from batchrun.common import preload
     if workers is None and gpus is None:  # a worker pool's parent runs no engine
         preload.start()  # torch & co. import while the job is checked and planned (preload.py)
     from batchrun.job.spec import load_job
@@ -187,8 +187,8 @@ def run(job, task_id, num_tasks, restart, restart_token, progress, log_interval,
 def _preload_tokenizer(spec) -> None:
     """The engine's tokenizer loads on the preload thread after the imports; prepare's tokenizer
     check then finds it loaded (or raises its error)."""
-    from batchrun.job import preload
-    from batchrun.job.token_count import load_tokenizer
+    from batchrun.common import preload
+    from batchrun.common.tokenizer import load_tokenizer
     if not spec.input.prompt_token_ids_column:
         preload.then(lambda: load_tokenizer(spec.model))
 

@@ -42,6 +42,8 @@ The result differs from the reference only by fp32 summation order.
 """
 from __future__ import annotations
 
+from typing import Final
+
 import torch
 import triton
 import triton.language as tl
@@ -163,12 +165,12 @@ def lora_delta_rows(
 
 
 # Steps of at most this many token rows add the delta with lora_delta_rows (GATHER) instead of
-# the slot loop. Read at launch time (the row count is static per CUDA graph), so a benchmark
-# can set it to compare the two forms. 8: benchmarks/lora_consumers_bench.py on an H100 (bf16,
+# the slot loop; a constant (the row count is static per CUDA graph, so each captured shape
+# keeps its form). 8: benchmarks/lora_consumers_bench.py on an H100 (bf16,
 # 7b shapes), gather vs slot loop in us: at 8 rows with 8 adapters 4.9/4.6/3.5 vs 5.7/5.9/6.0
 # (norm/silu/rotary), with 1 adapter within 0.5 us; at 16 rows with 1 adapter the slot loop
 # wins (silu 2.6 vs 4.8, norm 3.9 vs 5.0), at 1 row the gather (silu 1.8 vs 2.5).
-GATHER_MAX_ROWS = 8
+GATHER_MAX_ROWS: Final = 8
 
 
 def row_block(T: int, cap: int = 32) -> int:

@@ -15,25 +15,40 @@ with PDL waits for the kernel before it; that one waited for its own predecessor
 could finish, so every earlier write is visible too. Kernels without the hooks (cuBLAS, torch
 ops) launch as before.
 
-On by `EngineConfig.pdl` (set_pdl at engine start); off on CPU, on GPUs before sm_90, and under
-the Triton interpreter, where the kernels are traced with PDL=False.
+On unless BATCHRUN_PDL=0 (read once, when this module is imported; batchrun/engine/envs.py lists
+the variables); off on CPU, on GPUs before sm_90, and under the Triton interpreter, where the
+kernels are traced with PDL=False.
 """
 from __future__ import annotations
 
 import functools
+import os
+from typing import Final
 
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
-ENABLED = False  # set_pdl(); read at launch time, so CUDA graphs hold what was set at capture
+from batchrun.errors import ConfigError
+
 PREFETCH_COLS = tl.constexpr(256)  # W columns a skinny GEMM program asks L2 for before it waits (probe's best)
 
 
-def set_pdl(enabled: bool) -> None:
-    global ENABLED
-    ENABLED = enabled
+def flag_from_env(name: str, default: bool, environ=os.environ) -> bool:
+    """A boolean BATCHRUN_* variable (1/0, true/false, yes/no, on/off; unset or empty: default)."""
+    raw = environ.get(name, "")
+    text = raw.strip().lower()
+    if text == "":
+        return default
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise ConfigError(f"{name}={raw!r}: expected one of 1/0, true/false, on/off")
+
+
+ENABLED: Final = flag_from_env("BATCHRUN_PDL", True)
 
 
 @functools.lru_cache(maxsize=None)

@@ -31,9 +31,6 @@ from batchrun.kernels.utils import check, check_gemm_operands, gemm_output
 # (BLOCK_N, BLOCK_K, num_stages, num_warps): BLOCK_N columns of gate and of up per program; the
 # best of those timed on the H100 (benchmarks/skinny_gemm.py; (16, 256, 4, 4) was 28 % slower)
 CONFIG = (32, 256, 3, 4)
-# slot bound 1 (one adapter in use): the LoRA operands are loaded before the K loop (see the
-# kernel). Read at launch time, so a benchmark can compare it with the epilogue-only form.
-PREFETCH_ONE_SLOT = True
 
 
 @triton.jit
@@ -104,7 +101,9 @@ def skinny_gate_up_silu(x: Tensor, w: Tensor, out: Tensor | None = None,
     if lora is not None:
         largs, consts = delta_args(lora, M, N, 2, x.device)
         consts.update(gather_consts(M, 16, config[0], consts["BLOCK_R"], pairs=2),
-                      ONE_SLOT=PREFETCH_ONE_SLOT and lora.num_slots == 1)
+                      # slot bound 1 (one adapter in use): the LoRA operands are loaded
+                      # before the K loop (see the kernel)
+                      ONE_SLOT=lora.num_slots == 1)
     else:
         largs = (x, 0, x, x, 0, 0, 0)
         consts = dict(BLOCK_R=16, DOT_IEEE=False, GATHER=False, R_CHUNK=1, ONE_SLOT=False)

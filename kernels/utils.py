@@ -34,15 +34,6 @@ def check_gemm_operands(x, w, what: str, max_rows: int | None = None) -> tuple[i
     return x.shape[0], w.shape[0], x.shape[1]
 
 
-def nearest_shape(table: dict, N: int, K: int):
-    """table[(n, K)] for the n nearest N among the entries of the same K (a LoRA step's stacked
-    [W; A] is W's N plus a few dozen rows), or None when no entry has K."""
-    same_k = [n for n, k in table if k == K]
-    if not same_k:
-        return None
-    return table[(min(same_k, key=lambda n: (abs(n - N), n)), K)]
-
-
 def gemm_output(x, out, M: int, N: int):
     """`out` checked to be [M, N] in x's dtype with contiguous rows, or a new one."""
     if out is None:

@@ -30,10 +30,24 @@ def test_pyproject_lists_every_package():
 
 
 def test_source_checkout_imports_the_repository_kernels():
-    code = "import batchrun.kernels.lora_meta as m, batchrun.kernels as k; print(m.__file__); print(k.__file__)"
+    code = "import batchrun.kernels.lora_meta as m, batchrun.kernels as k; print(m.__file__); print(*k.__path__)"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, capture_output=True,
                          text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}).stdout.split()
-    assert out == [str(ROOT / "kernels" / "lora_meta.py"), str(ROOT / "kernels" / "__init__.py")]
+    assert out == [str(ROOT / "kernels" / "lora_meta.py"), str(ROOT / "kernels")]
+
+
+def test_the_kernels_folder_does_not_shadow_a_kernels_package(tmp_path):
+    # The unrelated PyPI package `kernels` (transformers imports it when installed) must win over
+    # the repository's kernels/ folder when Python runs from the repository root, where the
+    # current directory comes first on sys.path. A stand-in installed after it on sys.path:
+    site = tmp_path / "site"
+    (site / "kernels").mkdir(parents=True)
+    (site / "kernels" / "__init__.py").write_text("from_pypi = True\n")
+    code = "import kernels, batchrun.kernels.lora_meta as m; print(kernels.__file__); print(m.__file__)"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, capture_output=True,
+                         text=True, env={**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{site}"}
+                         ).stdout.split()
+    assert out == [str(site / "kernels" / "__init__.py"), str(ROOT / "kernels" / "lora_meta.py")]
 
 
 @pytest.fixture(scope="module")

@@ -62,10 +62,10 @@ def build_engine(config: EngineConfig, num_adapters: int = 0, lora_rank: int = 1
             engine = Engine.from_config(config, adapters or None)
             weights = "checkpoint"
     except torch.OutOfMemoryError as e:
-        if config.num_kv_blocks is None:
+        if config.experiments.num_kv_blocks is None:
             raise
         raise ConfigError(f"out of device memory building an engine with num_kv_blocks="
-                          f"{config.num_kv_blocks} (the KV budget forced to match the other "
+                          f"{config.experiments.num_kv_blocks} (the KV budget forced to match the other "
                           f"engine); lower --max-num-seqs or --num-kv-blocks ({e})") from None
     after = _allocated(device)
     return Built(engine, weights, adapters, time.perf_counter() - t0,

@@ -10,7 +10,7 @@ import sys
 
 import click
 
-from batchrun.engine.config import DEVICES, DTYPES
+from batchrun.engine.config import DEVICES, DTYPES, removed_key_message
 from batchrun.errors import ConfigError
 
 _USAGE, _CONFIG = 2, 3
@@ -43,9 +43,23 @@ def _echo(msg: str) -> None:
     sys.stdout.flush()
 
 
+def _removed(decl: str, key: str, **kw):
+    """A flag that set an engine experiment switch (engine.<key>), kept hidden so that a command
+    line that still gives it fails with the BATCHRUN_* variable that replaced it."""
+    def refuse(ctx, param, value):
+        if value is not None:
+            flag = decl.split("/")[0 if value is not False else 1]
+            _fail(_USAGE, f"{flag}: {removed_key_message(key, value)}")
+    return click.option(decl, key, default=None, hidden=True, expose_value=False,
+                        callback=refuse, **kw)
+
+
 @click.group()
 def bench():
-    """Benchmarks on the engine (a preset --model builds random weights of that shape)."""
+    """Benchmarks on the engine (a preset --model builds random weights of that shape).
+
+    The engine's experiment switches come from BATCHRUN_* environment variables
+    (batchrun/engine/envs.py), as in every run, and each result records them."""
 
 
 def _common(f):
@@ -68,21 +82,14 @@ def _common(f):
         click.option("--lora-rank", type=int, default=16, show_default=True,
                      help="Rank of the random adapters (all 7 projections: q,k,v,o,gate,up,down)."),
         click.option("--enforce-eager", is_flag=True, help="No CUDA graphs."),
-        click.option("--async-scheduling/--no-async-scheduling", default=True, show_default=True,
-                     help="Engine async_scheduling: plan step n+1 while the device runs step n."),
-        click.option("--triton-decode-gemm/--no-triton-decode-gemm", default=True,
-                     show_default=True,
-                     help="Engine triton_decode_gemm: steps of <= 16 rows run their projections "
-                          "in batchrun's Triton GEMM instead of cuBLAS."),
+        _removed("--async-scheduling/--no-async-scheduling", "async_scheduling"),
+        _removed("--triton-decode-gemm/--no-triton-decode-gemm", "triton_decode_gemm"),
         click.option("--seed", type=int, default=0, show_default=True),
         click.option("--max-num-seqs", type=int, default=None,
                      help="Engine max_num_seqs (also the largest CUDA-graph size). "
                           "Default: max(64, batch size)."),
         click.option("--max-num-batched-tokens", type=int, default=2048, show_default=True),
-        click.option("--lora-fused-max-tokens", type=int, default=None,
-                     help="Engine lora_fused_max_tokens: steps of at most this many tokens add "
-                          "LoRA inside the consumer kernels, bigger ones run shrink + expand. "
-                          "Default: the engine's."),
+        _removed("--lora-fused-max-tokens", "lora_fused_max_tokens", type=int),
         click.option("--output-json", type=click.Path(dir_okay=False), default=None,
                      help="Write the results (command, commit, device, all numbers) here."),
     ]
@@ -129,8 +136,8 @@ def latency(**kw):
                    "batch 256, in 256, out 128, --max-num-seqs 256, --max-num-batched-tokens "
                    "8192, --target-many-active-pct 10. Flags given explicitly win over the preset.")
 @click.option("--num-kv-blocks", type=int, default=None,
-              help="KV blocks of BOTH engines. Default: engine A sized from free memory, "
-                   "engine B forced to A's count.")
+              help="KV blocks of BOTH engines (BATCHRUN_NUM_KV_BLOCKS is ignored here). Default: "
+                   "engine A sized from free memory, engine B forced to A's count.")
 @click.option("--target-0-active-pct", type=float, default=0.5, show_default=True,
               help="Budget: % slower than LoRA disabled with LoRA enabled and no active adapter.")
 @click.option("--target-1-active-pct", type=float, default=8.0, show_default=True,
@@ -191,10 +198,8 @@ def lora_matrix(**kw):
 @click.option("--enforce-eager", is_flag=True, help="No CUDA graphs.")
 @click.option("--enable-prefix-caching/--no-enable-prefix-caching", default=True, show_default=True,
               help="Job engine.enable_prefix_caching (both runs).")
-@click.option("--enable-mixed-steps/--no-enable-mixed-steps", default=False, show_default=True,
-              help="Job engine.enable_mixed_steps: decode tokens and prompt chunks in one step.")
-@click.option("--async-scheduling/--no-async-scheduling", default=True, show_default=True,
-              help="Job engine.async_scheduling: plan step n+1 while the device runs step n.")
+@_removed("--enable-mixed-steps/--no-enable-mixed-steps", "enable_mixed_steps")
+@_removed("--async-scheduling/--no-async-scheduling", "async_scheduling")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--workdir", type=click.Path(file_okay=False), default=None,
               help="Keep the model, adapters, inputs and job output here (a model written "
@@ -216,6 +221,8 @@ def _run(params, run, show) -> None:
         params.check()
     except ValueError as e:
         _fail(_USAGE, str(e))
+    except ConfigError as e:  # a bad BATCHRUN_* experiment variable (engine/envs.py)
+        _fail(_CONFIG, str(e))
     try:
         result = run(params, log=_echo, command=_command_line())
     except ConfigError as e:

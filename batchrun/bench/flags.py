@@ -1,5 +1,7 @@
 """Bench flags -> the one EngineConfig, so `bench latency`, `lora-matrix` and `throughput` check
-engine settings with EngineConfig's own rules, reported under the flag's name."""
+engine settings with EngineConfig's own rules, reported under the flag's name. The engine's
+experiment switches are not flags: a benchmark reads them from the BATCHRUN_* environment
+variables as every engine does (engine/envs.py) and records them with its results."""
 from __future__ import annotations
 
 from batchrun.engine.config import EngineConfig
@@ -18,7 +20,3 @@ def engine_config(**values) -> EngineConfig:
             msg = f"--{name.replace('_', '-')}:{rest}"
         raise ValueError(msg) from None
 
-
-def fused_max_tokens(flag: int | None) -> int:
-    """--lora-fused-max-tokens, or the engine's default when the flag is not given."""
-    return EngineConfig.lora_fused_max_tokens if flag is None else flag

@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from batchrun.bench.build import build_engine, make_requests, random_prompts, round_robin
-from batchrun.bench.flags import engine_config, fused_max_tokens
+from batchrun.bench.flags import engine_config
 from batchrun.bench.engine_stats import MIB, graph_stats, memory_stats
 from batchrun.bench.lora_memory import format_lora_memory
 from batchrun.bench.record import environment, write_json
@@ -39,12 +39,9 @@ class LatencyParams:
     lora_rank: int = 16
     num_active_loras: int = 0
     enforce_eager: bool = False
-    async_scheduling: bool = True
-    triton_decode_gemm: bool = True
     seed: int = 0
     max_num_seqs: int | None = None  # None = max(64, batch_size)
     max_num_batched_tokens: int = 2048
-    lora_fused_max_tokens: int | None = None  # None = the engine's default
     output_json: str | None = None
 
     def check(self) -> None:
@@ -78,12 +75,10 @@ class LatencyParams:
         return engine_config(
             model=self.model, device=self.device, dtype=self.dtype, seed=self.seed,
             enable_lora=self.enable_lora, max_loras=self.loras, max_lora_rank=self.max_lora_rank,
-            enforce_eager=self.enforce_eager, async_scheduling=self.async_scheduling,
-            triton_decode_gemm=self.triton_decode_gemm,
+            enforce_eager=self.enforce_eager,
             max_num_seqs=self.max_num_seqs if self.max_num_seqs is not None else max(64, self.batch_size),
             max_model_len=self.input_len + self.output_len,
             max_num_batched_tokens=self.max_num_batched_tokens,
-            lora_fused_max_tokens=fused_max_tokens(self.lora_fused_max_tokens),
             # every iteration repeats the same prompts: a prefix cache would skip their prefill
             # after the first and make the figures incomparable with a cold engine's
             enable_prefix_caching=False)

@@ -24,18 +24,19 @@ from __future__ import annotations
 import gc
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from batchrun.bench.build import build_engine, make_requests, random_prompts, round_robin
 from batchrun.bench.engine_stats import graph_stats, memory_stats
-from batchrun.bench.flags import engine_config, fused_max_tokens
+from batchrun.bench.flags import engine_config
 from batchrun.bench.kernel_check import compare_decode_kernels
 from batchrun.bench.latency import RANDOM_BANNER
 from batchrun.bench.matrix_stats import DEFAULT_TARGETS, _summaries, _targets
 from batchrun.bench.record import environment, write_json
 from batchrun.bench.timing import eager, time_generate
 from batchrun.engine.config import EngineConfig
+from batchrun.engine.envs import Experiments
 
 # --preset: vLLM's latency workload, and the offline-job batch of issue #16 with its budget for
 # many adapters (10 %; the latency workload keeps 15 %)
@@ -70,15 +71,13 @@ class MatrixParams:
     max_lora_rank: int = 16
     lora_rank: int = 16
     enforce_eager: bool = False
-    async_scheduling: bool = True
-    triton_decode_gemm: bool = True
     no_eager: bool = False
     profile_kernels: bool = False
     seed: int = 0
     max_num_seqs: int | None = None
     max_num_batched_tokens: int = 2048
-    lora_fused_max_tokens: int | None = None  # None = the engine's default
-    num_kv_blocks: int | None = None  # both engines; None: A sized from free memory, B = A's
+    # both engines' KV blocks (Experiments.num_kv_blocks); None: A sized from free memory, B = A's
+    num_kv_blocks: int | None = None
     preset: str | None = None  # recorded; the CLI applies it (apply_preset)
     target_0_active_pct: float = DEFAULT_TARGETS["lora_enabled_0_active"]
     target_1_active_pct: float = DEFAULT_TARGETS["lora_1_active"]
@@ -108,16 +107,16 @@ class MatrixParams:
         self.engine_config(True)  # the engine flags' own checks (EngineConfig's, named by flag)
 
     def engine_config(self, enable_lora: bool, num_kv_blocks: int | None = None) -> EngineConfig:
+        # the environment's experiment switches, with the KV block count both engines share
+        experiments = replace(Experiments.from_env(),
+                              num_kv_blocks=num_kv_blocks or self.num_kv_blocks)
         return engine_config(model=self.model, device=self.device, dtype=self.dtype, seed=self.seed,
                              enable_lora=enable_lora, max_loras=self.max_loras,
                              max_lora_rank=self.max_lora_rank, enforce_eager=self.enforce_eager,
-                             async_scheduling=self.async_scheduling,
-                             triton_decode_gemm=self.triton_decode_gemm,
+                             experiments=experiments,
                              max_num_seqs=self.max_num_seqs if self.max_num_seqs is not None else max(64, self.batch_size),
                              max_model_len=self.input_len + self.output_len,
                              max_num_batched_tokens=self.max_num_batched_tokens,
-                             lora_fused_max_tokens=fused_max_tokens(self.lora_fused_max_tokens),
-                             num_kv_blocks=num_kv_blocks or self.num_kv_blocks,
                              # every iteration repeats the same prompts: a prefix cache would skip their prefill
                              # after the first and make the figures incomparable with a cold engine's
                              enable_prefix_caching=False)

@@ -54,7 +54,9 @@ def environment(device: torch.device, command: str | None = None) -> dict:
             "commit": commit, "git_dirty": dirty, "device": name,
             "versions": {"python": platform.python_version(), "torch": torch.__version__,
                          "triton": _version("triton"), "cuda": torch.version.cuda},
-            "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            # the experiment switches as set (engine/envs.py; BATCHRUN_PDL is the kernels')
+            "batchrun_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("BATCHRUN_")}}
 
 
 def write_json(path: str | Path | None, data: dict) -> None:

@@ -45,6 +45,7 @@ from pathlib import Path
 from batchrun.bench import workload
 from batchrun.bench.throughput_report import outputs_digest, summarize
 from batchrun.bench.flags import engine_config
+from batchrun.engine.envs import Experiments
 
 RANDOM_NOTE = ("RANDOM WEIGHTS: {preset}-shaped model with weights ~ N(0, 0.02) and random "
                "adapters (nothing can be downloaded here); the timings are real, the generated "
@@ -73,8 +74,6 @@ class ThroughputParams:
     gpu_memory_utilization: float = 0.90
     enforce_eager: bool = False
     enable_prefix_caching: bool = True
-    enable_mixed_steps: bool = False
-    async_scheduling: bool = True
     seed: int = 0
     workdir: str | None = None  # None: a temporary directory, removed afterwards
     output_json: str | None = None
@@ -120,9 +119,7 @@ class ThroughputParams:
              "max_model_len": self.prompt_len + self.output_len,
              "gpu_memory_utilization": self.gpu_memory_utilization,
              "enforce_eager": self.enforce_eager,
-             "enable_prefix_caching": self.enable_prefix_caching,
-             "enable_mixed_steps": self.enable_mixed_steps,
-             "async_scheduling": self.async_scheduling}
+             "enable_prefix_caching": self.enable_prefix_caching}
         if self.uses_lora:
             e["max_loras"] = self.max_loras or self.num_adapters
             e["max_lora_rank"] = self.lora_rank
@@ -320,6 +317,8 @@ def run_throughput(p: ThroughputParams, log=print, command: str | None = None) -
         result = {"benchmark": "throughput", **environment(_device(p.device), command),
                   "weights": "random", "note": RANDOM_NOTE.format(preset=p.model_preset),
                   "model": p.model_preset, "args": asdict(p),
+                  # the switches the engine-alone and job processes read (they inherit the env)
+                  "experiments": asdict(Experiments.from_env()),
                   "workload": {k: v for k, v in files.items() if k != "ids"},
                   "engine_alone": eng,
                   "job": {k: job[k] for k in ("cmd", "rc", "wall_s", "source", "phases",

@@ -54,13 +54,14 @@ def _f(v, spec=".2f", unit="") -> str:
 
 def print_throughput(r: dict, echo=print) -> None:
     a, ph, t = r["args"], r["job"]["phases"], r["throughput_tok_s"]
+    x = r["experiments"]
     echo("*** " + r["note"] + " ***")
     echo(f"{r['model']} on {r['device']}, commit {r['commit'][:12]}"
          f"{' (dirty)' if r.get('git_dirty') else ''}; {a['num_prompts']} prompts x "
          f"({_prompt(a)} in + {a['output_len']} out), max_num_seqs {a['max_num_seqs']}, "
          f"max_num_batched_tokens {a['max_num_batched_tokens']}, mixed steps "
-         f"{'on' if a.get('enable_mixed_steps', False) else 'off'}, async scheduling "
-         f"{'on' if a.get('async_scheduling', False) else 'off'}; "
+         f"{'on' if x['mixed_steps'] else 'off'}, async scheduling "
+         f"{'on' if x['async_scheduling'] else 'off'}; "
          f"{r['workload']['lora_rows']} rows over {a['num_adapters']} rank-{a['lora_rank']} adapters")
     rows = [("engine alone: generate (one call)", r["engine_alone"]["generate_s"], t["engine_alone"]),
             ("  (its load: weights, KV, graphs)", r["engine_alone"]["load_s"], None),
@@ -85,7 +86,7 @@ def print_throughput(r: dict, echo=print) -> None:
         echo(f"engine alone step time: prefill {st['prefill_s']:.2f} s, mixed {st['mixed_s']:.2f} s, "
              f"decode {st['decode_s']:.2f} s ({1e3 * st['decode_s'] / st['decode_steps']:.2f} ms a "
              f"step, of which host work {1e3 * st['decode_host_s'] / st['decode_steps']:.2f} ms"
-             f"{', overlapping the device' if a.get('async_scheduling') else ''})")
+             f"{', overlapping the device' if x['async_scheduling'] else ''})")
     echo(f"phases from: {r['job']['source']}")
     pc = r["prefix_cache"]
     if not pc["enabled"]:

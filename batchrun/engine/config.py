@@ -8,9 +8,9 @@ import typing
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from batchrun.engine.envs import Experiments
+from batchrun.engine.envs import Experiments, env_name
 from batchrun.errors import ConfigError
-from batchrun.job.short_repr import short_repr
+from batchrun.common.short_repr import short_repr
 
 
 @dataclass(frozen=True)
@@ -64,6 +64,15 @@ DTYPES = ("auto", "float32", "float16", "bfloat16")
 # whether it has adapters (enable_lora) and sampling.seed (seed) decide them, and the experiment
 # switches come from BATCHRUN_* environment variables (engine/envs.py).
 JOB_DERIVED_FIELDS = ("model", "enable_lora", "seed", "experiments")
+# engine: keys that became experiment switches (old key -> Experiments field): a job file, an
+# LLM(**engine) call or a bench flag that still sets one is refused with the variable to set
+REMOVED_ENGINE_KEYS = {"async_scheduling": "async_scheduling", "enable_mixed_steps": "mixed_steps",
+                       "triton_decode_gemm": "triton_decode_gemm",
+                       "prefill_graph_max_tokens": "prefill_graph_max_tokens",
+                       "lora_fused_max_tokens": "lora_fused_max_tokens",
+                       "num_kv_blocks": "num_kv_blocks"}
+# engine: keys that became a kernel's variable, read when kernels/ imports (envs.py lists them)
+_KERNEL_VARIABLES = {"pdl": "BATCHRUN_PDL"}
 
 # max_num_seqs "auto": at most this many (engine/kv_sizing.py says why; fewer when the KV cache
 # holds fewer max_model_len sequences)
@@ -87,46 +96,12 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.90
     block_size: int = 16
     cpu_kv_cache_gb: float = 1.0  # fixed KV budget on CPU
-    num_kv_blocks: int | None = None  # explicit override (tests force preemption with a tiny budget)
     enable_lora: bool = False
     max_cpu_loras: int | None = None  # LRU CPU cache size; None = keep all loaded adapters
-    # GPU steps of at most this many tokens add LoRA deltas inside the kernel after each
-    # projection (no LoRA launches); bigger prefill steps run shrink + expand kernels. Decode
-    # steps are always fused. Same math either way; it only moves the cost. 8192: the row-tiled
-    # consumers win at every size measured (H200, 7b shapes, 1 adapter: 256, 1024 and 8192-token
-    # prefill steps; at 8192 fused 194.7 ms vs shrink+expand 209.7 ms, base 177.4 ms); larger
-    # steps are not measured and keep shrink + expand.
-    lora_fused_max_tokens: int = 8192
     # full KV blocks are shared by rows whose prompts start with the same tokens (same adapter);
     # outputs are the same either way, only the prefill work differs
     enable_prefix_caching: bool = True
-    # one step carries the running rows' decode tokens and prompt chunks (vLLM's unified
-    # scheduling; scheduler.py). Off by default: on the H200 (1024 x (256 -> 128), batch 256)
-    # it measured no faster (engine alone 16.91 s on vs 15.60 s off, job generation 15.88 vs
-    # 15.96 s; docs/benchmarks.md), the rows run in synchronised waves there
-    enable_mixed_steps: bool = False
     cuda_graph_sizes: list[int] | None = None  # None = 1, 2, 4, 8, 16, 24, ... up to max_num_seqs
-    # prefill steps of at most this many tokens (no decode row in them) replay piecewise CUDA
-    # graphs: one graph per stretch between two attention calls, captured per padded token
-    # count, the attention itself run eagerly between them (prefill_graphs.py). 0: eager. A
-    # small prefill is otherwise bound by the host's ~300 launches (8 x 32 tokens of a 7b:
-    # ~6 ms of kernels in 12-21 ms of wall time, docs/benchmarks.md)
-    prefill_graph_max_tokens: int = 512
-    # the host plans and launches step n+1 while the device runs step n, and reads step n's
-    # tokens back after (vLLM's async scheduling; steps.StepLoop._advance). Same outputs; a row
-    # that ends on EOS or a stop string runs one step more than it needs, and rows with
-    # penalties or a response_format make their next step wait for their tokens.
-    async_scheduling: bool = True
-    # steps of at most 16 rows (decode at latency batch sizes) run the q/k/v, gate/up and down
-    # projections in batchrun's Triton GEMM, which only streams the weight (SiLU-and-mul fused
-    # into gate/up), instead of cuBLAS; fp16/bf16 on CUDA only (layers/gemm.py). Outputs
-    # differ from cuBLAS's by rounding only.
-    triton_decode_gemm: bool = True
-    # batchrun's Triton kernels launch with programmatic dependent launch on sm_90+ GPUs
-    # (kernels/pdl.py): each may start while the kernel before it finishes, and waits for it
-    # before touching memory; the skinny GEMMs first ask L2 for the start of their weights.
-    # Same outputs bit for bit; H100: bench latency -2.1 % (decode 5.33 vs 5.46 ms a step)
-    pdl: bool = True
     seed: int = 0
     # A/B switches, not user settings: BATCHRUN_* environment variables (engine/envs.py)
     experiments: Experiments = field(default_factory=Experiments.from_env)
@@ -138,12 +113,29 @@ class EngineConfig:
 
 # the smallest value of each integer field (a larger minimum than 1 or 0 has its own check)
 _ENGINE_MIN = {"max_num_seqs": 1, "max_model_len": 1, "max_loras": 1, "max_lora_rank": 1,
-               "max_num_batched_tokens": 1, "block_size": 1, "num_kv_blocks": 1,
-               "max_cpu_loras": 1, "lora_fused_max_tokens": 0, "seed": 0,
-               "prefill_graph_max_tokens": 0}
+               "max_num_batched_tokens": 1, "block_size": 1, "max_cpu_loras": 1, "seed": 0}
 _ENGINE_CHOICES = {"device": DEVICES, "dtype": DTYPES}
 TYPE_NAMES = {str: "a string", int: "an integer", float: "a number", bool: "true or false",
               dict: "a mapping", list: "a list", object: "a value"}
+
+
+def removed_key_message(key: str, value: Any = None) -> str | None:
+    """Why engine key `key` is refused and what replaces it, or None when it is not a removed key.
+    `value` (what the caller set) is shown as the variable's value when it is one."""
+    if key in _KERNEL_VARIABLES:
+        var = _KERNEL_VARIABLES[key]
+    elif key in REMOVED_ENGINE_KEYS:
+        var = env_name(REMOVED_ENGINE_KEYS[key])
+    else:
+        return None
+    if isinstance(value, bool):
+        shown = "1" if value else "0"
+    elif isinstance(value, int) or value is None:
+        shown = "none" if value is None else str(value)
+    else:
+        shown = "..."
+    return (f"{key} was removed: it is an experiment switch now, set {var}={shown} in the "
+            "environment (batchrun/engine/envs.py)")
 
 
 def type_ok(value: Any, typ: type) -> bool:
@@ -199,7 +191,8 @@ def engine_problems(cfg: EngineConfig):
                          "cache holds at max_model_len, up to 256 on a GPU and 16 on CPU)")
             return
         if not type_ok(v, typ):
-            yield name, f"expected {TYPE_NAMES[typ]}{' or null' if nullable else ''}, got {show(v)}"
+            expected = TYPE_NAMES.get(typ, f"a {typ.__name__}")
+            yield name, f"expected {expected}{' or null' if nullable else ''}, got {show(v)}"
             return
         if typ is float:
             number = finite_float(v)

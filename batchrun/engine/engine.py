@@ -25,7 +25,7 @@ from batchrun.errors import ConfigError
 from batchrun.engine.request_check import RequestLimits, request_problem
 from batchrun.engine.models.loader import load_model, resolve_dtype
 from batchrun.engine.models.config import ModelConfig, check_context_length
-from batchrun.job.token_count import load_tokenizer  # one loader, shared with the pre-run checks
+from batchrun.common.tokenizer import load_tokenizer  # one loader, shared with the pre-run checks
 
 
 def resolve_device(name: str) -> torch.device:

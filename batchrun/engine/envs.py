@@ -5,6 +5,12 @@ each picks between two ways of computing the same outputs, or sizes a mechanism,
 default is the one docs/benchmarks.md measured faster. They are read once, when an
 ``EngineConfig`` is built (``Experiments.from_env()``); tests and benchmarks pass an
 ``Experiments`` instead of touching the environment. A bad value is an error naming the variable.
+
+The Triton kernels (kernels/, which import nothing from batchrun.engine) read their own switch
+once, when the module is imported:
+
+- BATCHRUN_PDL (kernels/pdl.py, default 1): the kernels launch with programmatic dependent
+  launch on sm_90+ GPUs, each starting while the one before drains; same outputs bit for bit.
 """
 from __future__ import annotations
 
@@ -28,9 +34,6 @@ class Experiments:
     # BATCHRUN_TRITON_DECODE_GEMM: steps of <= 16 rows run q/k/v, gate/up and down in the
     # weight-streaming Triton GEMM (fp16/bf16 on CUDA) instead of cuBLAS; rounding differs only
     triton_decode_gemm: bool = True
-    # BATCHRUN_PDL: Triton kernels launch with programmatic dependent launch on sm_90+ GPUs;
-    # same outputs bit for bit
-    pdl: bool = True
     # BATCHRUN_PREFILL_GRAPH_MAX_TOKENS: prefill steps of at most this many tokens replay
     # piecewise CUDA graphs (0: eager)
     prefill_graph_max_tokens: int = 512

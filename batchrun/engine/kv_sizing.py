@@ -36,9 +36,9 @@ def activation_reserve(cfg: ModelConfig, config: EngineConfig, dtype: torch.dtyp
 
 
 def _budget_blocks(cfg: ModelConfig, config: EngineConfig, device: torch.device, dtype: torch.dtype) -> int:
-    """KV blocks the memory budget holds (num_kv_blocks when it is set), before any cap."""
-    if config.num_kv_blocks is not None:
-        return config.num_kv_blocks
+    """KV blocks the memory budget holds (BATCHRUN_NUM_KV_BLOCKS when it is set), before any cap."""
+    if config.experiments.num_kv_blocks is not None:
+        return config.experiments.num_kv_blocks
     per_block = bytes_per_block(cfg, config.block_size, dtype)
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
@@ -64,7 +64,7 @@ def num_kv_blocks(cfg: ModelConfig, config: EngineConfig, device: torch.device,
     blocks_per_seq = -(-config.max_model_len // config.block_size)
     cap = config.max_num_seqs * blocks_per_seq + 1  # +1: scratch block
     n = _budget_blocks(cfg, config, device, dtype)
-    if config.num_kv_blocks is None:
+    if config.experiments.num_kv_blocks is None:
         n = min(n, cap)
     if n - 1 < blocks_per_seq:
         have = max(n - 1, 0) * config.block_size
@@ -72,7 +72,7 @@ def num_kv_blocks(cfg: ModelConfig, config: EngineConfig, device: torch.device,
             f"engine: the KV cache holds {have} tokens but one sequence of max_model_len="
             f"{config.max_model_len} needs {blocks_per_seq * config.block_size}; lower "
             f"engine.max_model_len or give the cache more memory (gpu_memory_utilization, "
-            f"cpu_kv_cache_gb, num_kv_blocks)")
+            f"cpu_kv_cache_gb{', or BATCHRUN_NUM_KV_BLOCKS' if config.experiments.num_kv_blocks else ''})")
     return n
 
 
@@ -85,7 +85,7 @@ def check_one_sequence_fits(cfg: ModelConfig, config: EngineConfig, device: torc
         budget = torch.cuda.mem_get_info(device)[1] * config.gpu_memory_utilization
     else:
         budget = config.cpu_kv_cache_gb * (1 << 30)
-    if config.num_kv_blocks is None and need > budget:
+    if config.experiments.num_kv_blocks is None and need > budget:
         raise ConfigError(
             f"engine: one sequence of max_model_len={config.max_model_len} needs {need / (1 << 30):.1f} GiB "
             f"of KV cache, more than the {budget / (1 << 30):.1f} GiB this device can give it; lower "

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Callable, Collection
 
 from batchrun.engine.config import SamplingParams
-from batchrun.job.short_repr import short_repr
+from batchrun.common.short_repr import short_repr
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ committed units are kept either way; the check only decides the exit code.
 """
 from __future__ import annotations
 
-from batchrun.job.short_repr import short_repr
+from batchrun.common.short_repr import short_repr
 
 
 class ErrorRateExceeded(Exception):

@@ -14,7 +14,7 @@ from typing import Callable
 def format_checker(spec, model_config) -> Callable[[str], bool]:
     """fmt (canonical JSON) -> whether it compiles for this model's tokenizer; cached per format."""
     from batchrun.engine.grammar import Grammars
-    from batchrun.job.token_count import load_tokenizer
+    from batchrun.common.tokenizer import load_tokenizer
     tok = load_tokenizer(spec.model)
     if tok is None:  # the run refuses every response_format row: "needs a tokenizer"
         return lambda fmt: False

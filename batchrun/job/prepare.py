@@ -18,7 +18,7 @@ from batchrun import __version__
 from batchrun.job.commit import write_json_atomic
 from batchrun.errors import ConfigError, JobChanged, OutputIOError, io_message
 from batchrun.job.fingerprint import PART_NAMES, combine, job_fingerprint
-from batchrun.job import preload
+from batchrun.common import preload
 from batchrun.job.inputs import check_schemas, find_input_files
 from batchrun.job.interrupt import start_up_over
 from batchrun.job.spec import JobSpec
@@ -31,7 +31,8 @@ from batchrun.job.output_path import check_output_path, check_unowned_dir
 from batchrun.job.pins import InputPins, Pin, identity
 from batchrun.job.resolve_engine import changed_message, resolution_changes, resolve_engine
 from batchrun.job.plan import Plan, make_plan
-from batchrun.job.token_count import load_counter, load_tokenizer
+from batchrun.common.tokenizer import load_tokenizer
+from batchrun.job.token_count import load_counter
 from batchrun.job.restart import begin_wipe, check_no_active_task, end_wipe, finish_wipe, pending_wipe
 
 
@@ -70,7 +71,7 @@ def check_model_and_adapters(spec: JobSpec) -> object:
 
 def token_counter(spec: JobSpec, use_transformers: bool = False):
     """What counts prompt tokens as the engine will (token_count.py). ``use_transformers``: a run,
-    which loads transformers' tokenizer for the engine anyway (token_count.load_tokenizer loads
+    which loads transformers' tokenizer for the engine anyway (common/tokenizer.load_tokenizer loads
     it once per process); `plan` needs no transformers for plain-text prompts. Checks that a chat
     template exists if the job needs one."""
     from batchrun.job.prompts import uses_chat_template

@@ -18,7 +18,7 @@ from batchrun.engine.config import SamplingParams
 from batchrun.engine.request import Request, Result
 from batchrun.job.inputs import ARROW, INVALID, InvalidText
 from batchrun.job.spec import JobSpec, response_format_json, sampling_problems
-from batchrun.job.short_repr import short_repr
+from batchrun.common.short_repr import short_repr
 from batchrun.job.output import OPTIONAL_COLUMNS, output_schema
 from batchrun.job.plan import Plan, Unit
 

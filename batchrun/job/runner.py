@@ -26,7 +26,8 @@ from typing import Callable, Iterable
 
 import numpy as np
 
-from batchrun.job import commit, preload
+from batchrun.common import preload
+from batchrun.job import commit
 from batchrun.job.claims import UnitClaims
 from batchrun.job.commit import check_part, read_commits
 from batchrun.engine.request import Result

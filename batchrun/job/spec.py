@@ -24,12 +24,13 @@ from typing import Any
 import yaml
 
 from batchrun.engine.config import TYPE_NAMES as _TYPE_NAMES, EngineConfig, job_engine_fields
+from batchrun.engine.config import removed_key_message
 from batchrun.engine.config import finite_float, show as _show, type_ok as _type_ok
 from batchrun.errors import ConfigError
 from batchrun.job.error_rate import check_rate
 from batchrun.job.job_text import check_text, decode_job_file, text_problem
 from batchrun.job.safe_yaml import load_yaml
-from batchrun.job.short_repr import short_repr as _short
+from batchrun.common.short_repr import short_repr as _short
 
 ON_ERROR = ("skip", "fail")
 # A job file is a small mapping; anything that expands past this many values (counting every
@@ -316,6 +317,10 @@ def parse_engine(raw: Any, model: str, enable_lora: bool, seed: int) -> EngineCo
         raw = {}
     if not isinstance(raw, dict):
         raise ConfigError(f"engine: expected a mapping, got {_show(raw)}")
+    for key, value in raw.items():
+        removed = removed_key_message(key, value) if isinstance(key, str) else None
+        if removed:
+            raise ConfigError(f"engine.{removed}")
     _known_keys(raw, "engine", job_engine_fields())
     # a job's default max_num_seqs is auto (sized from the KV cache when the engine starts)
     raw = {"max_num_seqs": "auto", **raw}

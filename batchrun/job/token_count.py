@@ -1,8 +1,5 @@
-"""The model directory's tokenizer, loaded once per process, and prompt token counts for the
-pre-run checks and `plan`.
-
-``load_tokenizer`` is the one loader: the engine and the pre-run checks both call it, and it
-returns the same transformers tokenizer for the same directory. Counting never keeps a Python
+"""Prompt token counts for the pre-run checks and `plan`, with the tokenizer the engine uses
+(batchrun/common/tokenizer.py loads it, once per process). Counting never keeps a Python
 object per row: a column chunk's distinct strings are encoded in one batch by the Rust
 ``tokenizers`` library and only their lengths come back, as a numpy array.
 
@@ -17,14 +14,12 @@ does for the engine.
 """
 from __future__ import annotations
 
-import json
 import os
-import threading
 
 import numpy as np
 import pyarrow as pa
 
-from batchrun.job import preload
+from batchrun.common.tokenizer import _cached, _config_class, _tokenizer_config, load_tokenizer
 from batchrun.errors import ConfigError
 
 # transformers' generic fast-tokenizer classes: they use tokenizer.json's pipeline as it is.
@@ -32,81 +27,6 @@ TEXT_SAFE_CLASSES = {None, "PreTrainedTokenizerFast", "TokenizersBackend"}
 # tokenizer_config.json options with which transformers rebuilds parts of that pipeline
 _REWRITING_OPTIONS = ("add_bos_token", "add_eos_token", "add_prefix_space", "legacy", "from_slow",
                       "split_special_tokens", "do_lower_case")
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
-
-_lock = threading.Lock()
-_loaded: dict = {}  # (kind, abs dir, file stamps) -> tokenizer
-
-
-def _stamp(model_dir: str) -> tuple:
-    out = []
-    for name in _TOKENIZER_FILES + ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
-        try:
-            st = os.stat(os.path.join(model_dir, name))
-            out.append((name, st.st_size, st.st_mtime_ns))
-        except OSError:
-            pass
-    return tuple(out)
-
-
-def _cached(kind: str, model_dir: str, load):
-    key = (kind, os.path.abspath(model_dir), _stamp(model_dir))
-    with _lock:
-        if key not in _loaded:
-            _loaded[key] = load()
-        return _loaded[key]
-
-
-def has_tokenizer(model_dir: str) -> bool:
-    return any(os.path.exists(os.path.join(model_dir, n)) for n in _TOKENIZER_FILES)
-
-
-def load_tokenizer(model_dir: str):
-    """The directory's transformers tokenizer (loaded once per process), or None when the
-    directory has no tokenizer files (random-weight benchmarks). ConfigError if it is broken."""
-    model_dir = str(model_dir)
-    if not has_tokenizer(model_dir):
-        return None
-    preload.wait()  # transformers may be importing on the preload thread (or loading this tokenizer)
-
-    def load():
-        if _config_class(model_dir) in _FAST_CLASS_NAMES:
-            # the class AutoTokenizer would resolve that name to, without importing its auto
-            # machinery (torch._dynamo, torch.distributed: 2-3 s of a run's start-up)
-            from transformers import PreTrainedTokenizerFast as cls
-        else:
-            from transformers import AutoTokenizer as cls
-        try:
-            return cls.from_pretrained(model_dir, trust_remote_code=False)
-        except Exception as e:  # transformers raises many types for a broken/missing tokenizer
-            raise ConfigError(f"model: cannot load the tokenizer from {model_dir}: {e}") from None
-
-    return _cached("hf", model_dir, load)
-
-
-# tokenizer_config.json classes that AutoTokenizer maps to transformers' generic fast tokenizer
-# (PreTrainedTokenizerFast; TokenizersBackend is its 5.x name) as it is, in 4.x and 5.x alike
-_FAST_CLASS_NAMES = {"PreTrainedTokenizerFast", "TokenizersBackend"}
-
-
-def _tokenizer_config(model_dir: str) -> dict | None:
-    """tokenizer_config.json as a dict: {} when the file is absent, None when it is unreadable or
-    not an object (transformers reports, or copes with, a damaged config)."""
-    try:
-        with open(os.path.join(model_dir, "tokenizer_config.json")) as f:
-            cfg = json.load(f)
-    except FileNotFoundError:
-        return {}
-    except (OSError, ValueError):
-        return None
-    return cfg if isinstance(cfg, dict) else None
-
-
-def _config_class(model_dir: str) -> str | None:
-    """tokenizer_config.json's tokenizer_class, or None (absent, unreadable: AutoTokenizer decides)."""
-    return (_tokenizer_config(model_dir) or {}).get("tokenizer_class")
-
-
 def _counting_copy(tok):
     """A tokenizers.Tokenizer that encodes as transformers' ``tokenizer(text)`` does: no padding,
     no truncation (transformers ignores the file's settings for one unpadded prompt)."""

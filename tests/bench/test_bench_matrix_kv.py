@@ -8,6 +8,7 @@ from click.testing import CliRunner
 from batchrun.bench import comparable
 from batchrun.bench.build import build_engine
 from batchrun.engine.config import EngineConfig
+from batchrun.engine.envs import Experiments
 from batchrun.bench.lora_memory import format_lora_memory, lora_memory
 from batchrun.bench.matrix import PRESETS, apply_preset
 from batchrun.bench.matrix_stats import _targets
@@ -132,7 +133,7 @@ def test_recomputed_tokens_counter(tmp_path):
     decode row had sampled but not yet cached (computed by its re-prefill instead of a decode)."""
     from batchrun.bench.build import make_requests, random_prompts
     eng = build_engine(EngineConfig(model="tiny", device="cpu", max_num_seqs=8, max_model_len=32,
-                                    num_kv_blocks=6)).engine
+                                    experiments=Experiments(num_kv_blocks=6))).engine
     prefilled = []
     real = eng.runner.prefill
     eng.runner.prefill = lambda seqs, counts, *a: (prefilled.append(sum(counts)), real(seqs, counts, *a))[1]

@@ -57,13 +57,10 @@ def _run(monkeypatch, dirs, decode_gemm: bool, lora: bool):
     o_proj = engine.model.model.layers[0].self_attn.o_proj.weight.numel()
     monkeypatch.setattr(gemm, "MIN_WEIGHT_ELEMENTS", o_proj + 1)  # o_proj (the smallest) stays out
     calls = collections.Counter()
-    calls.splits = collections.Counter()  # (N, K, split_k) of skinny_gemm's split-K launches
-    for mod, name in ((skinny_kernel, "skinny_gemm"), (fused_kernel, "skinny_gate_up_silu"),
-                      (skinny_kernel, "skinny_gemm_lora")):
+    for mod, name in ((skinny_kernel, "skinny_gemm"), (fused_kernel, "skinny_gate_up_silu")):
         orig = getattr(mod, name)
         monkeypatch.setattr(mod, name, lambda x, w, *a, _o=orig, _n=name, **k: (
             calls.update([(_n, x.shape[0] <= 16, w.shape[0], k.get("lora") is not None)]),
-            k.get("split_k", 1) > 1 and calls.splits.update([(_n, *w.shape, k["split_k"])]),
             _o(x, w, *a, **k))[-1])
     # 20 rows: the prefill and first decode step have 20 rows (torch's GEMM), the later decode
     # steps 16, 12, 8, 4 (Triton); rows i, i + 5, .. run equally long, so every one of those
@@ -97,29 +94,6 @@ def test_few_row_steps_take_the_triton_gemm_with_the_same_tokens(monkeypatch, di
         assert any(n > q_kv for n in plain) and any(cfg.hidden_size < n < q_kv for n in plain)
         assert (I2, True) in fused and {n for n, _ in fused} == {I2}, calls
     assert sum(calls.values()) > 0
-
-
-@pytest.mark.parametrize("lora", [False, True])
-def test_narrow_weights_take_the_split_k_gemm_when_tuned(monkeypatch, dirs, reference, lora):
-    # o_proj is below the size rule (cuBLAS); with an entry for its shape in SPLIT_TUNED it
-    # takes the skinny GEMM with K split over programs; a LoRA step's [W; A] takes W's entry
-    # in the launch that also adds the delta (skinny_gemm_lora); and the tokens are those of
-    # the engine without any Triton GEMM
-    ref, _ = reference(dirs, lora)
-    h = 64  # the tiny model's hidden size: o_proj is [h, h]
-    monkeypatch.setattr(skinny_kernel, "SPLIT_TUNED", {(h, h): ((16, 16, 2, 4), 3)})
-    got, calls, engine = _run(monkeypatch, dirs, decode_gemm=True, lora=lora)
-    assert engine.model.config.hidden_size == h
-    assert got == ref
-    split = set(calls.splits)
-    assert split and all(k == h and s == 3 for (_, _, k, s) in split), split  # o_proj alone
-    if lora:  # every small step has adapter rows: the stacked [W; A] took W's entry, with
-        # the delta in the same launch
-        assert {name for (name, _, _, _) in split} == {"skinny_gemm_lora"}, split
-        assert all(n > h for (_, n, _, _) in split), split
-        assert not any(k == "skinny_gemm_lora" and not small for (k, small, _, _) in calls)
-    else:
-        assert split == {("skinny_gemm", h, h, 3)}, split
 
 
 def test_lora_gate_up_shrink_with_the_residual_add(monkeypatch, tmp_path):

@@ -103,12 +103,12 @@ def test_graph_replay_matches_eager(tmp_path, mixed):
 
 
 @pytest.mark.parametrize("mixed", [False, True])
-def test_pdl_changes_no_bit(tmp_path, mixed):
-    # bf16, captured graphs: programmatic dependent launch (EngineConfig.pdl, on) against plain
+def test_pdl_changes_no_bit(tmp_path, monkeypatch, mixed):
+    # bf16, captured graphs: programmatic dependent launch (BATCHRUN_PDL, on) against plain
     # launches, same engine, graphs recaptured per setting (and PDL on twice). The math is the
     # same, so the tokens and every decode step's logits must be bit-equal; a kernel that read
     # or wrote before its gdc_wait would race and show here.
-    from batchrun.kernels.pdl import set_pdl
+    import batchrun.kernels.pdl as pdl  # on unless BATCHRUN_PDL=0; the test flips its constant
     # prefix caching off: a later run would reuse the first run's KV blocks, computed by other
     # kernels (decode, not prefill), and differ from it in bf16 with or without PDL (H100:
     # the first run's tokens differed from every later run's, PDL on or off, eager or graphs)
@@ -120,14 +120,13 @@ def test_pdl_changes_no_bit(tmp_path, mixed):
     runner.decode = lambda *a, **k: (lambda r: (logits.append(r.clone()), r)[1])(orig(*a, **k))
     try:
         for on in (True, False, True):
-            set_pdl(on)
+            monkeypatch.setattr(pdl, "ENABLED", on)
             runner._graphs = None
             runner.capture_graphs()
             logits.clear()
             toks = [r.output_token_ids for r in engine.generate(reqs)]
             runs.setdefault(on, []).append((toks, [t.cpu() for t in logits]))
     finally:
-        set_pdl(True)
         runner.decode = orig
     (a_toks, a_logits), (b_toks, b_logits) = runs[True][0], runs[False][0]
     assert a_toks == b_toks == runs[True][1][0]
@@ -204,21 +203,15 @@ def _kernels_of_one_decode_step(engine, prompts):
     return collections.Counter(n for n in names if "Memcpy" not in n and "Memset" not in n)
 
 
-@pytest.fixture(params=["cublas", "skinny", "split"])
+@pytest.fixture(params=["cublas", "skinny"])
 def skinny(request, monkeypatch):
     """True ("skinny"): every projection of the tiny models takes the Triton decode GEMM on
     steps of <= 16 rows (the size rule lowered to 0), as the 7b projections do, so the LoRA
     decode tests cover the stacked [W; A] skinny GEMM and gate_up's fused GEMM with the norm's
-    shrink. True ("split"): every projection counts as narrow and takes the split-K skinny GEMM
-    (K in 2 splits), as the 7b o_proj / down_proj do with their tuned entries: one-slice LoRA
-    projections then add their delta in that GEMM's epilogue (skinny_gemm_lora)."""
+    shrink."""
     import batchrun.engine.layers.gemm as gemm
-    import batchrun.kernels.skinny_gemm as skinny_kernel
     if request.param == "skinny":
         monkeypatch.setattr(gemm, "MIN_WEIGHT_ELEMENTS", 0)
-    if request.param == "split":
-        monkeypatch.setattr(gemm, "MIN_WEIGHT_ELEMENTS", 1 << 62)
-        monkeypatch.setattr(skinny_kernel, "split_config_for", lambda n, k: ((32, 64, 3, 4), 2))
     return request.param != "cublas"
 
 

@@ -9,7 +9,7 @@ from batchrun.kernels.lora_meta import LoRADelta
 from batchrun.kernels.reference import ref_gate_up_silu, ref_linear, ref_silu_and_mul
 from batchrun.kernels.silu_and_mul import silu_and_mul
 from batchrun.kernels.skinny_gate_up_silu import CONFIG as FUSED_CONFIG, skinny_gate_up_silu
-from batchrun.kernels.skinny_gemm import skinny_gemm, skinny_gemm_lora
+from batchrun.kernels.skinny_gemm import skinny_gemm
 from kernel_testutils import DEVICE, POISON, assert_gemm_close, mixed_slots, randn
 
 SAME_K_STEPS = (32, FUSED_CONFIG[1], 3, 4)  # skinny_gemm's K loop with the fused kernel's BLOCK_K
@@ -31,84 +31,6 @@ def test_skinny_gemm(M, N, K, bias):
     out = torch.full((M, N), POISON, dtype=torch.float16, device=DEVICE)
     assert skinny_gemm(x, w, b, out=out) is out
     assert_gemm_close(out, x, w, b)
-
-
-@pytest.mark.parametrize("M,N,K,split_k", [(1, 16, 512, 2), (5, 50, 700, 3), (8, 96, 512, 4),
-                                           (16, 64, 300, 2), (3, 40, 130, 8)])
-@pytest.mark.parametrize("bias", [False, True])
-def test_skinny_gemm_split_k(M, N, K, split_k, bias):
-    # K split over programs, summed by each column tile's last program (one launch); K off the
-    # tiles (300, 130: splits of whole BLOCK_K tiles, the last one short or fewer splits)
-    x, w, g = _operands(M, N, K, torch.float16, seed=M * 77 + N + K + split_k)
-    b = randn(N, dtype=torch.float16, gen=g) if bias else None
-    out = torch.full((M, N), POISON, dtype=torch.float16, device=DEVICE)
-    cfg = (16, 32, 2, 4)
-    assert skinny_gemm(x, w, b, out=out, config=cfg, split_k=split_k) is out
-    assert_gemm_close(out, x, w, b)
-    # the tickets were reset: a second launch (and one of another shape) sums the same way
-    assert torch.equal(skinny_gemm(x, w, b, config=cfg, split_k=split_k), out)
-    x2, w2, _ = _operands(M, N + 16, K, torch.float16, seed=1)
-    assert_gemm_close(skinny_gemm(x2, w2, config=cfg, split_k=split_k), x2, w2)
-    assert torch.equal(skinny_gemm(x, w, b, config=cfg, split_k=split_k), out)
-    with pytest.raises(ValueError, match="split_k must be >= 1"):
-        skinny_gemm(x, w, config=cfg, split_k=0)
-
-
-def _one_slice_lora(M, N, K, L, R, k, dtype, seed, pattern="mixed"):
-    # x, w_full = [W; A rows of slots 0..k-1] (a LoRALinear's stacking, one slice), lora_b
-    # [L, N, R] and int32 slots (a buffer longer than M)
-    x, w, g = _operands(M, N + k * R, K, dtype, seed=seed)
-    lora_b = randn(L, N, R, dtype=dtype, gen=g, scale=R ** -0.5)
-    if pattern == "mixed":
-        slots = mixed_slots(M, k, g)
-    else:
-        slots = torch.full((M,), k - 1 if pattern == "one" else -1, dtype=torch.int32)
-    return x, w, lora_b, torch.cat([slots, torch.zeros(3, dtype=torch.int32)]).to(DEVICE)
-
-
-@pytest.mark.parametrize("M,N,K", [(1, 40, 96), (5, 64, 130), (8, 48, 256), (13, 33, 200),
-                                   (16, 64, 128)])
-@pytest.mark.parametrize("k,split_k,pattern", [(1, 1, "one"), (3, 3, "mixed"), (2, 2, "none"),
-                                               (3, 1, "mixed")])
-def test_skinny_gemm_lora_epilogue(M, N, K, k, split_k, pattern):
-    # one launch: the A tiles' shrink, then each W tile adds its rows' delta; against the
-    # GEMM over [W; A] (same tiles: the same y and shrink bits) and the reference delta
-    x, w, lora_b, slots = _one_slice_lora(M, N, K, 4, 8, k, torch.float16, M * 31 + N + k,
-                                          pattern)
-    bias = torch.cat([randn(N, dtype=torch.float16, gen=torch.Generator().manual_seed(k)),
-                      torch.zeros(k * 8, dtype=torch.float16)]).to(DEVICE)
-    cfg = (16, 32, 2, 4)
-    out = _check_lora_epilogue(x, w, N, lora_b, slots, bias, 1e-4, config=cfg, split_k=split_k)
-    # the counters were reset: the next launch waits for its own shrink and sums the same way
-    assert torch.equal(skinny_gemm_lora(x, w, N, lora_b, slots, bias, config=cfg,
-                                        split_k=split_k), out)
-
-
-def _check_lora_epilogue(x, w, N, lora_b, slots, bias, atol, **launch):
-    # skinny_gemm_lora against the GEMM over [W; A] with the same tiles (the same y and shrink
-    # bits) and the reference delta: within an ulp (the delta's fp32 sum order); rows without
-    # an adapter exactly the plain GEMM's; returns the output
-    M = x.shape[0]
-    out = skinny_gemm_lora(x, w, N, lora_b, slots, bias, **launch)
-    plain = skinny_gemm(x, w, bias, **launch)
-    ref = LoRADelta(plain[:, N:], lora_b, slots, (0, N)).apply_reference(plain[:, :N])
-    tol = torch.finfo(x.dtype).eps * ref.float().abs() + atol
-    assert ((out.float() - ref.float()).abs() <= tol).all()
-    none = (slots[:M] < 0).nonzero().squeeze(1)
-    assert torch.equal(out[none], plain[none, :N])
-    if (slots[:M] >= 0).any():
-        assert not torch.equal(out, plain[:, :N])  # the delta was added
-    return out
-
-
-def test_skinny_gemm_lora_rejects_bad_stacking():
-    x, w, lora_b, slots = _one_slice_lora(4, 32, 64, 2, 8, 1, torch.float16, 9)
-    with pytest.raises(ValueError, match="must be W"):
-        skinny_gemm_lora(x, w[:-3], 32, lora_b, slots)  # not whole slots of A rows
-    with pytest.raises(ValueError, match="must be W"):
-        skinny_gemm_lora(x, torch.cat([w, w[-24:]]), 32, lora_b, slots)  # 4 slots > L = 2
-    with pytest.raises(ValueError, match="token_slots must be int32"):
-        skinny_gemm_lora(x, w, 32, lora_b, slots.long())
 
 
 def test_skinny_gemm_strided_rows_and_out():
@@ -231,11 +153,6 @@ def test_bf16_gpu_decode_shapes(M):
         if N % 2 == 0:
             fused = skinny_gate_up_silu(x, w)
             assert torch.equal(fused, silu_and_mul(skinny_gemm(x, w, config=SAME_K_STEPS))), (N, K)
-        for split_k in (2, 3, 4):  # the split-K form (narrow weights), on real SMs in parallel
-            y = skinny_gemm(x, w, b, split_k=split_k)
-            assert_gemm_close(y, x, w, b)
-            for _ in range(3):  # the last program's fixed-order sum: the same bits every time
-                assert torch.equal(skinny_gemm(x, w, b, split_k=split_k), y), (N, K, split_k)
 
 
 @pytest.mark.gpu
@@ -254,23 +171,3 @@ def test_bf16_gpu_gate_up_lora(M, k):
         assert ((out.float() - ref.float()).abs() <= tol).all(), (M, k, I)
         none = (slots < 0).nonzero().squeeze(1)
         assert torch.equal(out[none], skinny_gate_up_silu(x, w)[none]), (M, k, I)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("M", [1, 8, 13, 16])
-@pytest.mark.parametrize("k", [1, 8])
-def test_bf16_gpu_lora_epilogue_7b(M, k):
-    # o_proj and down_proj of a fused LoRA step (rank 16, 8 slots): the A tiles and W tiles run
-    # at once on real SMs, so this is where the W tiles' wait for the shrink is exercised; many
-    # launches alternating two inputs (the output buffer is reused, so a W tile that read the
-    # shrink before it was written would get the other input's and differ), each bit-equal
-    for N, K in [(4096, 4096), (4096, 11008)]:
-        x, w, lora_b, slots = _one_slice_lora(M, N, K, 8, 16, k, torch.bfloat16, M + k + K)
-        for split_k in (1, 3):
-            out = _check_lora_epilogue(x, w, N, lora_b, slots, None, 1e-3, split_k=split_k)
-            x2 = -x.flip(0)
-            out2 = skinny_gemm_lora(x2, w, N, lora_b, slots, split_k=split_k)
-            for _ in range(20):
-                assert torch.equal(skinny_gemm_lora(x, w, N, lora_b, slots, split_k=split_k), out)
-                assert torch.equal(skinny_gemm_lora(x2, w, N, lora_b, slots, split_k=split_k), out2)

@@ -9,9 +9,11 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
+from batchrun.common import tokenizer
+from batchrun.common.tokenizer import load_tokenizer
 from batchrun.job import token_count
 from batchrun.job.report import PY_WHITESPACE, chat_lengths, prompt_lengths
-from batchrun.job.token_count import load_counter, load_tokenizer
+from batchrun.job.token_count import load_counter
 from runner_helpers import REPO
 
 TEXTS = ["hello world", "  leading and trailing  ", "Ünïcödé ✓ text", "a" * 300, "x", "tab\there\nnew line",
@@ -109,7 +111,7 @@ def test_one_tokenizer_per_process(tiny_model, monkeypatch):
             return real(*a, **k)
 
         monkeypatch.setattr(cls, "from_pretrained", counting)
-    monkeypatch.setattr(token_count, "_loaded", {})
+    monkeypatch.setattr(tokenizer, "_loaded", {})
     model = tiny_model["model"]
     run_counter = load_counter(model, messages=False, use_transformers=True)
     assert run_counter.hf is load_tokenizer(model) is engine.load_tokenizer(model)
@@ -139,9 +141,9 @@ def test_a_named_fast_tokenizer_loads_without_the_auto_machinery(tiny_model, mon
     from transformers import AutoTokenizer
     for model in _models(tiny_model):
         assert token_count._config_class(model) in ("PreTrainedTokenizerFast", "TokenizersBackend")
-        monkeypatch.setattr(token_count, "_loaded", {})
+        monkeypatch.setattr(tokenizer, "_loaded", {})
         _tokenizer_parity(load_tokenizer(model), AutoTokenizer.from_pretrained(model))
-        code = ("import sys; from batchrun.job.token_count import load_tokenizer; "
+        code = ("import sys; from batchrun.common.tokenizer import load_tokenizer; "
                 f"t = load_tokenizer({model!r}); print(type(t).__name__, "
                 "'transformers.models.auto.tokenization_auto' in sys.modules)")
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,
@@ -162,7 +164,7 @@ def test_other_tokenizer_classes_go_through_auto_tokenizer(tiny_model, tmp_path,
     real = transformers.AutoTokenizer.from_pretrained
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained",
                         lambda *a, **k: used.append(a) or real(*a, **k))
-    monkeypatch.setattr(token_count, "_loaded", {})
+    monkeypatch.setattr(tokenizer, "_loaded", {})
     tok = load_tokenizer(str(model))
     assert len(used) == 1 and tok is not None
 

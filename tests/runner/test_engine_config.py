@@ -5,7 +5,8 @@ import dataclasses
 
 import pytest
 
-from batchrun.engine.config import EngineConfig, job_engine_fields
+from batchrun.engine.config import REMOVED_ENGINE_KEYS, EngineConfig, job_engine_fields
+from batchrun.engine.envs import Experiments, env_name
 from batchrun.errors import ConfigError
 from batchrun.job.fingerprint import combine, job_fingerprint
 from batchrun.job.spec import parse_job
@@ -34,7 +35,7 @@ def test_engine_section_is_the_engine_config(tmp_path):
 def test_every_engine_field_but_the_derived_ones_is_a_job_field(tmp_path):
     names = {f.name for f in dataclasses.fields(EngineConfig)}
     assert set(job_engine_fields()) == names - {"model", "enable_lora", "seed", "experiments"}
-    spec = parse_job(_job(tmp_path, block_size=32, num_kv_blocks=100, cuda_graph_sizes=[1, 8]), "/")
+    spec = parse_job(_job(tmp_path, block_size=32, cuda_graph_sizes=[1, 8]), "/")
     assert spec.engine.block_size == 32 and spec.engine.cuda_graph_sizes == [1, 8]
     with pytest.raises(ConfigError, match=r"engine.model: unknown field \(allowed under engine: device, dtype"):
         parse_job(_job(tmp_path, model="x"), "/")
@@ -42,17 +43,62 @@ def test_every_engine_field_but_the_derived_ones_is_a_job_field(tmp_path):
 
 @pytest.mark.parametrize("engine, message", [
     ({"block_size": 0}, "engine.block_size: must be >= 1, got 0"),
-    ({"num_kv_blocks": "x"}, r"engine.num_kv_blocks: expected an integer or null, got 'x' \(str\)"),
+    ({"max_cpu_loras": "x"}, r"engine.max_cpu_loras: expected an integer or null, got 'x' \(str\)"),
     ({"cuda_graph_sizes": [0]}, "engine.cuda_graph_sizes: expected a list of batch sizes"),
     ({"gpu_memory_utilization": 1.5}, r"engine.gpu_memory_utilization: must be in \(0, 1\], got 1.5"),
     ({"cpu_kv_cache_gb": float("inf")}, "engine.cpu_kv_cache_gb: must be a finite number"),
-    ({"lora_fused_max_tokens": -1}, "engine.lora_fused_max_tokens: must be >= 0"),
 ])
 def test_engine_messages(tmp_path, engine, message):
     with pytest.raises(ConfigError, match=message):
         parse_job(_job(tmp_path, **engine), "/")
     with pytest.raises(ConfigError, match=message):  # the same words from Python
         EngineConfig(model="m", **engine)
+
+
+# the user keys (vLLM's equivalents); FP8's quantization and kv_cache_dtype come on top
+USER_KEYS = ("device", "dtype", "max_num_seqs", "max_model_len", "max_loras", "max_lora_rank",
+             "enforce_eager", "max_num_batched_tokens", "gpu_memory_utilization", "block_size",
+             "cpu_kv_cache_gb", "max_cpu_loras", "enable_prefix_caching", "cuda_graph_sizes")
+
+
+def test_engine_section_holds_only_user_keys():
+    assert job_engine_fields() == USER_KEYS and len(USER_KEYS) <= 14
+    experiment_fields = {f.name for f in dataclasses.fields(Experiments)}
+    assert set(REMOVED_ENGINE_KEYS.values()) <= experiment_fields
+    assert not set(REMOVED_ENGINE_KEYS) & set(job_engine_fields())
+    assert "pdl" not in job_engine_fields()
+
+
+@pytest.mark.parametrize("key, value, setting", [
+    ("async_scheduling", False, "BATCHRUN_ASYNC_SCHEDULING=0"),
+    ("enable_mixed_steps", True, "BATCHRUN_MIXED_STEPS=1"),
+    ("triton_decode_gemm", False, "BATCHRUN_TRITON_DECODE_GEMM=0"),
+    ("pdl", True, "BATCHRUN_PDL=1"),
+    ("prefill_graph_max_tokens", 0, "BATCHRUN_PREFILL_GRAPH_MAX_TOKENS=0"),
+    ("lora_fused_max_tokens", 256, "BATCHRUN_LORA_FUSED_MAX_TOKENS=256"),
+    ("num_kv_blocks", 100, "BATCHRUN_NUM_KV_BLOCKS=100"),
+])
+def test_a_removed_engine_key_names_its_variable(tmp_path, monkeypatch, key, value, setting):
+    message = (f"engine.{key} was removed: it is an experiment switch now, set {setting} in the "
+               "environment")
+    with pytest.raises(ConfigError, match=message):
+        parse_job(_job(tmp_path, device="cpu", **{key: value}), "/")
+    # the variable named is one Experiments (or kernels/pdl.py) reads, and it sets what the key did
+    var, raw = setting.split("=")
+    if key == "pdl":
+        from batchrun.kernels.pdl import flag_from_env
+        assert flag_from_env(var, not value, {var: raw}) is value
+        return
+    field = REMOVED_ENGINE_KEYS[key]
+    assert var == env_name(field)
+    assert getattr(Experiments.from_env({var: raw}), field) == value
+
+
+def test_llm_keywords_get_the_removed_key_message(tmp_path):
+    from batchrun.api import LLM
+    with pytest.raises(ConfigError, match="engine.async_scheduling was removed: .* set "
+                                          "BATCHRUN_ASYNC_SCHEDULING=0 in the environment"):
+        LLM(tmp_path / "model", device="cpu", async_scheduling=False)
 
 
 def test_fingerprint_of_an_unchanged_job_file_is_unchanged(tmp_path):

@@ -1,4 +1,4 @@
-"""`batchrun run` imports the engine side on a background thread (batchrun/job/preload.py, issue 11):
+"""`batchrun run` imports the engine side on a background thread (batchrun/common/preload.py, issue 11):
 errors there reach the main thread with their own type when it needs the module, a job that
 fails its checks exits without waiting for the imports, and the run itself is unchanged."""
 import importlib
@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from batchrun.job import preload
+from batchrun.common import preload
 from runner_helpers import demo_rows, read_output, run_cli, run_cli_without
 
 

@@ -15,11 +15,8 @@ epilogue, kernels/skinny_gate_up_silu.py).
   (26.1 vs 28.6 on the H200); while qkv ([12288, 4096]) was 8 % faster, gate_up with its SiLU
   ([22016, 4096]) 9 % and lm_head ([32000, 4096]) 7 % (docs/benchmarks.md, sessions 8 and 11).
 
-Narrow weights (o_proj, down_proj) on those steps take the skinny GEMM with K split over programs
-in one launch (kernels/skinny_gemm.py) where kernels/skinny_gemm.SPLIT_TUNED has an entry for
-their shape (benchmarks/narrow_gemm.py times them with the weights cold in L2, as in a step);
-otherwise cuBLAS. The skinny-vs-cuBLAS figures above timed one weight over and over, so o's
-33.5 MB sat in L2.
+Narrow weights (o_proj, down_proj) stay on cuBLAS. The skinny-vs-cuBLAS figures above timed
+one weight over and over, so o's 33.5 MB sat in L2.
 
 Steps of more rows (a throughput batch's decode, prefill) stay on cuBLAS: a Triton GEMM with
 every row of a 192-256-row step in one M tile (each weight tile read once) lost to it on every
@@ -50,22 +47,9 @@ def takes_skinny(enabled: bool, x: Tensor, weight: Tensor) -> bool:
             and weight.numel() >= MIN_WEIGHT_ELEMENTS)
 
 
-def split_skinny(enabled: bool, x: Tensor, weight: Tensor):
-    """(config, split_k) when x @ weight.T runs in the split-K skinny GEMM: a narrow weight
-    (below MIN_WEIGHT_ELEMENTS) on a step of few rows, with a tuned entry in
-    kernels/skinny_gemm.SPLIT_TUNED; else None (cuBLAS)."""
-    if not (enabled and x.shape[0] <= MAX_ROWS and x.dtype in _HALF and use_triton(x)
-            and weight.numel() < MIN_WEIGHT_ELEMENTS):
-        return None
-    from batchrun.kernels.skinny_gemm import split_config_for
-    return split_config_for(weight.shape[0], weight.shape[1])
-
-
 def gemm_kernel(decode_gemm: bool, x: Tensor, weight: Tensor) -> str | None:
-    """The GEMM x @ weight.T runs in: "skinny", "skinny_split" or None (cuBLAS)."""
-    if takes_skinny(decode_gemm, x, weight):
-        return "skinny"
-    return "skinny_split" if split_skinny(decode_gemm, x, weight) is not None else None
+    """The GEMM x @ weight.T runs in: "skinny" or None (cuBLAS)."""
+    return "skinny" if takes_skinny(decode_gemm, x, weight) else None
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None, kernel: str | None) -> Tensor:
@@ -73,24 +57,9 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None, kernel: str | None) -
     if kernel == "skinny":
         from batchrun.kernels.skinny_gemm import skinny_gemm
         return skinny_gemm(x, weight, bias)
-    if kernel == "skinny_split":  # tuned per weight shape: the [W; A] of a LoRA step takes W's
-        from batchrun.kernels.skinny_gemm import skinny_gemm, split_config_for
-        config, split_k = split_config_for(weight.shape[0], weight.shape[1])
-        return skinny_gemm(x, weight, bias, config=config, split_k=split_k)
     if kernel is not None:
-        raise ValueError(f"unknown GEMM kernel {kernel!r}: skinny, skinny_split or None")
+        raise ValueError(f"unknown GEMM kernel {kernel!r}: skinny or None")
     return F.linear(x, weight, bias)
-
-
-def linear_lora(x: Tensor, w_full: Tensor, bias: Tensor | None, n_out: int, lora_b: Tensor,
-                token_slots: Tensor) -> Tensor:
-    """A fused LoRA step's one-slice projection whose W takes "skinny_split": x @ [W; A].T and
-    the delta in one launch (kernels/skinny_gemm.skinny_gemm_lora), [T, n_out] with the delta
-    added; W's columns are those of the plain split GEMM (the same tiles and K split)."""
-    from batchrun.kernels.skinny_gemm import skinny_gemm_lora, split_config_for
-    config, split_k = split_config_for(w_full.shape[0], w_full.shape[1])
-    return skinny_gemm_lora(x, w_full, n_out, lora_b, token_slots, bias, config=config,
-                            split_k=split_k)
 
 
 def gate_up_silu(x: Tensor, weight: Tensor, lora: LoRADelta | None = None) -> Tensor:

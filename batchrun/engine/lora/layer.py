@@ -15,10 +15,6 @@ the step's `LoRAStep` and has two cases:
   the first N + k*S*R rows of `weight_full` computes y and the shrink of slots < k together,
   and the delta (shrunk . B) is returned as a LoRADelta for the next kernel to add: no LoRA
   launch of its own;
-  A one-slice projection (o_proj, down_proj) whose W runs in the split-K skinny GEMM
-  (layers/gemm.py's "skinny_split") adds the delta itself: that kernel's A tiles compute the
-  shrink first and its W tiles' epilogue adds the delta (kernels/skinny_gemm.skinny_gemm_lora),
-  so nothing is left for the consumer and the norm after it runs its plain launch;
 - otherwise (larger prefills, CPU, callers without a fusing consumer): y = x W.T, then the
   Punica shrink + expand add the delta in place (kernels on CUDA, torch references on CPU).
 
@@ -117,10 +113,6 @@ class LoRALinear:
             bias = None if self.bias_full is None else self.bias_full[:rows]
             # the kernel is chosen by W alone, so W's columns come out as in a no-LoRA step
             kernel = linear.kernel(x)
-            if kernel == "skinny_split" and self.num_slices == 1:
-                # o_proj / down_proj: the split-K skinny GEMM adds the delta in its epilogue
-                return gemm.linear_lora(x, self.weight_full[:rows], bias, N, self.lora_b,
-                                        step.token_slots), None
             full = gemm.linear(x, self.weight_full[:rows], bias, kernel)  # [T, N + k*S*R]
             return full[:, :N], LoRADelta(full[:, N:], self.lora_b, step.token_slots,
                                           self.slice_offsets)

@@ -4,7 +4,7 @@ overlap instead of adding up.
 
 One daemon thread runs the queued steps in order (``start`` queues the imports, ``then`` more
 steps such as loading the job's tokenizer). The main thread calls ``wait()`` before it needs any
-of it (token_count.load_tokenizer, runner.load_engine, anything that imports torch): it blocks
+of it (common/tokenizer.load_tokenizer, runner.load_engine, anything that imports torch): it blocks
 until the steps queued so far ran, then raises the first step's error with its own type and
 traceback, so a broken torch or tokenizer reads as it did without the preload. Nothing else in
 the main thread imports torch meanwhile: two threads importing one package at once can see it
@@ -21,7 +21,7 @@ import threading
 import time
 
 # "transformers", not its AutoTokenizer module: a tokenizer.json that names its class loads
-# without transformers' auto machinery (token_count.load_tokenizer), which imports torch._dynamo
+# without transformers' auto machinery (common/tokenizer.load_tokenizer), which imports torch._dynamo
 # and torch.distributed (~2-3 s); when it is needed, the queued tokenizer step imports it.
 ENGINE_MODULES = ("torch", "transformers", "batchrun.engine.engine", "batchrun.engine.models.loader")
 
