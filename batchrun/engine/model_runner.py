@@ -27,6 +27,7 @@ from batchrun.engine.block_manager import SCRATCH_BLOCK, BlockManager
 from batchrun.engine.graphs import GraphRunner
 from batchrun.engine.prefill_graphs import PrefillGraphs
 from batchrun.engine.layers.gemm import set_decode_gemm
+from batchrun.engine.scheduler import ScheduledBatch
 from batchrun.engine.sequence import Sequence
 from batchrun.engine.layers.attention import AttnMetadata, query_start_tensor
 from batchrun.engine.layers.backend import use_triton
@@ -41,10 +42,10 @@ class ModelRunner:
                  blocks: BlockManager, lora=None):
         self.model, self.config, self.device, self.dtype = model, config, device, dtype
         self.blocks, self.lora = blocks, lora
-        set_decode_gemm(model, config.triton_decode_gemm)
+        set_decode_gemm(model, config.experiments.triton_decode_gemm)
         if torch.device(device).type == "cuda":  # kernels/pdl.py: process-wide, read at launch
             from batchrun.kernels.pdl import set_pdl
-            set_pdl(config.pdl)
+            set_pdl(config.experiments.pdl)
         cfg = model.config
         self.block_size = blocks.block_size
         self.max_blocks_per_seq = -(-config.max_model_len // self.block_size)
@@ -91,7 +92,7 @@ class ModelRunner:
         # LoRA slots), the attention output every layer's eager attention writes, and one
         # LoRAStep per slot bound reading the static LoRA slots (as fused decode steps do)
         self._prefill_graphs: PrefillGraphs | None = None
-        pt = 0 if config.enforce_eager else min(config.prefill_graph_max_tokens,
+        pt = 0 if config.enforce_eager else min(config.experiments.prefill_graph_max_tokens,
                                                  config.max_num_batched_tokens)
         self._prefill_tokens = pt  # captured by capture_graphs() (CUDA only)
         if pt:
@@ -163,16 +164,17 @@ class ModelRunner:
 
     # ---- decode -------------------------------------------------------------------------
     @torch.inference_mode()
-    def decode(self, seqs: list[Sequence], prev_tokens: torch.Tensor | None = None) -> torch.Tensor:
-        """One token per sequence -> fp32 logits [len(seqs), V]. A row whose newest token is
-        still on the device (seq.num_pending) reads it from `prev_tokens`, the previous step's
-        sampled tokens, at seq.pending_row."""
+    def decode(self, batch: ScheduledBatch, prev_tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """One token per sequence of a decode batch -> fp32 logits [len(batch.seqs), V]. A row
+        whose newest token is still on the device (batch.pending_rows) reads it from
+        `prev_tokens`, the previous step's sampled tokens, at that row."""
+        seqs = batch.seqs
         b = len(seqs)
         k = self.decode_slot_bound(seqs)
         graphs = None if self._eager else self._graphs
         key = graphs.dispatch(b, k) if graphs else None
         rows = key.padded_batch_size if key else b
-        lora = self._write_decode_inputs(seqs, rows, k, prev_tokens)
+        lora = self._write_decode_inputs(seqs, batch.starts, batch.pending_rows, rows, k, prev_tokens)
         if key is not None:
             return graphs.replay(key)[:b]
         return self.decode_forward(rows, lora)[:b]
@@ -197,7 +199,8 @@ class ModelRunner:
         # per-graph output alive in the pool (a [rows, vocab] fp32 tensor per graph otherwise)
         return self.model.compute_logits(hidden, out=self.logits[:rows])
 
-    def _write_decode_inputs(self, seqs: list[Sequence], rows: int, num_slots: int,
+    def _write_decode_inputs(self, seqs: list[Sequence], starts: list[int], pending_rows: list[int],
+                             rows: int, num_slots: int,
                              prev_tokens: torch.Tensor | None) -> LoRAStep | None:
         n, bs = self.config.max_num_seqs, self.block_size
         turn = self._turn
@@ -205,17 +208,15 @@ class ModelRunner:
         host_i64, host_i32 = self._host[turn]
         h64, h32 = host_i64.numpy(), host_i32.numpy()
         b = len(seqs)  # rows b..rows are padding: scratch block, no context, no LoRA
-        lens = [s.num_tokens for s in seqs]
+        lens = [p + 1 for p in starts]  # context length: the positions before the token, and it
         lora = [s.lora_slot for s in seqs]
-        h64[0, :b] = [0 if s.num_pending else s.token_ids[-1] for s in seqs]
-        pending = [(i, s.pending_row) for i, s in enumerate(seqs) if s.num_pending]
-        h64[1, :b] = [m - 1 for m in lens]
+        h64[0, :b] = [0 if j >= 0 else s.token_ids[p] for s, p, j in zip(seqs, starts, pending_rows)]
+        pending = [(i, j) for i, j in enumerate(pending_rows) if j >= 0]
+        h64[1, :b] = starts
         slot = self.blocks.slot
         h64[2, :b] = [slot(s, m - 1) for s, m in zip(seqs, lens)]
         h32[:b], h32[n:n + b] = lens, lora
         self._write_block_tables(seqs, rows, turn)
-        for s, m in zip(seqs, lens):
-            s.num_computed = m
         h64[:3, b:rows] = 0
         h64[2, b:rows] = SCRATCH_BLOCK * bs
         h32[b:rows], h32[n + b:n + rows] = 0, -1
@@ -259,15 +260,16 @@ class ModelRunner:
 
     # ---- prefill (and mixed) -------------------------------------------------------------
     @torch.inference_mode()
-    def prefill(self, seqs: list[Sequence], counts: list[int], num_decode: int = 0,
-                prev_tokens: torch.Tensor | None = None) -> tuple[list[int], torch.Tensor]:
-        """Compute `counts[i]` tokens of seqs[i] from its num_computed on. Returns the indices
-        of sequences whose tokens are now all computed and their fp32 logits [len(done), V].
-        A decode row whose token is still on the device reads it from `prev_tokens` (decode()).
+    def prefill(self, batch: ScheduledBatch, prev_tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """Compute `batch.num_tokens[i]` tokens of batch.seqs[i] from batch.starts[i] on.
+        Returns the fp32 logits [len(batch.sampled), V] of the rows the step samples (those
+        whose tokens are now all computed). A decode row whose token is still on the device
+        reads it from `prev_tokens` (decode()).
 
         A mixed step puts its decode rows first: seqs[:num_decode], one token each (the last
         sampled one); attention runs them through the decode kernel and the rest through the
-        varlen prefill kernel (layers/attention.py). Eager, like every prefill step."""
+        varlen prefill kernel (layers/attention.py)."""
+        seqs, counts, num_decode = batch.seqs, batch.num_tokens, batch.num_decode
         if any(n != 1 for n in counts[:num_decode]):
             raise ValueError(f"prefill: the first num_decode={num_decode} rows must be decode "
                              f"rows of one token each, got counts {counts[:num_decode]}")
@@ -277,16 +279,16 @@ class ModelRunner:
         slots = np.empty(total, dtype=np.int64)
         lora = np.empty(total, dtype=np.int32)
         table = np.zeros((len(seqs), self.max_blocks_per_seq), dtype=np.int32)
-        ctx_lens, done, last, t, pending = [], [], [], 0, []
-        for i, (s, n) in enumerate(zip(seqs, counts)):
-            start, end = s.num_computed, s.num_computed + n
+        ctx_lens, ends, t, pending = [], [], 0, []
+        for i, (s, n, start) in enumerate(zip(seqs, counts, batch.starts)):
+            end = start + n
             table[i, :len(s.block_ids)] = s.block_ids
             if n == 1:  # decode rows: plain ints beat numpy's per-call cost
-                if start < len(s.token_ids):
+                if batch.pending_rows[i] < 0:
                     ids[t] = s.token_ids[start]
                 else:  # its newest token is on the device
                     ids[t] = 0
-                    pending.append((t, s.pending_row))
+                    pending.append((t, batch.pending_rows[i]))
                 pos[t], slots[t] = start, self.blocks.slot(s, start)
             else:
                 if end > len(s.token_ids):
@@ -298,9 +300,7 @@ class ModelRunner:
             lora[t:t + n] = s.lora_slot
             t += n
             ctx_lens.append(end)
-            s.num_computed = end
-            if end == s.num_tokens:
-                done.append(i); last.append(t - 1)
+            ends.append(t - 1)
         dev = self.device
         key = self._prefill_key(total, num_decode, pending, lora)
         # piecewise graphs: the K/V slots are the static input's (the replay's eager attention
@@ -317,7 +317,7 @@ class ModelRunner:
             step_lora = None
             if self.lora is not None:  # None when no token has an adapter: nothing written
                 # small prefills fuse too (no launches); big ones amortise shrink + expand launches
-                fuse = use_triton(self._i64) and total <= self.config.lora_fused_max_tokens
+                fuse = use_triton(self._i64) and total <= self.config.experiments.lora_fused_max_tokens
                 has = bool((lora >= 0).any())
                 step_lora = self.lora.lora_step(lora.tolist() if has else [], has_lora=has, fuse=fuse)
             ids_dev = torch.from_numpy(ids).to(dev)
@@ -325,9 +325,10 @@ class ModelRunner:
                 dst, src = (torch.tensor(v, dtype=torch.long, device=dev) for v in zip(*pending))
                 _take_pending(ids_dev, dst, src, prev_tokens)
             hidden = self.model(ids_dev, torch.from_numpy(pos).to(dev), Step(attn, step_lora))
-        if not done:
-            return done, hidden.new_empty(0)
-        return done, self.model.compute_logits(hidden[torch.tensor(last, device=dev)])
+        if not batch.sampled:
+            return hidden.new_empty(0)
+        last = [ends[i] for i in batch.sampled]
+        return self.model.compute_logits(hidden[torch.tensor(last, device=dev)])
 
     def _prefill_key(self, total: int, num_decode: int, pending: list, lora: np.ndarray):
         """The piecewise graphs a prefill step replays (None: it runs eagerly): steps without
@@ -339,7 +340,7 @@ class ModelRunner:
         top = int(lora.max())
         if top < 0:
             return pg.dispatch(total, 0)
-        if total > self.config.lora_fused_max_tokens:
+        if total > self.config.experiments.lora_fused_max_tokens:
             return None
         return pg.dispatch(total, self.lora.slot_bound(top))
 

@@ -10,6 +10,7 @@ import torch
 
 from batchrun.engine.config import EngineConfig, SamplingParams
 from batchrun.engine.engine import Engine
+from batchrun.engine.envs import Experiments
 from batchrun.engine.prefill_graphs import PrefillGraphs, PrefillKey, token_buckets
 from batchrun.engine.request import Request
 from tests.tiny_models import random_prompts, save_hf_model
@@ -115,7 +116,8 @@ def test_piecewise_prefill_matches_eager(tmp_path, monkeypatch, lora):
 def test_off_when_eager_or_zero(tmp_path):
     save_hf_model("llama3_gqa", tmp_path / "base")
     assert _engine(tmp_path, {}, enforce_eager=True).runner._prefill_tokens == 0
-    assert _engine(tmp_path, {}, prefill_graph_max_tokens=0).runner._prefill_tokens == 0
-    assert _engine(tmp_path, {}, prefill_graph_max_tokens=16).runner._prefill_tokens == 16
+    for n in (0, 16):
+        engine = _engine(tmp_path, {}, experiments=Experiments(prefill_graph_max_tokens=n))
+        assert engine.runner._prefill_tokens == n
     runner = _engine(tmp_path, {}).runner
     assert runner.prefill_graphs is None  # CPU: nothing captured, every prefill eager

@@ -117,7 +117,8 @@ def test_decode_block_tables_follow_every_change_of_a_rows_blocks(engine):
         return s
 
     def check(seqs, rows):
-        runner._write_decode_inputs(seqs, rows, num_slots=0, prev_tokens=None)
+        runner._write_decode_inputs(seqs, [len(s.token_ids) - 1 for s in seqs], [-1] * len(seqs),
+                                    rows, num_slots=0, prev_tokens=None)
         got = runner.block_tables[:rows].tolist()
         want = [s.block_ids + [0] * (mb - len(s.block_ids)) for s in seqs]
         want += [[SCRATCH_BLOCK] * mb] * (rows - len(seqs))
@@ -148,3 +149,37 @@ def test_step_times_are_counted_by_kind(engine):
     assert d["decode_steps"] == 4 and d["prefill_steps"] >= 1
     assert d["prefill_s"] > 0 and d["decode_s"] > 0 and d["mixed_s"] == 0
     assert 0 < d["decode_host_s"] <= d["decode_s"]
+
+
+def _state(seq):
+    return {k: (list(v) if isinstance(v, list) else v) for k, v in vars(seq).items()}
+
+
+def test_only_the_scheduler_changes_sequence_state(engine):
+    """schedule() advances num_computed and counts the sampled token as pending; executing the
+    step (model runner, sampling) leaves every Sequence as it was; update() appends the token,
+    takes the pending count back and finishes rows. Prefill, then decode."""
+    sched = engine.scheduler()
+    prompts = random_prompts(2, [5, 7], 100, seed=6)
+    seqs = [Sequence(i, i, p, SamplingParams(max_tokens=2, ignore_eos=True), a, None)
+            for i, (p, a) in enumerate(zip(prompts, [None, "a"]))]
+    for s in seqs:
+        sched.add(s)
+    try:
+        for kind in ("prefill", "decode"):
+            before = [s.num_tokens for s in seqs]
+            batch = sched.schedule()
+            assert batch.is_prefill == (kind == "prefill")
+            assert [s.num_computed for s in batch.seqs] == before
+            assert all(s.num_pending == 1 for s in batch.seqs)
+            states = [_state(s) for s in seqs]
+            launched = engine.executor.execute(batch, None)
+            assert [_state(s) for s in seqs] == states  # the runner and sampler wrote nothing
+            out = launched.sampled.result()
+            finished = sched.update(launched.seqs, out.tokens, out.logprobs, out.top_logprobs)
+            assert all(s.num_pending == 0 for s in seqs)
+            assert [s.num_tokens for s in seqs] == [n + 1 for n in before]
+        assert finished == seqs and all(s.finish_reason == "length" for s in seqs)
+    finally:
+        for seq in list(sched.running):
+            sched.finish(seq, "length")
