@@ -98,6 +98,6 @@ def graph_step_us(engine, prompts, adapters, n: int = 60) -> tuple[float, float]
         return sorted(times)[n // 2]
     with decoding_batch(engine, prompts, adapters, graphs=True) as (runner, batch):
         step = med(lambda: runner.decode(batch))
-        key = runner.graphs.dispatch(len(batch.seqs), runner.decode_slot_bound(batch.seqs))
+        _, key = runner.dispatch(len(batch.seqs), True, runner.decode_slot_bound(batch.seqs))
         replay = med(lambda: runner.graphs.replay(key))
     return step, replay

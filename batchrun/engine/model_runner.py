@@ -2,8 +2,9 @@
 
 Every step is one frozen `Step` (layers/step.py: attention metadata, and `lora`, None when no
 token has an adapter) built here and passed through `model(...)`; nothing per step is kept on
-a shared object. The runner owns its CUDA graphs (graphs.GraphRunner for decode,
-prefill_graphs.PrefillGraphs for prefill steps of at most prefill_graph_max_tokens tokens):
+a shared object. The runner owns its CUDA graphs (cudagraph_dispatcher.CudaGraphs: full decode
+graphs, graphs.py, and piecewise graphs for prefill steps of at most prefill_graph_max_tokens
+tokens, prefill_graphs.py), and asks it once per step which to replay (`dispatch`):
 `capture_graphs()` makes them, `eager()` runs steps without them for a while (benchmarks,
 profilers); `graphs` and `prefill_graphs` are read-only from outside.
 
@@ -24,7 +25,9 @@ import torch
 
 from batchrun.engine.config import EngineConfig
 from batchrun.engine.block_manager import SCRATCH_BLOCK, BlockManager
-from batchrun.engine.graphs import GraphRunner
+from batchrun.engine.cudagraph_dispatcher import (CudaGraphs, GraphKey, Mode, capture_sizes,
+                                                   token_buckets)
+from batchrun.engine.graphs import DecodeGraphs
 from batchrun.engine.prefill_graphs import PrefillGraphs
 from batchrun.engine.layers.gemm import set_decode_gemm
 from batchrun.engine.scheduler import ScheduledBatch
@@ -77,7 +80,7 @@ class ModelRunner:
         # per pair, per row of its host block table: (the block_ids list it was written from,
         # its length)
         self._table_keys: list[list] = [[None] * n for _ in range(2)]
-        self._graphs: GraphRunner | None = None  # capture_graphs()
+        self._graphs: CudaGraphs | None = None  # capture_graphs()
         self._eager = False  # eager(): decode without graphs even when they are captured
         # The LoRA part of every fused LoRA decode step (the Triton path), captured graphs
         # included, one per slot bound k (a step's rows all have slots < k): the kernels read
@@ -91,7 +94,6 @@ class ModelRunner:
         # static inputs for up to prefill_graph_max_tokens tokens (ids, positions, K/V slots;
         # LoRA slots), the attention output every layer's eager attention writes, and one
         # LoRAStep per slot bound reading the static LoRA slots (as fused decode steps do)
-        self._prefill_graphs: PrefillGraphs | None = None
         pt = 0 if config.enforce_eager else min(config.experiments.prefill_graph_max_tokens,
                                                  config.max_num_batched_tokens)
         self._prefill_tokens = pt  # captured by capture_graphs() (CUDA only)
@@ -107,42 +109,42 @@ class ModelRunner:
 
     # ---- CUDA graphs --------------------------------------------------------------------
     @property
-    def graphs(self) -> GraphRunner | None:
+    def graphs(self) -> DecodeGraphs | None:
         """The captured decode graphs (None until capture_graphs())."""
-        return self._graphs
-
-    def capture_graphs(self) -> None:
-        if self._graphs is not None:
-            raise RuntimeError("CUDA graphs are already captured for this model runner")
-        graphs = GraphRunner(self.config, with_lora=self.lora is not None)
-        # inputs of a step made only of padding rows: scratch block, no context, no LoRA
-        self.input_ids.zero_(); self.positions.zero_(); self.slot_mapping.zero_()
-        self.context_lens.zero_(); self.block_tables.zero_(); self.token_slots.fill_(-1)
-        # LoRA set: `size` padding tokens (slot -1), so its kernels launch and skip the work
-        graphs.capture(self.decode_forward, self._fused_decode_lora)
-        self._graphs = graphs
-        if self._prefill_tokens:
-            self._capture_prefill_graphs()
-
-    def _capture_prefill_graphs(self) -> None:
-        pg = PrefillGraphs(self._prefill_tokens, self.lora is not None,
-                           self.model.attention_layers(), self._p_q, self._p_out)
-        # padding tokens: token 0 at position 0, K/V into the scratch block, no adapter
-        self._p64.zero_()
-        self._p64[2].fill_(SCRATCH_BLOCK * self.block_size)
-        self._p_slots.fill_(-1)
-        try:
-            pg.capture(self.prefill_forward, self._prefill_lora)
-        except Exception as e:
-            raise RuntimeError(f"capturing the piecewise prefill graphs failed: {e}. Set "
-                               "engine.prefill_graph_max_tokens: 0 in job.yaml to run prefill "
-                               "steps eagerly (same outputs, slower small prefills)") from e
-        self._prefill_graphs = pg
+        return None if self._graphs is None else self._graphs.decode
 
     @property
     def prefill_graphs(self) -> PrefillGraphs | None:
         """The captured piecewise prefill graphs (None until capture_graphs(), or when off)."""
-        return self._prefill_graphs
+        return None if self._graphs is None else self._graphs.prefill
+
+    def capture_graphs(self) -> None:
+        if self._graphs is not None:
+            raise RuntimeError("CUDA graphs are already captured for this model runner")
+        decode = DecodeGraphs(capture_sizes(self.config.max_num_seqs, self.config.cuda_graph_sizes))
+        prefill = (PrefillGraphs(token_buckets(self._prefill_tokens), self.model.attention_layers(),
+                                 self._p_q, self._p_out) if self._prefill_tokens else None)
+        graphs = CudaGraphs(self.lora is not None, decode, prefill)
+        # decode inputs of a step made only of padding rows: scratch block, no context, no
+        # LoRA (a LoRA set's kernels launch and skip the work)
+        self.input_ids.zero_(); self.positions.zero_(); self.slot_mapping.zero_()
+        self.context_lens.zero_(); self.block_tables.zero_(); self.token_slots.fill_(-1)
+        if prefill is not None:  # padding tokens: token 0 at position 0, the scratch block
+            self._p64.zero_()
+            self._p64[2].fill_(SCRATCH_BLOCK * self.block_size)
+            self._p_slots.fill_(-1)
+        graphs.capture({True: (self.decode_forward, self._fused_decode_lora),
+                        False: (self.prefill_forward, self._prefill_lora if prefill else None)})
+        self._graphs = graphs
+
+    def dispatch(self, num_tokens: int, decode_only: bool, lora_slots: int, *, fused: bool = True,
+                 piecewise: bool = True) -> tuple[Mode, GraphKey | None]:
+        """Which captured graphs a step replays (cudagraph_dispatcher.dispatch); eager when
+        none are captured or inside eager()."""
+        if self._graphs is None or self._eager:
+            return Mode.EAGER, None
+        return self._graphs.dispatch(num_tokens, decode_only, lora_slots, fused=fused,
+                                     piecewise=piecewise)
 
     def prefill_forward(self, tokens: int, lora: LoRAStep | None) -> torch.Tensor:
         """The prefill a PrefillGraphs captures in pieces: reads the static inputs' first
@@ -171,12 +173,11 @@ class ModelRunner:
         seqs = batch.seqs
         b = len(seqs)
         k = self.decode_slot_bound(seqs)
-        graphs = None if self._eager else self._graphs
-        key = graphs.dispatch(b, k) if graphs else None
-        rows = key.padded_batch_size if key else b
+        mode, key = self.dispatch(b, True, k)
+        rows = key.tokens if mode is Mode.FULL else b
         lora = self._write_decode_inputs(seqs, batch.starts, batch.pending_rows, rows, k, prev_tokens)
-        if key is not None:
-            return graphs.replay(key)[:b]
+        if mode is Mode.FULL:
+            return self._graphs.replay(key)[:b]
         return self.decode_forward(rows, lora)[:b]
 
     def decode_slot_bound(self, seqs: list[Sequence]) -> int:
@@ -302,24 +303,25 @@ class ModelRunner:
             ctx_lens.append(end)
             ends.append(t - 1)
         dev = self.device
-        key = self._prefill_key(total, num_decode, pending, lora)
+        top = int(lora.max())
+        k = 0 if top < 0 else self.lora.slot_bound(top)  # slot bound, 0: no adapter token
+        # small prefills fuse their LoRA too (no launches); big ones amortise shrink + expand
+        fuse = use_triton(self._i64) and total <= self.config.experiments.lora_fused_max_tokens
+        mode, key = self.dispatch(total, False, k, fused=fuse, piecewise=not (num_decode or pending))
         # piecewise graphs: the K/V slots are the static input's (the replay's eager attention
         # reads the rest of the metadata); eager: this step's own
-        slot_mapping = (self._write_prefill_inputs(key, ids, pos, slots, lora) if key is not None
-                        else torch.from_numpy(slots).to(dev))
+        slot_mapping = (self._write_prefill_inputs(key, ids, pos, slots, lora)
+                        if mode is Mode.PIECEWISE else torch.from_numpy(slots).to(dev))
         attn = AttnMetadata(True, slot_mapping, torch.from_numpy(table).to(dev),
                             torch.tensor(ctx_lens, dtype=torch.int32, device=dev),
                             query_lens=list(counts), context_lens_host=ctx_lens,
                             query_start=query_start_tensor(counts, dev), num_decode=num_decode)
-        if key is not None:
-            hidden = self._prefill_graphs.replay(key, attn)[:total]
+        if mode is Mode.PIECEWISE:
+            hidden = self._graphs.replay(key, attn)[:total]
         else:
             step_lora = None
-            if self.lora is not None:  # None when no token has an adapter: nothing written
-                # small prefills fuse too (no launches); big ones amortise shrink + expand launches
-                fuse = use_triton(self._i64) and total <= self.config.experiments.lora_fused_max_tokens
-                has = bool((lora >= 0).any())
-                step_lora = self.lora.lora_step(lora.tolist() if has else [], has_lora=has, fuse=fuse)
+            if k:  # None when no token has an adapter: nothing written
+                step_lora = self.lora.lora_step(lora.tolist(), has_lora=True, fuse=fuse, num_slots=k)
             ids_dev = torch.from_numpy(ids).to(dev)
             if pending:
                 dst, src = (torch.tensor(v, dtype=torch.long, device=dev) for v in zip(*pending))
@@ -329,20 +331,6 @@ class ModelRunner:
             return hidden.new_empty(0)
         last = [ends[i] for i in batch.sampled]
         return self.model.compute_logits(hidden[torch.tensor(last, device=dev)])
-
-    def _prefill_key(self, total: int, num_decode: int, pending: list, lora: np.ndarray):
-        """The piecewise graphs a prefill step replays (None: it runs eagerly): steps without
-        decode rows, of at most prefill_graph_max_tokens tokens; a step with adapter tokens
-        only where it would run the LoRA fused anyway (total <= lora_fused_max_tokens)."""
-        pg = None if self._eager else self._prefill_graphs
-        if pg is None or num_decode or pending:
-            return None
-        top = int(lora.max())
-        if top < 0:
-            return pg.dispatch(total, 0)
-        if total > self.config.experiments.lora_fused_max_tokens:
-            return None
-        return pg.dispatch(total, self.lora.slot_bound(top))
 
     def _write_prefill_inputs(self, key, ids, pos, slots, lora) -> torch.Tensor:
         """Write a step replaying `key` into the static prefill inputs (padding tokens: token

@@ -8,7 +8,7 @@ import torch
 
 from batchrun.engine.config import EngineConfig, SamplingParams
 from batchrun.engine.engine import Engine
-from batchrun.engine.graphs import GraphKey, GraphRunner
+from batchrun.engine.cudagraph_dispatcher import CudaGraphs, GraphKey
 from batchrun.engine.scheduler import Scheduler
 from batchrun.engine.sequence import Sequence
 from batchrun.engine.layers.step import LoRAStep, Step
@@ -61,14 +61,13 @@ def test_graphs_are_read_only_and_eager_is_scoped(engine, monkeypatch):
     replays, eager_steps = [], []
     forward = runner.decode_forward
 
-    class FakeGraphs:  # stands in for captured graphs: the runner's dispatch/replay calls
-        def dispatch(self, b, lora_slots):
-            return GraphKey(b, lora_slots)
+    class FakeDecodeGraphs:  # stands in for captured decode graphs of every size up to 4
+        sizes = [1, 2, 3, 4]
 
         def replay(self, key):  # what a no-LoRA graph computes from the static inputs
             replays.append(key)
-            return forward(key.padded_batch_size, None)
-    monkeypatch.setattr(runner, "_graphs", FakeGraphs())
+            return forward(key.tokens, None)
+    monkeypatch.setattr(runner, "_graphs", CudaGraphs(True, decode=FakeDecodeGraphs()))
     monkeypatch.setattr(runner, "decode_forward", lambda rows, lora: eager_steps.append(rows) or forward(rows, lora))
     sched = Scheduler(engine.config, engine.blocks, engine.lora)
     for i, p in enumerate(random_prompts(2, [4, 6], 100, seed=4)):
@@ -76,7 +75,7 @@ def test_graphs_are_read_only_and_eager_is_scoped(engine, monkeypatch):
     try:
         engine.step(sched)  # prefill: always eager
         engine.step(sched)
-        assert replays == [GraphKey(2, 0)] and eager_steps == []
+        assert replays == [GraphKey(2, True, 0)] and eager_steps == []
         with runner.eager():
             with runner.eager():
                 engine.step(sched)
@@ -87,19 +86,6 @@ def test_graphs_are_read_only_and_eager_is_scoped(engine, monkeypatch):
     finally:
         for seq in list(sched.running):
             sched.finish(seq, "length")
-
-
-def test_graph_capture_needs_lora_steps_exactly_for_the_lora_sets():
-    cfg = EngineConfig(model="unused", device="cpu", max_num_seqs=4)
-    with pytest.raises(ValueError, match="needs LoRA steps"):
-        GraphRunner(cfg, with_lora=True).capture(lambda rows, lora: None, None)
-    meta = torch.zeros(1)
-    with pytest.raises(ValueError, match="needs no LoRA step"):
-        GraphRunner(cfg, with_lora=False).capture(lambda rows, lora: None,
-                                                   {1: LoRAStep(meta, meta, fuse=True, num_slots=1)})
-    with pytest.raises(ValueError, match="keyed by their slot bound"):
-        GraphRunner(cfg, with_lora=True).capture(lambda rows, lora: None,
-                                                  {2: LoRAStep(meta, meta, fuse=True, num_slots=1)})
 
 
 def test_decode_block_tables_follow_every_change_of_a_rows_blocks(engine):

@@ -285,7 +285,7 @@ def test_low_slots_replay_the_lora_set_of_their_slot_bound(tmp_path, monkeypatch
         with decoding_batch(engine, prompts, names, graphs=graphs) as (runner, batch):
             assert {s.lora_slot for s in batch.seqs} <= {-1, 0}  # the one adapter went to slot 0
             if graphs:
-                assert runner.graphs.dispatch(len(batch.seqs), runner.lora.slot_bound(0)).lora_slots == 1
+                assert runner.dispatch(len(batch.seqs), True, runner.lora.slot_bound(0))[1].lora_slots == 1
             return runner.decode(batch).float().clone()
     graph, eager = logits(True, True), logits(False, True)
     plain = logits(False, False)  # shrink + expand over the metadata, every slot
@@ -293,7 +293,7 @@ def test_low_slots_replay_the_lora_set_of_their_slot_bound(tmp_path, monkeypatch
     assert ((graph - plain).norm() / plain.norm()).item() < 1e-4
     with decoding_batch(engine, prompts[:3], ["qv", "mlp1", "o"], graphs=True) as (runner, batch):
         top = max(s.lora_slot for s in batch.seqs)
-        assert top == 2 and runner.graphs.dispatch(3, runner.lora.slot_bound(top)).lora_slots == 4
+        assert top == 2 and runner.dispatch(3, True, runner.lora.slot_bound(top))[1].lora_slots == 4
 
 
 def test_bf16_lora_parity_with_peft(tmp_path):
