@@ -44,11 +44,10 @@ def switcher(engine, name: str, narrow_configs: str | None = None):
                              "engine.prefill_graph_max_tokens > 0 needed)")
         print(f"prefill graphs: {captured.stats}", flush=True)
         return lambda on: setattr(runner, "_prefill_graphs", captured if on else None)
-    from batchrun.engine.layers.gemm import set_decode_gemm
     from batchrun.kernels.pdl import set_pdl
     from batchrun.kernels.skinny_gemm import set_split_tuned
     narrow = load_tuned(narrow_configs) if narrow_configs else {}
-    flip = {"triton_decode_gemm": lambda on: set_decode_gemm(engine.model, on),
+    flip = {"triton_decode_gemm": lambda on: setattr(engine.runner, "_triton_gemm", on),
             "narrow_skinny": lambda on: set_split_tuned(narrow if on else {}),
             "pdl": set_pdl}[name]
     runner, sets = engine.runner, {}

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from batchrun.bench.record import environment, write_json
 from batchrun.bench.roofline import hbm_peak
-from batchrun.engine.layers.gemm import MIN_WEIGHT_ELEMENTS
+from batchrun.engine.step_plan import MIN_WEIGHT_ELEMENTS
 from batchrun.kernels.skinny_gemm import CONFIG, skinny_gemm
 from benchmarks.skinny_gemm import bench  # one case, timed inside a CUDA graph, µs
 

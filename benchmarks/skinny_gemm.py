@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from batchrun.engine.layers.gemm import MIN_WEIGHT_ELEMENTS
+from batchrun.engine.step_plan import MIN_WEIGHT_ELEMENTS
 from batchrun.kernels.silu_and_mul import silu_and_mul
 from batchrun.kernels.skinny_gate_up_silu import CONFIG as FUSED_CONFIG, skinny_gate_up_silu
 from batchrun.kernels.skinny_gemm import CONFIG, skinny_gemm

@@ -1,11 +1,13 @@
 """Prepare batched inputs, run prefill (and mixed) and decode steps on the model.
 
-Every step is one frozen `Step` (layers/step.py: attention metadata, and `lora`, None when no
-token has an adapter) built here and passed through `model(...)`; nothing per step is kept on
-a shared object. The runner owns its CUDA graphs (cudagraph_dispatcher.CudaGraphs: full decode
-graphs, graphs.py, and piecewise graphs for prefill steps of at most prefill_graph_max_tokens
-tokens, prefill_graphs.py), and asks it once per step which to replay (`dispatch`):
-`capture_graphs()` makes them, `eager()` runs steps without them for a while (benchmarks,
+Every step is planned here once: which captured graphs it replays (`dispatch`), its LoRA part
+(slot bound, fused or not) and the GEMM each projection kind runs (step_plan.py), carried to
+the layers in one frozen `Step` (layers/step.py: attention metadata, `lora`, None when no token
+has an adapter, and `gemm`) passed through `model(...)`; nothing per step is kept on a shared
+object and no layer picks a kernel. The runner owns its CUDA graphs
+(cudagraph_dispatcher.CudaGraphs: full decode graphs, graphs.py, and piecewise graphs for
+prefill steps of at most prefill_graph_max_tokens tokens, prefill_graphs.py): `capture_graphs()`
+makes them, `eager()` runs steps without them for a while (benchmarks,
 profilers); `graphs` and `prefill_graphs` are read-only from outside.
 
 Decode reads its inputs from static buffers kept as attributes (token ids, positions, slot
@@ -29,12 +31,12 @@ from batchrun.engine.cudagraph_dispatcher import (CudaGraphs, GraphKey, Mode, ca
                                                    token_buckets)
 from batchrun.engine.graphs import DecodeGraphs
 from batchrun.engine.prefill_graphs import PrefillGraphs
-from batchrun.engine.layers.gemm import set_decode_gemm
 from batchrun.engine.scheduler import ScheduledBatch
 from batchrun.engine.sequence import Sequence
 from batchrun.engine.layers.attention import AttnMetadata, query_start_tensor
 from batchrun.engine.layers.backend import use_triton
-from batchrun.engine.layers.step import LoRAStep, Step
+from batchrun.engine.layers.step import GemmPlan, LoRAStep, Step
+from batchrun.engine.step_plan import plan_gemms, weight_shapes
 
 
 _SCRATCH_ROW = ("scratch",)  # _table_keys entry of a padding row
@@ -45,7 +47,11 @@ class ModelRunner:
                  blocks: BlockManager, lora=None):
         self.model, self.config, self.device, self.dtype = model, config, device, dtype
         self.blocks, self.lora = blocks, lora
-        set_decode_gemm(model, config.experiments.triton_decode_gemm)
+        # the step plan's GEMM choice (step_plan.py): the switch, the weights' shapes, and a
+        # tensor of the model's dtype on its device
+        self._triton_gemm = config.experiments.triton_decode_gemm
+        self._shapes = weight_shapes(model)
+        self._probe = torch.empty(0, dtype=dtype, device=device)
         if torch.device(device).type == "cuda":  # kernels/pdl.py: process-wide, read at launch
             from batchrun.kernels.pdl import set_pdl
             set_pdl(config.experiments.pdl)
@@ -153,7 +159,8 @@ class ModelRunner:
         empty = self._p_slots[:0]
         attn = AttnMetadata(True, self._p64[2, :tokens], empty.view(0, 1), empty,
                             query_lens=[], context_lens_host=[], query_start=self._p_slots[:1])
-        return self.model(self._p64[0, :tokens], self._p64[1, :tokens], Step(attn, lora))
+        return self.model(self._p64[0, :tokens], self._p64[1, :tokens],
+                          Step(attn, lora, self.gemms(tokens)))
 
     @contextlib.contextmanager
     def eager(self) -> Iterator[None]:
@@ -195,10 +202,15 @@ class ModelRunner:
         the static LoRA buffers `lora` names; None = the LoRA-disabled kernels only)."""
         attn = AttnMetadata(False, self.slot_mapping[:rows], self.block_tables[:rows],
                             self.context_lens[:rows])
-        hidden = self.model(self.input_ids[:rows], self.positions[:rows], Step(attn, lora))
+        gemms = self.gemms(rows)
+        hidden = self.model(self.input_ids[:rows], self.positions[:rows], Step(attn, lora, gemms))
         # into a static buffer shared by every graph of both sets: captured graphs then keep no
         # per-graph output alive in the pool (a [rows, vocab] fp32 tensor per graph otherwise)
-        return self.model.compute_logits(hidden, out=self.logits[:rows])
+        return self.model.compute_logits(hidden, gemms.lm_head, out=self.logits[:rows])
+
+    def gemms(self, rows: int) -> GemmPlan:
+        """The GEMM each projection kind runs in a forward over `rows` rows (step_plan.py)."""
+        return plan_gemms(self._triton_gemm, rows, self._probe, self._shapes)
 
     def _write_decode_inputs(self, seqs: list[Sequence], starts: list[int], pending_rows: list[int],
                              rows: int, num_slots: int,
@@ -326,11 +338,13 @@ class ModelRunner:
             if pending:
                 dst, src = (torch.tensor(v, dtype=torch.long, device=dev) for v in zip(*pending))
                 _take_pending(ids_dev, dst, src, prev_tokens)
-            hidden = self.model(ids_dev, torch.from_numpy(pos).to(dev), Step(attn, step_lora))
+            hidden = self.model(ids_dev, torch.from_numpy(pos).to(dev),
+                                Step(attn, step_lora, self.gemms(total)))
         if not batch.sampled:
             return hidden.new_empty(0)
         last = [ends[i] for i in batch.sampled]
-        return self.model.compute_logits(hidden[torch.tensor(last, device=dev)])
+        return self.model.compute_logits(hidden[torch.tensor(last, device=dev)],
+                                         self.gemms(len(last)).lm_head)
 
     def _write_prefill_inputs(self, key, ids, pos, slots, lora) -> torch.Tensor:
         """Write a step replaying `key` into the static prefill inputs (padding tokens: token

@@ -10,7 +10,7 @@ import collections
 
 import pytest
 
-import batchrun.engine.layers.gemm as gemm
+import batchrun.engine.step_plan as step_plan
 import batchrun.kernels.skinny_gate_up_silu as fused_kernel
 import batchrun.kernels.skinny_gemm as skinny_kernel
 from batchrun.engine.config import EngineConfig, SamplingParams
@@ -57,7 +57,7 @@ def _run(monkeypatch, dirs, decode_gemm: bool, lora: bool):
                      experiments=Experiments(triton_decode_gemm=decode_gemm)),
         adapters if lora else None)
     o_proj = engine.model.model.layers[0].self_attn.o_proj.weight.numel()
-    monkeypatch.setattr(gemm, "MIN_WEIGHT_ELEMENTS", o_proj + 1)  # o_proj (the smallest) stays out
+    monkeypatch.setattr(step_plan, "MIN_WEIGHT_ELEMENTS", o_proj + 1)  # o_proj (the smallest) stays out
     calls = collections.Counter()
     calls.splits = collections.Counter()  # (N, K, split_k) of skinny_gemm's split-K launches
     for mod, name in ((skinny_kernel, "skinny_gemm"), (fused_kernel, "skinny_gate_up_silu"),

@@ -6,7 +6,6 @@ CPU runs the GPU code path (every Triton kernel under the interpreter, BATCHRUN_
 with the pieces run eagerly instead of replayed: the capture itself needs CUDA
 (tests/gpu/test_prefill_graphs_gpu.py)."""
 import pytest
-import torch
 
 from batchrun.engine.config import EngineConfig, SamplingParams
 from batchrun.engine.engine import Engine

@@ -4,7 +4,6 @@ outside, and eager() runs decode steps without them for its block only."""
 import dataclasses
 
 import pytest
-import torch
 
 from batchrun.engine.config import EngineConfig, SamplingParams
 from batchrun.engine.engine import Engine

@@ -213,12 +213,12 @@ def skinny(request, monkeypatch):
     shrink. True ("split"): every projection counts as narrow and takes the split-K skinny GEMM
     (K in 2 splits), as the 7b o_proj / down_proj do with their tuned entries: one-slice LoRA
     projections then add their delta in that GEMM's epilogue (skinny_gemm_lora)."""
-    import batchrun.engine.layers.gemm as gemm
+    import batchrun.engine.step_plan as step_plan
     import batchrun.kernels.skinny_gemm as skinny_kernel
     if request.param == "skinny":
-        monkeypatch.setattr(gemm, "MIN_WEIGHT_ELEMENTS", 0)
+        monkeypatch.setattr(step_plan, "MIN_WEIGHT_ELEMENTS", 0)
     if request.param == "split":
-        monkeypatch.setattr(gemm, "MIN_WEIGHT_ELEMENTS", 1 << 62)
+        monkeypatch.setattr(step_plan, "MIN_WEIGHT_ELEMENTS", 1 << 62)
         monkeypatch.setattr(skinny_kernel, "split_config_for", lambda n, k: ((32, 64, 3, 4), 2))
     return request.param != "cublas"
 
