@@ -75,7 +75,9 @@ class Scheduler:
         self.max_batched = config.max_num_batched_tokens
         self.max_model_len = config.max_model_len
         self.mixed = config.experiments.mixed_steps
-        self.eos_ids, self.tokenizer = eos_ids, tokenizer  # the stop checks (update)
+        # the stop checks update() runs: EOS ids and stop strings (Engine.scheduler() passes the
+        # engine's; one built without them knows no EOS id and cannot check stop strings)
+        self.eos_ids, self.tokenizer = eos_ids, tokenizer
         self.blocks = block_manager
         self.lora = lora  # LoRAManager or None
         self.waiting: deque[Sequence] = deque()
