@@ -55,15 +55,15 @@ def prefill_step_us(engine, prompts: list[list[int]], adapters: list[str | None]
 @contextlib.contextmanager
 def decoding_batch(engine, prompts: list[list[int]], adapters: list[str | None] | None = None,
                    graphs: bool = False):
-    """Prefill `prompts` (row i runs adapters[i], None = base) and yield (runner, seqs): a batch
-    whose next runner.decode(seqs) is one decode step. The step may be repeated (it rewrites the
+    """Prefill `prompts` (row i runs adapters[i], None = base) and yield (runner, batch): a
+    scheduled decode batch whose runner.decode(batch) is one decode step. The step may be repeated (it rewrites the
     same KV slot). Graphs are off unless graphs=True; KV blocks are given back afterwards."""
     with eager(engine, on=not graphs), probe_scheduler(engine, prompts, adapters) as sched:
         while sched.waiting or any(s.needs_prefill for s in sched.running):
             engine.step(sched)  # prefill (maybe in chunks) until every row is decoding
         batch = sched.schedule()
         assert not batch.is_prefill and len(batch.seqs) == len(prompts)
-        yield engine.runner, batch.seqs
+        yield engine.runner, batch
 
 
 def decode_step_profile(engine, prompts: list[list[int]],
@@ -72,12 +72,12 @@ def decode_step_profile(engine, prompts: list[list[int]],
     adapters[i] (None = base). CPU: aten ops and their CPU time."""
     from torch.profiler import ProfilerActivity, profile
     cuda = engine.device.type == "cuda"
-    with decoding_batch(engine, prompts, adapters) as (runner, seqs):
-        runner.decode(seqs)  # one untimed step: allocator, lazy inits
+    with decoding_batch(engine, prompts, adapters) as (runner, batch):
+        runner.decode(batch)  # one untimed step: allocator, lazy inits
         sync(engine)
         acts = [ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
         with profile(activities=acts) as prof:
-            runner.decode(seqs)
+            runner.decode(batch)
             sync(engine)
     if cuda:
         return [(e.name, e.device_time) for e in prof.events() if e.device_type.name == "CUDA"]
@@ -96,8 +96,8 @@ def graph_step_us(engine, prompts, adapters, n: int = 60) -> tuple[float, float]
             if i >= 5:
                 times.append((time.perf_counter() - t0) * 1e6)
         return sorted(times)[n // 2]
-    with decoding_batch(engine, prompts, adapters, graphs=True) as (runner, seqs):
-        step = med(lambda: runner.decode(seqs))
-        key = runner.graphs.dispatch(len(seqs), runner.decode_slot_bound(seqs))
+    with decoding_batch(engine, prompts, adapters, graphs=True) as (runner, batch):
+        step = med(lambda: runner.decode(batch))
+        _, key = runner.dispatch(len(batch.seqs), True, runner.decode_slot_bound(batch.seqs))
         replay = med(lambda: runner.graphs.replay(key))
     return step, replay

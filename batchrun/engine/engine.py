@@ -3,9 +3,17 @@
     engine = Engine.from_config(EngineConfig(model="dir"), adapters={"name": "adapter-dir"})
     results = engine.generate([Request("a", ids, SamplingParams(max_tokens=32))])
     engine.generate_stream(source, on_result)  # requests pulled as the batch has room
+
+A step is three calls: the scheduler plans it (`schedule`), the model runner runs it and the
+sampler picks tokens on the device (`StepExecutor.execute`, steps.py), and the scheduler takes
+the tokens back (`update`: append, stop checks, finish). `step()` is that, synchronously.
+With async scheduling (`config.experiments.async_scheduling`) the loop runs the same three
+calls overlapped, `step_async()`: schedule(n+1) -> execute(n+1) -> update(n), so the host's work
+for both steps runs while the device runs step n+1 (vLLM's async scheduling).
 """
 from __future__ import annotations
 
+import time
 from typing import Callable
 
 import torch
@@ -17,7 +25,7 @@ from batchrun.engine.kv_sizing import check_one_sequence_fits, num_kv_blocks, re
 from batchrun.engine.model_runner import ModelRunner
 from batchrun.engine.request import Request, Result
 from batchrun.engine.stop import finished_result
-from batchrun.engine.steps import StepLoop
+from batchrun.engine.steps import Launched, StepExecutor
 from batchrun.engine.scheduler import Scheduler
 from batchrun.engine.sequence import Sequence
 from batchrun.engine.source import ListSource, RequestSource, as_source
@@ -42,7 +50,11 @@ def max_position(config: EngineConfig, mcfg: ModelConfig) -> int:
     return max(config.max_model_len, mcfg.max_position_embeddings)
 
 
-class Engine(StepLoop):
+EMPTY_STEP = ("scheduler produced an empty step with work pending "
+              "(KV cache too small for any waiting sequence)")
+
+
+class Engine:
     def __init__(self, config: EngineConfig, model, tokenizer, device, dtype, lora=None):
         config = resolve_max_num_seqs(model.config, config, device, dtype)
         self.config, self.model, self.tokenizer = config, model, tokenizer
@@ -72,6 +84,9 @@ class Engine(StepLoop):
                       "preemptions": 0, "recomputed_tokens": 0, "prefix_cache_queried_tokens": 0,
                       "prefix_cache_hit_tokens": 0, "prefill_s": 0.0, "decode_s": 0.0,
                       "mixed_s": 0.0, "decode_host_s": 0.0}
+        self._grammars = None  # _grammar_engine(): made on first use
+        self.executor = StepExecutor(self.runner, frozenset(self.eos_ids), self._grammar_engine,
+                                     self.stats)
 
     @classmethod
     def from_config(cls, config: EngineConfig, adapters: dict[str, str] | None = None) -> "Engine":
@@ -150,13 +165,76 @@ class Engine(StepLoop):
         """
         self._run(as_source(source), lambda index, res: on_result(res))
 
+    # ---- steps ----------------------------------------------------------------------------
+    def scheduler(self) -> Scheduler:
+        """A scheduler for one run over this engine's KV blocks, LoRA slots and stop checks."""
+        return Scheduler(self.config, self.blocks, self.lora, frozenset(self.eos_ids), self.tokenizer)
+
+    def step(self, sched: Scheduler) -> list[Sequence]:
+        """One step, synchronously: schedule -> execute -> update. Returns the rows that
+        finished."""
+        t0 = time.perf_counter()
+        batch = sched.schedule()
+        if not batch.seqs:
+            raise RuntimeError(EMPTY_STEP)
+        launched = self.executor.execute(batch, None)
+        finished, wait = self._update(sched, launched)
+        self._time_step(batch, t0, wait)
+        return finished
+
+    def step_async(self, sched: Scheduler, prev: Launched | None
+                   ) -> tuple[list[Sequence], Launched | None]:
+        """One turn of the async loop: schedule(n+1) -> execute(n+1) -> update(n), where
+        `prev` is step n (launched last turn, its tokens not read yet). Returns the rows that
+        finished and step n+1, to pass as `prev` next turn.
+
+        Step n+1 is planned before step n's tokens are on the host: a row's newest token is fed
+        to it on the device (`ScheduledBatch.pending_rows`), a row that step n ends (EOS, stop)
+        runs one step too many (update drops that token) and its KV blocks and slot free one
+        step later; a row that step n ends by length is left out of step n+1. When a row's next
+        step reads its tokens on the host (penalties, response_format), or nothing can be
+        scheduled before step n's tokens are back, the turn is update(n) alone. Outputs are
+        those of `step()`."""
+        t0 = time.perf_counter()
+        batch = None
+        if prev is None or not prev.needs_sync:
+            batch = sched.schedule()
+            if not batch.seqs:
+                if prev is None:
+                    raise RuntimeError(EMPTY_STEP)
+                batch = None  # rows that only wait to end by length: read step n back
+        cur = None if batch is None else self.executor.execute(batch, prev)
+        finished, wait = self._update(sched, prev)
+        self._time_step(prev.batch if batch is None else batch, t0, wait)
+        return finished, cur
+
+    def _update(self, sched: Scheduler, launched: Launched | None) -> tuple[list[Sequence], float]:
+        """Read a launched step's tokens back (waiting for them: the seconds waited are
+        returned) and hand them to the scheduler; returns the rows that finished."""
+        if launched is None:
+            return [], 0.0
+        t = time.perf_counter()
+        out = launched.sampled.result()
+        wait = time.perf_counter() - t
+        return sched.update(launched.seqs, out.tokens, out.logprobs, out.top_logprobs), wait
+
+    def _time_step(self, batch, t0: float, wait: float) -> None:
+        """Charge the time since t0 to the kind of `batch` (the step launched, or read back when
+        none was launched); decode_host_s gets the part not spent waiting for the device."""
+        elapsed = time.perf_counter() - t0
+        kind = "decode" if not batch.is_prefill else "mixed" if batch.is_mixed else "prefill"
+        self.stats[f"{kind}_s"] += elapsed
+        if kind == "decode":
+            self.stats["decode_host_s"] += elapsed - wait
+
     def _run(self, source: RequestSource, emit: Callable[[int, Result], None]) -> None:
-        sched = Scheduler(self.config, self.blocks, self.lora)
+        sched = self.scheduler()
+        overlap = self.config.experiments.async_scheduling
         # keep at least max_num_seqs waiting: a prefill step admits at most that many, so the
         # steps are those of a scheduler that holds every request from the start
         low = self.config.max_num_seqs
         count, ended, ok = 0, False, False
-        inflight = None  # the step launched last turn, its tokens not read yet (_advance)
+        inflight = None  # async: the step launched last turn, its tokens not read yet
         try:
             while True:
                 while not ended and len(sched.waiting) < low:
@@ -173,14 +251,19 @@ class Engine(StepLoop):
                             emit(index, Result(req.request_id, req.adapter or None, len(req.prompt_token_ids),
                                                [], None, "error", err))
                             continue
+                        fmt = req.sampling.response_format
+                        grammar = None if fmt is None else self._grammar_engine().matcher(fmt)
                         sched.add(Sequence(index, req.request_id, req.prompt_token_ids, req.sampling,
-                                           req.adapter, self._generator(req)))
+                                           req.adapter, self._generator(req), grammar))
                 if not sched.has_work():
                     if ended:
                         ok = True
                         return
                     continue  # the next take waits
-                finished, inflight = self._advance(sched, inflight)
+                if overlap:
+                    finished, inflight = self.step_async(sched, inflight)
+                else:
+                    finished = self.step(sched)
                 for seq in finished:
                     emit(seq.index, finished_result(seq, self.tokenizer))
         finally:
@@ -202,7 +285,7 @@ class Engine(StepLoop):
     def _grammar_engine(self):
         """The xgrammar compiler for this tokenizer, made on first use (jobs without
         response_format never import xgrammar)."""
-        if getattr(self, "_grammars", None) is None:
+        if self._grammars is None:
             from batchrun.engine.grammar import Grammars
             self._grammars = Grammars(self.tokenizer, self.model.config.vocab_size, self.eos_ids)
         return self._grammars

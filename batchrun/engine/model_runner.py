@@ -1,10 +1,13 @@
 """Prepare batched inputs, run prefill (and mixed) and decode steps on the model.
 
-Every step is one frozen `Step` (layers/step.py: attention metadata, and `lora`, None when no
-token has an adapter) built here and passed through `model(...)`; nothing per step is kept on
-a shared object. The runner owns its CUDA graphs (graphs.GraphRunner for decode,
-prefill_graphs.PrefillGraphs for prefill steps of at most prefill_graph_max_tokens tokens):
-`capture_graphs()` makes them, `eager()` runs steps without them for a while (benchmarks,
+Every step is planned here once: which captured graphs it replays (`dispatch`), its LoRA part
+(slot bound, fused or not) and the GEMM each projection kind runs (step_plan.py), carried to
+the layers in one frozen `Step` (layers/step.py: attention metadata, `lora`, None when no token
+has an adapter, and `gemm`) passed through `model(...)`; nothing per step is kept on a shared
+object and no layer picks a kernel. The runner owns its CUDA graphs
+(cudagraph_dispatcher.CudaGraphs: full decode graphs, graphs.py, and piecewise graphs for
+prefill steps of at most prefill_graph_max_tokens tokens, prefill_graphs.py): `capture_graphs()`
+makes them, `eager()` runs steps without them for a while (benchmarks,
 profilers); `graphs` and `prefill_graphs` are read-only from outside.
 
 Decode reads its inputs from static buffers kept as attributes (token ids, positions, slot
@@ -24,13 +27,16 @@ import torch
 
 from batchrun.engine.config import EngineConfig
 from batchrun.engine.block_manager import SCRATCH_BLOCK, BlockManager
-from batchrun.engine.graphs import GraphRunner
+from batchrun.engine.cudagraph_dispatcher import (CudaGraphs, GraphKey, Mode, capture_sizes,
+                                                   token_buckets)
+from batchrun.engine.graphs import DecodeGraphs
 from batchrun.engine.prefill_graphs import PrefillGraphs
-from batchrun.engine.layers.gemm import set_decode_gemm
+from batchrun.engine.scheduler import ScheduledBatch
 from batchrun.engine.sequence import Sequence
 from batchrun.engine.layers.attention import AttnMetadata, query_start_tensor
 from batchrun.engine.layers.backend import use_triton
-from batchrun.engine.layers.step import LoRAStep, Step
+from batchrun.engine.layers.step import GemmPlan, LoRAStep, Step
+from batchrun.engine.step_plan import plan_gemms, weight_shapes
 
 
 _SCRATCH_ROW = ("scratch",)  # _table_keys entry of a padding row
@@ -41,10 +47,14 @@ class ModelRunner:
                  blocks: BlockManager, lora=None):
         self.model, self.config, self.device, self.dtype = model, config, device, dtype
         self.blocks, self.lora = blocks, lora
-        set_decode_gemm(model, config.triton_decode_gemm)
+        # the step plan's GEMM choice (step_plan.py): the switch, the weights' shapes, and a
+        # tensor of the model's dtype on its device
+        self._triton_gemm = config.experiments.triton_decode_gemm
+        self._shapes = weight_shapes(model)
+        self._probe = torch.empty(0, dtype=dtype, device=device)
         if torch.device(device).type == "cuda":  # kernels/pdl.py: process-wide, read at launch
             from batchrun.kernels.pdl import set_pdl
-            set_pdl(config.pdl)
+            set_pdl(config.experiments.pdl)
         cfg = model.config
         self.block_size = blocks.block_size
         self.max_blocks_per_seq = -(-config.max_model_len // self.block_size)
@@ -76,7 +86,7 @@ class ModelRunner:
         # per pair, per row of its host block table: (the block_ids list it was written from,
         # its length)
         self._table_keys: list[list] = [[None] * n for _ in range(2)]
-        self._graphs: GraphRunner | None = None  # capture_graphs()
+        self._graphs: CudaGraphs | None = None  # capture_graphs()
         self._eager = False  # eager(): decode without graphs even when they are captured
         # The LoRA part of every fused LoRA decode step (the Triton path), captured graphs
         # included, one per slot bound k (a step's rows all have slots < k): the kernels read
@@ -90,8 +100,7 @@ class ModelRunner:
         # static inputs for up to prefill_graph_max_tokens tokens (ids, positions, K/V slots;
         # LoRA slots), the attention output every layer's eager attention writes, and one
         # LoRAStep per slot bound reading the static LoRA slots (as fused decode steps do)
-        self._prefill_graphs: PrefillGraphs | None = None
-        pt = 0 if config.enforce_eager else min(config.prefill_graph_max_tokens,
+        pt = 0 if config.enforce_eager else min(config.experiments.prefill_graph_max_tokens,
                                                  config.max_num_batched_tokens)
         self._prefill_tokens = pt  # captured by capture_graphs() (CUDA only)
         if pt:
@@ -106,42 +115,42 @@ class ModelRunner:
 
     # ---- CUDA graphs --------------------------------------------------------------------
     @property
-    def graphs(self) -> GraphRunner | None:
+    def graphs(self) -> DecodeGraphs | None:
         """The captured decode graphs (None until capture_graphs())."""
-        return self._graphs
-
-    def capture_graphs(self) -> None:
-        if self._graphs is not None:
-            raise RuntimeError("CUDA graphs are already captured for this model runner")
-        graphs = GraphRunner(self.config, with_lora=self.lora is not None)
-        # inputs of a step made only of padding rows: scratch block, no context, no LoRA
-        self.input_ids.zero_(); self.positions.zero_(); self.slot_mapping.zero_()
-        self.context_lens.zero_(); self.block_tables.zero_(); self.token_slots.fill_(-1)
-        # LoRA set: `size` padding tokens (slot -1), so its kernels launch and skip the work
-        graphs.capture(self.decode_forward, self._fused_decode_lora)
-        self._graphs = graphs
-        if self._prefill_tokens:
-            self._capture_prefill_graphs()
-
-    def _capture_prefill_graphs(self) -> None:
-        pg = PrefillGraphs(self._prefill_tokens, self.lora is not None,
-                           self.model.attention_layers(), self._p_q, self._p_out)
-        # padding tokens: token 0 at position 0, K/V into the scratch block, no adapter
-        self._p64.zero_()
-        self._p64[2].fill_(SCRATCH_BLOCK * self.block_size)
-        self._p_slots.fill_(-1)
-        try:
-            pg.capture(self.prefill_forward, self._prefill_lora)
-        except Exception as e:
-            raise RuntimeError(f"capturing the piecewise prefill graphs failed: {e}. Set "
-                               "engine.prefill_graph_max_tokens: 0 in job.yaml to run prefill "
-                               "steps eagerly (same outputs, slower small prefills)") from e
-        self._prefill_graphs = pg
+        return None if self._graphs is None else self._graphs.decode
 
     @property
     def prefill_graphs(self) -> PrefillGraphs | None:
         """The captured piecewise prefill graphs (None until capture_graphs(), or when off)."""
-        return self._prefill_graphs
+        return None if self._graphs is None else self._graphs.prefill
+
+    def capture_graphs(self) -> None:
+        if self._graphs is not None:
+            raise RuntimeError("CUDA graphs are already captured for this model runner")
+        decode = DecodeGraphs(capture_sizes(self.config.max_num_seqs, self.config.cuda_graph_sizes))
+        prefill = (PrefillGraphs(token_buckets(self._prefill_tokens), self.model.attention_layers(),
+                                 self._p_q, self._p_out) if self._prefill_tokens else None)
+        graphs = CudaGraphs(self.lora is not None, decode, prefill)
+        # decode inputs of a step made only of padding rows: scratch block, no context, no
+        # LoRA (a LoRA set's kernels launch and skip the work)
+        self.input_ids.zero_(); self.positions.zero_(); self.slot_mapping.zero_()
+        self.context_lens.zero_(); self.block_tables.zero_(); self.token_slots.fill_(-1)
+        if prefill is not None:  # padding tokens: token 0 at position 0, the scratch block
+            self._p64.zero_()
+            self._p64[2].fill_(SCRATCH_BLOCK * self.block_size)
+            self._p_slots.fill_(-1)
+        graphs.capture({True: (self.decode_forward, self._fused_decode_lora),
+                        False: (self.prefill_forward, self._prefill_lora if prefill else None)})
+        self._graphs = graphs
+
+    def dispatch(self, num_tokens: int, decode_only: bool, lora_slots: int, *, fused: bool = True,
+                 piecewise: bool = True) -> tuple[Mode, GraphKey | None]:
+        """Which captured graphs a step replays (cudagraph_dispatcher.dispatch); eager when
+        none are captured or inside eager()."""
+        if self._graphs is None or self._eager:
+            return Mode.EAGER, None
+        return self._graphs.dispatch(num_tokens, decode_only, lora_slots, fused=fused,
+                                     piecewise=piecewise)
 
     def prefill_forward(self, tokens: int, lora: LoRAStep | None) -> torch.Tensor:
         """The prefill a PrefillGraphs captures in pieces: reads the static inputs' first
@@ -150,7 +159,8 @@ class ModelRunner:
         empty = self._p_slots[:0]
         attn = AttnMetadata(True, self._p64[2, :tokens], empty.view(0, 1), empty,
                             query_lens=[], context_lens_host=[], query_start=self._p_slots[:1])
-        return self.model(self._p64[0, :tokens], self._p64[1, :tokens], Step(attn, lora))
+        return self.model(self._p64[0, :tokens], self._p64[1, :tokens],
+                          Step(attn, lora, self.gemms(tokens)))
 
     @contextlib.contextmanager
     def eager(self) -> Iterator[None]:
@@ -163,18 +173,18 @@ class ModelRunner:
 
     # ---- decode -------------------------------------------------------------------------
     @torch.inference_mode()
-    def decode(self, seqs: list[Sequence], prev_tokens: torch.Tensor | None = None) -> torch.Tensor:
-        """One token per sequence -> fp32 logits [len(seqs), V]. A row whose newest token is
-        still on the device (seq.num_pending) reads it from `prev_tokens`, the previous step's
-        sampled tokens, at seq.pending_row."""
+    def decode(self, batch: ScheduledBatch, prev_tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """One token per sequence of a decode batch -> fp32 logits [len(batch.seqs), V]. A row
+        whose newest token is still on the device (batch.pending_rows) reads it from
+        `prev_tokens`, the previous step's sampled tokens, at that row."""
+        seqs = batch.seqs
         b = len(seqs)
         k = self.decode_slot_bound(seqs)
-        graphs = None if self._eager else self._graphs
-        key = graphs.dispatch(b, k) if graphs else None
-        rows = key.padded_batch_size if key else b
-        lora = self._write_decode_inputs(seqs, rows, k, prev_tokens)
-        if key is not None:
-            return graphs.replay(key)[:b]
+        mode, key = self.dispatch(b, True, k)
+        rows = key.tokens if mode is Mode.FULL else b
+        lora = self._write_decode_inputs(seqs, batch.starts, batch.pending_rows, rows, k, prev_tokens)
+        if mode is Mode.FULL:
+            return self._graphs.replay(key)[:b]
         return self.decode_forward(rows, lora)[:b]
 
     def decode_slot_bound(self, seqs: list[Sequence]) -> int:
@@ -192,12 +202,18 @@ class ModelRunner:
         the static LoRA buffers `lora` names; None = the LoRA-disabled kernels only)."""
         attn = AttnMetadata(False, self.slot_mapping[:rows], self.block_tables[:rows],
                             self.context_lens[:rows])
-        hidden = self.model(self.input_ids[:rows], self.positions[:rows], Step(attn, lora))
+        gemms = self.gemms(rows)
+        hidden = self.model(self.input_ids[:rows], self.positions[:rows], Step(attn, lora, gemms))
         # into a static buffer shared by every graph of both sets: captured graphs then keep no
         # per-graph output alive in the pool (a [rows, vocab] fp32 tensor per graph otherwise)
-        return self.model.compute_logits(hidden, out=self.logits[:rows])
+        return self.model.compute_logits(hidden, gemms.lm_head, out=self.logits[:rows])
 
-    def _write_decode_inputs(self, seqs: list[Sequence], rows: int, num_slots: int,
+    def gemms(self, rows: int) -> GemmPlan:
+        """The GEMM each projection kind runs in a forward over `rows` rows (step_plan.py)."""
+        return plan_gemms(self._triton_gemm, rows, self._probe, self._shapes)
+
+    def _write_decode_inputs(self, seqs: list[Sequence], starts: list[int], pending_rows: list[int],
+                             rows: int, num_slots: int,
                              prev_tokens: torch.Tensor | None) -> LoRAStep | None:
         n, bs = self.config.max_num_seqs, self.block_size
         turn = self._turn
@@ -205,17 +221,15 @@ class ModelRunner:
         host_i64, host_i32 = self._host[turn]
         h64, h32 = host_i64.numpy(), host_i32.numpy()
         b = len(seqs)  # rows b..rows are padding: scratch block, no context, no LoRA
-        lens = [s.num_tokens for s in seqs]
+        lens = [p + 1 for p in starts]  # context length: the positions before the token, and it
         lora = [s.lora_slot for s in seqs]
-        h64[0, :b] = [0 if s.num_pending else s.token_ids[-1] for s in seqs]
-        pending = [(i, s.pending_row) for i, s in enumerate(seqs) if s.num_pending]
-        h64[1, :b] = [m - 1 for m in lens]
+        h64[0, :b] = [0 if j >= 0 else s.token_ids[p] for s, p, j in zip(seqs, starts, pending_rows)]
+        pending = [(i, j) for i, j in enumerate(pending_rows) if j >= 0]
+        h64[1, :b] = starts
         slot = self.blocks.slot
         h64[2, :b] = [slot(s, m - 1) for s, m in zip(seqs, lens)]
         h32[:b], h32[n:n + b] = lens, lora
         self._write_block_tables(seqs, rows, turn)
-        for s, m in zip(seqs, lens):
-            s.num_computed = m
         h64[:3, b:rows] = 0
         h64[2, b:rows] = SCRATCH_BLOCK * bs
         h32[b:rows], h32[n + b:n + rows] = 0, -1
@@ -259,15 +273,16 @@ class ModelRunner:
 
     # ---- prefill (and mixed) -------------------------------------------------------------
     @torch.inference_mode()
-    def prefill(self, seqs: list[Sequence], counts: list[int], num_decode: int = 0,
-                prev_tokens: torch.Tensor | None = None) -> tuple[list[int], torch.Tensor]:
-        """Compute `counts[i]` tokens of seqs[i] from its num_computed on. Returns the indices
-        of sequences whose tokens are now all computed and their fp32 logits [len(done), V].
-        A decode row whose token is still on the device reads it from `prev_tokens` (decode()).
+    def prefill(self, batch: ScheduledBatch, prev_tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """Compute `batch.num_tokens[i]` tokens of batch.seqs[i] from batch.starts[i] on.
+        Returns the fp32 logits [len(batch.sampled), V] of the rows the step samples (those
+        whose tokens are now all computed). A decode row whose token is still on the device
+        reads it from `prev_tokens` (decode()).
 
         A mixed step puts its decode rows first: seqs[:num_decode], one token each (the last
         sampled one); attention runs them through the decode kernel and the rest through the
-        varlen prefill kernel (layers/attention.py). Eager, like every prefill step."""
+        varlen prefill kernel (layers/attention.py)."""
+        seqs, counts, num_decode = batch.seqs, batch.num_tokens, batch.num_decode
         if any(n != 1 for n in counts[:num_decode]):
             raise ValueError(f"prefill: the first num_decode={num_decode} rows must be decode "
                              f"rows of one token each, got counts {counts[:num_decode]}")
@@ -277,16 +292,16 @@ class ModelRunner:
         slots = np.empty(total, dtype=np.int64)
         lora = np.empty(total, dtype=np.int32)
         table = np.zeros((len(seqs), self.max_blocks_per_seq), dtype=np.int32)
-        ctx_lens, done, last, t, pending = [], [], [], 0, []
-        for i, (s, n) in enumerate(zip(seqs, counts)):
-            start, end = s.num_computed, s.num_computed + n
+        ctx_lens, ends, t, pending = [], [], 0, []
+        for i, (s, n, start) in enumerate(zip(seqs, counts, batch.starts)):
+            end = start + n
             table[i, :len(s.block_ids)] = s.block_ids
             if n == 1:  # decode rows: plain ints beat numpy's per-call cost
-                if start < len(s.token_ids):
+                if batch.pending_rows[i] < 0:
                     ids[t] = s.token_ids[start]
                 else:  # its newest token is on the device
                     ids[t] = 0
-                    pending.append((t, s.pending_row))
+                    pending.append((t, batch.pending_rows[i]))
                 pos[t], slots[t] = start, self.blocks.slot(s, start)
             else:
                 if end > len(s.token_ids):
@@ -298,50 +313,38 @@ class ModelRunner:
             lora[t:t + n] = s.lora_slot
             t += n
             ctx_lens.append(end)
-            s.num_computed = end
-            if end == s.num_tokens:
-                done.append(i); last.append(t - 1)
+            ends.append(t - 1)
         dev = self.device
-        key = self._prefill_key(total, num_decode, pending, lora)
+        top = int(lora.max())
+        k = 0 if top < 0 else self.lora.slot_bound(top)  # slot bound, 0: no adapter token
+        # small prefills fuse their LoRA too (no launches); big ones amortise shrink + expand
+        fuse = use_triton(self._i64) and total <= self.config.experiments.lora_fused_max_tokens
+        mode, key = self.dispatch(total, False, k, fused=fuse, piecewise=not (num_decode or pending))
         # piecewise graphs: the K/V slots are the static input's (the replay's eager attention
         # reads the rest of the metadata); eager: this step's own
-        slot_mapping = (self._write_prefill_inputs(key, ids, pos, slots, lora) if key is not None
-                        else torch.from_numpy(slots).to(dev))
+        slot_mapping = (self._write_prefill_inputs(key, ids, pos, slots, lora)
+                        if mode is Mode.PIECEWISE else torch.from_numpy(slots).to(dev))
         attn = AttnMetadata(True, slot_mapping, torch.from_numpy(table).to(dev),
                             torch.tensor(ctx_lens, dtype=torch.int32, device=dev),
                             query_lens=list(counts), context_lens_host=ctx_lens,
                             query_start=query_start_tensor(counts, dev), num_decode=num_decode)
-        if key is not None:
-            hidden = self._prefill_graphs.replay(key, attn)[:total]
+        if mode is Mode.PIECEWISE:
+            hidden = self._graphs.replay(key, attn)[:total]
         else:
             step_lora = None
-            if self.lora is not None:  # None when no token has an adapter: nothing written
-                # small prefills fuse too (no launches); big ones amortise shrink + expand launches
-                fuse = use_triton(self._i64) and total <= self.config.lora_fused_max_tokens
-                has = bool((lora >= 0).any())
-                step_lora = self.lora.lora_step(lora.tolist() if has else [], has_lora=has, fuse=fuse)
+            if k:  # None when no token has an adapter: nothing written
+                step_lora = self.lora.lora_step(lora.tolist(), has_lora=True, fuse=fuse, num_slots=k)
             ids_dev = torch.from_numpy(ids).to(dev)
             if pending:
                 dst, src = (torch.tensor(v, dtype=torch.long, device=dev) for v in zip(*pending))
                 _take_pending(ids_dev, dst, src, prev_tokens)
-            hidden = self.model(ids_dev, torch.from_numpy(pos).to(dev), Step(attn, step_lora))
-        if not done:
-            return done, hidden.new_empty(0)
-        return done, self.model.compute_logits(hidden[torch.tensor(last, device=dev)])
-
-    def _prefill_key(self, total: int, num_decode: int, pending: list, lora: np.ndarray):
-        """The piecewise graphs a prefill step replays (None: it runs eagerly): steps without
-        decode rows, of at most prefill_graph_max_tokens tokens; a step with adapter tokens
-        only where it would run the LoRA fused anyway (total <= lora_fused_max_tokens)."""
-        pg = None if self._eager else self._prefill_graphs
-        if pg is None or num_decode or pending:
-            return None
-        top = int(lora.max())
-        if top < 0:
-            return pg.dispatch(total, 0)
-        if total > self.config.lora_fused_max_tokens:
-            return None
-        return pg.dispatch(total, self.lora.slot_bound(top))
+            hidden = self.model(ids_dev, torch.from_numpy(pos).to(dev),
+                                Step(attn, step_lora, self.gemms(total)))
+        if not batch.sampled:
+            return hidden.new_empty(0)
+        last = [ends[i] for i in batch.sampled]
+        return self.model.compute_logits(hidden[torch.tensor(last, device=dev)],
+                                         self.gemms(len(last)).lm_head)
 
     def _write_prefill_inputs(self, key, ids, pos, slots, lora) -> torch.Tensor:
         """Write a step replaying `key` into the static prefill inputs (padding tokens: token

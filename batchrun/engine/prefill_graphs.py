@@ -10,41 +10,23 @@ with the final norm. A replay runs piece 0, layer 0's attention eagerly (the ste
 metadata, into one static output buffer the next piece reads), piece 1, ... : 33 graph
 launches and 32 attention launches on a 32-layer model instead of ~300 launches.
 
-Pieces are captured per padded token count (`token_buckets`) and, on a LoRA engine, once more
-per slot bound (the LoRA kernels read each token's slot from the runner's static buffer, as
-fused decode graphs do). Padding tokens write their K/V into the scratch block and belong to
-no sequence, so the attention leaves their rows alone; their rows carry garbage through the
+Pieces are captured per padded token count (cudagraph_dispatcher.token_buckets) and, on a
+LoRA engine, once more per slot bound (the LoRA kernels read each token's slot from the
+runner's static buffer, as fused decode graphs do); cudagraph_dispatcher.py keys, dispatches
+and captures them. Padding tokens write their K/V into the scratch block and belong to no
+sequence, so the attention leaves their rows alone; their rows carry garbage through the
 row-wise layers and are never read.
-
-A PrefillGraphs belongs to one ModelRunner (model_runner.py), which fills the static inputs,
-captures through the forward function it gives and replays.
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
+from batchrun.engine.cudagraph_dispatcher import Forward, GraphKey
+from batchrun.engine.envs import env_name
 from batchrun.engine.layers.attention import AttnMetadata, PagedAttention
 from batchrun.engine.layers.step import LoRAStep
-
-
-@dataclass(frozen=True)
-class PrefillKey:
-    tokens: int  # the padded token count the pieces were captured for
-    lora_slots: int  # 0: no adapter token; k > 0: the LoRA set of slot bound k
-
-
-def token_buckets(max_tokens: int) -> list[int]:
-    """Padded token counts to capture: 16, 32, 64, then every 64 up to max_tokens (and
-    max_tokens itself). At these sizes a 7b layer's GEMMs stream their weights, so padding up
-    to 63 tokens costs little."""
-    if max_tokens < 1:
-        return []
-    sizes = {16, 32} | set(range(64, max_tokens + 1, 64)) | {max_tokens}
-    return sorted(s for s in sizes if s <= max_tokens)
 
 
 @dataclass
@@ -86,30 +68,26 @@ class _Split:
 
 
 class PrefillGraphs:
-    def __init__(self, max_tokens: int, with_lora: bool, attention: list[PagedAttention],
-                 q: torch.Tensor, out: torch.Tensor):
-        # q, out: the static query and attention output buffers, [>= max_tokens, Hq, D] each,
+    decode_only = False
+    failure_hint = ("capturing the piecewise prefill graphs failed. Set "
+                    f"{env_name('prefill_graph_max_tokens')}=0 to run prefill steps eagerly (same "
+                    "outputs, slower small prefills)")
+
+    def __init__(self, sizes: list[int], attention: list[PagedAttention], q: torch.Tensor,
+                 out: torch.Tensor):
+        # q, out: the static query and attention output buffers, [>= max(sizes), Hq, D] each,
         # shared by every layer and size
-        self.sizes = token_buckets(max_tokens)
-        if not self.sizes:
-            raise ValueError(f"prefill graphs need max_tokens >= 1, got {max_tokens}")
-        self.with_lora, self.attention, self.q, self.out = with_lora, attention, q, out
-        self.pieces: dict[PrefillKey, _Pieces] = {}
-        self.pool = None
+        if not sizes:
+            raise ValueError("prefill graphs need at least one token count to capture")
+        self.sizes = list(sizes)
+        self.attention, self.q, self.out = attention, q, out
+        self.pieces: dict[GraphKey, _Pieces] = {}
+        self.pool = None  # set by CudaGraphs.capture
+        self._stream = None  # the side stream captures run on (made at the first capture)
         self.stats: dict = {}
         self.replays = 0  # steps replayed (benchmarks and tests read it)
 
-    def dispatch(self, tokens: int, lora_slots: int) -> PrefillKey | None:
-        """The pieces for a prefill step of `tokens` tokens and slot bound `lora_slots`; None:
-        run it eagerly (more tokens than any captured size)."""
-        if tokens < 1:
-            raise ValueError(f"a prefill step has >= 1 token, got {tokens}")
-        if lora_slots and not self.with_lora:
-            raise AssertionError("a LoRA row reached an engine without LoRA")
-        size = next((s for s in self.sizes if s >= tokens), None)
-        return None if size is None else PrefillKey(size, lora_slots)
-
-    def replay(self, key: PrefillKey, meta: AttnMetadata) -> torch.Tensor:
+    def replay(self, key: GraphKey, meta: AttnMetadata) -> torch.Tensor:
         """Run the step whose inputs the runner has written: [key.tokens, H] hidden states
         (rows past the step's tokens are padding)."""
         pieces = self.pieces[key]
@@ -121,64 +99,48 @@ class PrefillGraphs:
         pieces.graphs[-1].replay()
         return pieces.hidden
 
-    def run_eager(self, forward: Callable[[int, LoRAStep | None], torch.Tensor], key: PrefillKey,
-                  meta: AttnMetadata, step_lora: LoRAStep | None) -> torch.Tensor:
+    def run_eager(self, forward: Forward, key: GraphKey, meta: AttnMetadata,
+                  step_lora: LoRAStep | None) -> torch.Tensor:
         """What replay(key, meta) computes, without graphs: the same padded forward over the
         static inputs, split the same way, each attention run on `meta` (CPU tests)."""
-        try:
-            return self._run(forward, key.tokens, step_lora, _Pieces(), capture=False,
-                             stream=None, meta=meta)
-        finally:
-            for attn in self.attention:
-                attn.split = None
+        return self._run(forward, key.tokens, step_lora, _Pieces(), capture=False, meta=meta)
 
-    @torch.inference_mode()
-    def capture(self, forward: Callable[[int, LoRAStep | None], torch.Tensor],
-                lora: dict[int, LoRAStep] | None) -> None:
-        """Capture `forward(tokens, lora_step)` in pieces for every size, with lora_step=None
-        and, on a LoRA engine, with each of `lora`'s steps (slot bound -> step). The caller has
-        set its static inputs to padding tokens (scratch slot, LoRA slot -1)."""
-        if self.with_lora != bool(lora):
-            raise ValueError(f"PrefillGraphs(with_lora={self.with_lora}) needs "
-                             f"{'LoRA steps' if self.with_lora else 'no LoRA step'} to capture")
-        t0 = time.perf_counter()
-        sets = [(0, None)] + [(k, lora[k]) for k in sorted(lora or {}, reverse=True)]
-        self.pool = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream()
-        try:
-            for slots, step_lora in sets:
-                for size in reversed(self.sizes):  # warm-up: Triton compiles, cuBLAS picks
-                    self._run(forward, size, step_lora, _Pieces(), capture=False, stream=None)
-                torch.cuda.synchronize()
-                for size in reversed(self.sizes):  # largest first: smaller ones reuse its memory
-                    pieces = _Pieces()
-                    self._run(forward, size, step_lora, pieces, capture=True, stream=stream)
-                    self.pieces[PrefillKey(size, slots)] = pieces
-            torch.cuda.synchronize()
-        finally:
-            for attn in self.attention:
-                attn.split = None
-        self.stats = {"capture_s": time.perf_counter() - t0, "sizes": list(self.sizes),
-                      "slot_bounds": [slots for slots, _ in sets],
-                      "num_captures": len(self.pieces),
-                      "pieces_per_capture": len(self.attention) + 1}
+    def warm_up(self, forward: Forward, size: int, lora: LoRAStep | None) -> None:
+        self._run(forward, size, lora, _Pieces(), capture=False)
 
-    def _run(self, forward, size: int, step_lora, pieces: _Pieces, capture: bool,
-             stream, meta: AttnMetadata | None = None) -> torch.Tensor:
+    def capture_one(self, forward: Forward, key: GraphKey, lora: LoRAStep | None) -> None:
+        if self._stream is None:
+            self._stream = torch.cuda.Stream()
+        pieces = _Pieces()
+        self._run(forward, key.tokens, lora, pieces, capture=True)
+        self.pieces[key] = pieces
+
+    def record_stats(self, capture_s: float, slot_bounds: list[int], pool_bytes: dict) -> None:
+        self.stats = {"capture_s": capture_s, "sizes": list(self.sizes),
+                      "slot_bounds": list(slot_bounds), "num_captures": len(self.pieces),
+                      "pieces_per_capture": len(self.attention) + 1, "pool_bytes": pool_bytes}
+
+    def _run(self, forward: Forward, size: int, step_lora, pieces: _Pieces, capture: bool,
+             meta: AttnMetadata | None = None) -> torch.Tensor:
         split = _Split(pieces, self.q, self.out, self.pool, capture, meta)
         for attn in self.attention:
             attn.split = split
-        if not capture:
-            pieces.hidden = forward(size, step_lora)
-            return pieces.hidden
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            graph = torch.cuda.CUDAGraph()
-            graph.capture_begin(pool=self.pool)
-            pieces.graphs.append(graph)
-            pieces.hidden = forward(size, step_lora)
-            pieces.graphs[-1].capture_end()
-        torch.cuda.current_stream().wait_stream(stream)
+        try:
+            if not capture:
+                pieces.hidden = forward(size, step_lora)
+                return pieces.hidden
+            stream = self._stream
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                graph = torch.cuda.CUDAGraph()
+                graph.capture_begin(pool=self.pool)
+                pieces.graphs.append(graph)
+                pieces.hidden = forward(size, step_lora)
+                pieces.graphs[-1].capture_end()
+            torch.cuda.current_stream().wait_stream(stream)
+        finally:
+            for attn in self.attention:
+                attn.split = None
         if split.calls != len(self.attention):
             raise AssertionError(f"the forward called attention {split.calls} times for "
                                  f"{len(self.attention)} attention layers")

@@ -25,28 +25,43 @@ step or a decode step.
   one CUDA graphs replay. A sequence that needs a new KV block when none is free preempts the
   most recently admitted sequence (recompute: its blocks are freed and it goes back to the
   front of the queue with its outputs so far as part of its prompt).
+
+The scheduler is the only writer of sequence state. `schedule()` plans a step and advances
+what the step will do (vLLM's `_update_after_schedule`): each row's `num_computed` moves past
+the tokens it computes, and each row the step samples gets one pending token
+(`Sequence.num_pending`) at its row of the step's sampled tokens (`pending_row`). The batch
+keeps what the rows were before (`starts`, `pending_rows`), which is what the model runner
+reads. `update()` takes the sampled tokens back: appends them, runs the stop checks and
+finishes rows. So async steps (engine.py) can plan step n+1 before step n's tokens are read.
 """
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import islice
 
 from batchrun.engine.config import EngineConfig
 from batchrun.engine.block_manager import BlockManager
 from batchrun.engine.sequence import Sequence, SeqStatus
-from batchrun.engine.stop import reaches_length
+from batchrun.engine.stop import reaches_length, stop_reason
 
 
 LORA_LOOKAHEAD = 64  # waiting rows admission looks through past rows that wait for a LoRA slot
 
 
-@dataclass
+@dataclass(frozen=True)
 class ScheduledBatch:
+    """One planned step. The lists are per row of `seqs`; `starts` and `pending_rows` are the
+    rows' state before the step (the sequences themselves already hold the state after it)."""
     is_prefill: bool  # False: a pure decode step (CUDA graphs); True: prefill or mixed
     seqs: list[Sequence]
     num_tokens: list[int]  # tokens computed this step per sequence (1 each in decode)
     num_decode: int = 0  # prefill/mixed: seqs[:num_decode] are decode rows (1 token each)
+    starts: list[int] = field(default_factory=list)  # first position computed (num_computed before)
+    # the row of the previous step's sampled tokens that holds this row's newest token (still on
+    # the device: its input id comes from there), -1 when the token is on the host
+    pending_rows: list[int] = field(default_factory=list)
+    sampled: list[int] = field(default_factory=list)  # rows that sample a token, in sample order
 
     @property
     def is_mixed(self) -> bool:
@@ -54,11 +69,15 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, block_manager: BlockManager, lora=None):
+    def __init__(self, config: EngineConfig, block_manager: BlockManager, lora=None,
+                 eos_ids: frozenset[int] = frozenset(), tokenizer=None):
         self.max_num_seqs = config.max_num_seqs
         self.max_batched = config.max_num_batched_tokens
         self.max_model_len = config.max_model_len
-        self.mixed = config.enable_mixed_steps
+        self.mixed = config.experiments.mixed_steps
+        # the stop checks update() runs: EOS ids and stop strings (Engine.scheduler() passes the
+        # engine's; one built without them knows no EOS id and cannot check stop strings)
+        self.eos_ids, self.tokenizer = eos_ids, tokenizer
         self.blocks = block_manager
         self.lora = lora  # LoRAManager or None
         self.waiting: deque[Sequence] = deque()
@@ -75,12 +94,48 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> ScheduledBatch:
-        batch = self._schedule_prefill()
-        if batch.seqs:
-            return batch
-        return self._schedule_decode()
+        """Plan the next step and advance its rows' state past it (module doc); an empty
+        batch when nothing can run."""
+        plan = self._schedule_prefill()
+        if not plan[1]:
+            plan = self._schedule_decode()
+        return self._advance(*plan)
 
-    def _schedule_prefill(self) -> ScheduledBatch:
+    def _advance(self, is_prefill: bool, seqs: list[Sequence], counts: list[int],
+                 num_decode: int) -> ScheduledBatch:
+        starts = [s.num_computed for s in seqs]
+        pending = [s.pending_row if s.num_pending else -1 for s in seqs]
+        sampled = [i for i, (s, n) in enumerate(zip(seqs, counts)) if s.num_computed + n == s.num_tokens]
+        for s, n in zip(seqs, counts):
+            s.num_computed += n
+        for j, i in enumerate(sampled):
+            seqs[i].num_pending += 1
+            seqs[i].pending_row = j
+        return ScheduledBatch(is_prefill, seqs, counts, num_decode, starts, pending, sampled)
+
+    def update(self, seqs: list[Sequence], tokens: list[int], logprobs: list, top_logprobs: list
+               ) -> list[Sequence]:
+        """Take a step's sampled tokens back (`seqs`: the rows it sampled, in order): append
+        each token, run the stop checks, finish the rows that end; returns those. A row that
+        finished at the step before (async steps) drops its token."""
+        finished = []
+        for seq, tok, lp, top in zip(seqs, tokens, logprobs, top_logprobs):
+            if seq.status is SeqStatus.FINISHED:
+                continue
+            seq.num_pending -= 1
+            seq.token_ids.append(tok)
+            if seq.grammar is not None:
+                seq.grammar.accept_token(tok)
+            if lp is not None:
+                seq.logprobs.append(lp)
+                seq.top_logprobs.append(top)
+            reason = stop_reason(seq, tok, self.eos_ids, self.tokenizer, self.max_model_len)
+            if reason:
+                self.finish(seq, reason)
+                finished.append(seq)
+        return finished
+
+    def _schedule_prefill(self) -> tuple[bool, list[Sequence], list[int], int]:
         budget, decode, preempted = self.max_batched, [], False
         if self.mixed and self._prefill_fits_beside_decode():
             decode, preempted = self._schedule_decode_rows()
@@ -90,8 +145,8 @@ class Scheduler:
         if not preempted or not decode:
             self._admit(seqs, counts, budget)
         if decode and not seqs:  # nothing to prefill after all: a plain decode step (graphs)
-            return ScheduledBatch(False, decode, [1] * len(decode))
-        return ScheduledBatch(True, decode + seqs, [1] * len(decode) + counts, len(decode))
+            return self._decode_plan(decode)
+        return True, decode + seqs, [1] * len(decode) + counts, len(decode)
 
     def _prefill_fits_beside_decode(self) -> bool:
         """A mixed step is worth scheduling: some prompt work waits and the decode rows leave
@@ -173,10 +228,17 @@ class Scheduler:
                 return seq
         return None
 
-    def _schedule_decode(self) -> ScheduledBatch:
+    def _schedule_decode(self) -> tuple[bool, list[Sequence], list[int], int]:
         # reached only when no running sequence is mid-prompt (_schedule_prefill takes those)
         rows, _ = self._schedule_decode_rows()
-        return ScheduledBatch(False, rows, [1] * len(rows))
+        return self._decode_plan(rows)
+
+    def _decode_plan(self, rows: list[Sequence]) -> tuple[bool, list[Sequence], list[int], int]:
+        if self.lora is not None and any(s.lora_slot >= 0 for s in rows):
+            # an adapter's rows side by side: each row tile of the LoRA kernels then holds one
+            # or two slots, so their slot loop runs once or twice (kernels/lora_delta.py)
+            rows = sorted(rows, key=lambda s: s.lora_slot)
+        return False, rows, [1] * len(rows), 0
 
     def _make_room(self, seq: Sequence, num_tokens: int) -> bool:
         """Allocate blocks for seq's first num_tokens tokens, preempting the newest sequences."""

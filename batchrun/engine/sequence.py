@@ -16,7 +16,8 @@ class SeqStatus(enum.Enum):
 
 class Sequence:
     def __init__(self, index: int, request_id, prompt_token_ids: list[int],
-                 sampling: SamplingParams, adapter: str | None, generator: torch.Generator | None):
+                 sampling: SamplingParams, adapter: str | None, generator: torch.Generator | None,
+                 grammar=None):
         self.index = index  # order in which the engine took it (position in a generate() list)
         self.request_id = request_id
         self.adapter = adapter or None
@@ -37,10 +38,11 @@ class Sequence:
         self.stop_reason: str | int | None = None  # the stop string or stop token id that ended it
         self.logprobs: list[float] = []  # sampling.logprobs: each output token's logprob ...
         self.top_logprobs: list[list[tuple[int, float]]] = []  # ... and the top k (id, logprob)
-        self.grammar = None  # sampling.response_format: this row's xgrammar matcher (engine/grammar.py)
-        # async steps (steps.py): tokens sampled on the device but not yet read back into
-        # token_ids (at most one when a step is planned), and the row of the latest launched
-        # step's token tensor that holds this row's newest one (the next step's input id)
+        self.grammar = grammar  # sampling.response_format: this row's xgrammar matcher (engine/grammar.py)
+        # tokens sampled on the device but not yet read back into token_ids (the scheduler
+        # counts one at schedule time, update takes it back; at most one when a step is
+        # planned), and the row of the latest scheduled step's sampled tokens that holds this
+        # row's newest one (the next step's input id, read on the device by async steps)
         self.num_pending = 0
         self.pending_row = -1
         self.preempted_computed = 0  # num_computed when last preempted (see Scheduler.finish)

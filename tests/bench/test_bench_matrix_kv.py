@@ -136,7 +136,7 @@ def test_recomputed_tokens_counter(tmp_path):
                                     experiments=Experiments(num_kv_blocks=6))).engine
     prefilled = []
     real = eng.runner.prefill
-    eng.runner.prefill = lambda seqs, counts, *a: (prefilled.append(sum(counts)), real(seqs, counts, *a))[1]
+    eng.runner.prefill = lambda batch, *a: (prefilled.append(sum(batch.num_tokens)), real(batch, *a))[1]
     reqs = make_requests(random_prompts(8, 12, 512, seed=1), 8)
     res = eng.generate(reqs)
     assert all(r.output_tokens == 8 for r in res)

@@ -1,4 +1,4 @@
-"""engine.triton_decode_gemm: steps of at most 16 rows run their projections and lm_head in the
+"""experiments.triton_decode_gemm: steps of at most 16 rows run their projections and lm_head in the
 Triton skinny GEMM (SiLU fused into gate/up), bigger steps and small weights stay on torch's GEMM, LoRA steps
 stream [W; A] through it (gate_up: W, with the norm's shrink), and the tokens are those of the
 engine without it.
@@ -10,11 +10,12 @@ import collections
 
 import pytest
 
-import batchrun.engine.layers.gemm as gemm
+import batchrun.engine.step_plan as step_plan
 import batchrun.kernels.skinny_gate_up_silu as fused_kernel
 import batchrun.kernels.skinny_gemm as skinny_kernel
 from batchrun.engine.config import EngineConfig, SamplingParams
 from batchrun.engine.engine import Engine
+from batchrun.engine.envs import Experiments
 from batchrun.engine.request import Request
 from tests.tiny_models import random_prompts, save_hf_model, save_peft_adapters
 
@@ -52,10 +53,11 @@ def _run(monkeypatch, dirs, decode_gemm: bool, lora: bool):
     engine = Engine.from_config(
         EngineConfig(model=str(root / "base"), device="cpu", dtype="float16", max_model_len=96,
                      max_num_seqs=24, max_num_batched_tokens=256, enable_lora=lora, max_loras=2,
-                     max_lora_rank=4, triton_decode_gemm=decode_gemm),
+                     max_lora_rank=4,
+                     experiments=Experiments(triton_decode_gemm=decode_gemm)),
         adapters if lora else None)
     o_proj = engine.model.model.layers[0].self_attn.o_proj.weight.numel()
-    monkeypatch.setattr(gemm, "MIN_WEIGHT_ELEMENTS", o_proj + 1)  # o_proj (the smallest) stays out
+    monkeypatch.setattr(step_plan, "MIN_WEIGHT_ELEMENTS", o_proj + 1)  # o_proj (the smallest) stays out
     calls = collections.Counter()
     for mod, name in ((skinny_kernel, "skinny_gemm"), (fused_kernel, "skinny_gate_up_silu")):
         orig = getattr(mod, name)

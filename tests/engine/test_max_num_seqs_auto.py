@@ -8,7 +8,7 @@ import torch
 
 from batchrun.engine.config import AUTO_MAX_NUM_SEQS, EngineConfig, SamplingParams
 from batchrun.engine.engine import Engine
-from batchrun.engine.graphs import capture_sizes
+from batchrun.engine.cudagraph_dispatcher import capture_sizes
 from batchrun.engine.request import Request
 from batchrun.engine.kv_sizing import resolve_max_num_seqs
 from batchrun.errors import ConfigError

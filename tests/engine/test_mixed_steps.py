@@ -9,6 +9,7 @@ import batchrun.engine.scheduler as scheduler_mod
 from batchrun.engine.block_manager import BlockManager
 from batchrun.engine.config import EngineConfig, SamplingParams
 from batchrun.engine.engine import Engine
+from batchrun.engine.envs import Experiments
 from batchrun.engine.request import Request
 from batchrun.engine.scheduler import Scheduler
 from batchrun.engine.sequence import Sequence, SeqStatus
@@ -33,16 +34,18 @@ def batches(monkeypatch):
     def schedule(self):
         b = orig(self)
         seen.append((b.is_prefill, b.num_decode, list(b.num_tokens),
-                     [s.num_tokens - s.num_computed for s in b.seqs],
+                     [s.num_tokens - (i in b.sampled) - start
+                      for i, (s, start) in enumerate(zip(b.seqs, b.starts))],
                      [s.lora_slot for s in b.seqs]))
         return b
     monkeypatch.setattr(scheduler_mod.Scheduler, "schedule", schedule)
     return seen
 
 
-def generate(model_dir, prompts, max_tokens, adapters=None, names=None, **cfg):
-    cfg.setdefault("enable_mixed_steps", True)  # opt-in (EngineConfig's default is off)
+def generate(model_dir, prompts, max_tokens, adapters=None, names=None, mixed_steps=True, **cfg):
+    # mixed steps are opt-in (Experiments' default is off)
     cfg = dict(dict(device="cpu", max_model_len=256), **cfg)
+    cfg["experiments"] = Experiments(mixed_steps=mixed_steps)
     engine = Engine.from_config(EngineConfig(model=model_dir, enable_lora=bool(adapters), **cfg),
                                 adapters=adapters)
     names = names or [None] * len(prompts)
@@ -67,7 +70,7 @@ def test_rows_arriving_while_others_decode_share_steps_within_budget(model, batc
             assert counts[:nd] == [1] * nd and remaining[:nd] == [1] * nd
     batches.clear()
     off, stats_off = generate(model_dir, prompts, max_tokens, max_num_seqs=4,
-                              max_num_batched_tokens=40, enable_mixed_steps=False)
+                              max_num_batched_tokens=40, mixed_steps=False)
     assert stats_off["mixed_steps"] == 0 and all(nd == 0 for _, nd, *_ in batches)
     assert stats_off["steps"] > stats["steps"]  # the decode steps a prefill step stalled
     assert on == off
@@ -85,7 +88,7 @@ def test_chunked_long_prompt_runs_beside_decode_rows(model, batches):
     assert chunked and all(sum(b[2]) <= 48 for b in batches)
     assert stats["mixed_steps"] >= 3
     off, _ = generate(model_dir, prompts, max_tokens, max_num_seqs=4, max_num_batched_tokens=48,
-                      enable_mixed_steps=False)
+                      mixed_steps=False)
     assert on == off
 
 
@@ -94,7 +97,7 @@ def test_preemption_under_a_tiny_kv_cache_keeps_outputs(model):
     prompts = random_prompts(17, [1, 5, 12, 40, 77, 130, 2, 9, 64], 211, seed=5)
     new = [16] * 17
     ref, _ = generate(model_dir, prompts, new, max_num_seqs=17, max_num_batched_tokens=256,
-                      enable_mixed_steps=False)
+                      mixed_steps=False)
     # 16 usable blocks of 16 tokens for 17 rows: decode rows' room preempts inside mixed steps
     tight, stats = generate(model_dir, prompts, new, max_num_seqs=17, max_num_batched_tokens=48,
                             num_kv_blocks=17)
@@ -115,7 +118,7 @@ def test_lora_and_base_rows_in_one_mixed_step(tmp_path, model, batches):
     assert stats["mixed_steps"] > 0
     # some mixed step holds adapter and base tokens together (one Step, lora not None)
     assert any(b[1] > 0 and -1 in b[4] and max(b[4]) >= 0 for b in batches)
-    off, _ = generate(model_dir, prompts, max_tokens, adapters, names, enable_mixed_steps=False, **kw)
+    off, _ = generate(model_dir, prompts, max_tokens, adapters, names, mixed_steps=False, **kw)
     assert on == off
 
 
@@ -123,22 +126,21 @@ def _seq(i, n, max_tokens=8):
     return Sequence(i, i, list(range(3, 3 + n)), SamplingParams(max_tokens=max_tokens), None, None)
 
 
-def _run_step(batch):
-    """What the runner + sampler do to a batch: tokens computed, one sampled for done rows."""
-    for s, n in zip(batch.seqs, batch.num_tokens):
-        s.num_computed += n
-        if s.num_computed == s.num_tokens:
-            s.token_ids.append(5)
+def _run_step(sched, batch):
+    """What the engine does with a scheduled batch: each row it samples gets token 5 back."""
+    rows = [batch.seqs[i] for i in batch.sampled]
+    sched.update(rows, [5] * len(rows), [None] * len(rows), [None] * len(rows))
 
 
 def test_decode_rows_room_first_preempts_no_row_already_in_the_step():
     blocks = BlockManager(num_blocks=7, block_size=4)  # 6 usable blocks = 24 tokens
-    sched = Scheduler(EngineConfig(model="m", max_num_seqs=8, max_num_batched_tokens=32, enable_mixed_steps=True), blocks)
+    sched = Scheduler(EngineConfig(model="m", max_num_seqs=8, max_num_batched_tokens=32,
+                                   experiments=Experiments(mixed_steps=True)), blocks)
     for i, n in enumerate((8, 7, 7)):  # 2 + 2 + 2 blocks: the cache is full
         sched.add(_seq(i, n))
     first = sched.schedule()
     assert first.is_prefill and first.num_decode == 0 and len(first.seqs) == 3
-    _run_step(first)
+    _run_step(sched, first)
     sched.add(_seq(3, 3))  # waits: no free block
     # row 0 (8 tokens + 1 sampled) needs a third block: the newest row (2) is preempted
     batch = sched.schedule()
@@ -147,7 +149,7 @@ def test_decode_rows_room_first_preempts_no_row_already_in_the_step():
     assert all(s.status is SeqStatus.RUNNING and s.block_ids for s in batch.seqs)
     assert not batch.is_prefill  # nothing admitted in a step that preempted: a decode step
     assert [s.index for s in sched.waiting] == [2, 3]
-    _run_step(batch)
+    _run_step(sched, batch)
     # next step: row 2 comes back beside the decode rows if its blocks fit
     sched.finish(sched.running[1], "length")
     batch = sched.schedule()
@@ -157,10 +159,11 @@ def test_decode_rows_room_first_preempts_no_row_already_in_the_step():
 
 def test_more_decode_rows_than_the_budget_fall_back_to_a_prefill_step():
     blocks = BlockManager(num_blocks=64, block_size=4)
-    sched = Scheduler(EngineConfig(model="m", max_num_seqs=8, max_num_batched_tokens=4, enable_mixed_steps=True), blocks)
+    sched = Scheduler(EngineConfig(model="m", max_num_seqs=8, max_num_batched_tokens=4,
+                                   experiments=Experiments(mixed_steps=True)), blocks)
     for i in range(4):
         sched.add(_seq(i, 1))
-    _run_step(sched.schedule())
+    _run_step(sched, sched.schedule())
     sched.add(_seq(4, 3))  # 4 decode rows leave no token of the 4-token budget
     batch = sched.schedule()
     assert batch.is_prefill and batch.num_decode == 0 and [s.index for s in batch.seqs] == [4]

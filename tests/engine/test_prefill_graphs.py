@@ -6,35 +6,14 @@ CPU runs the GPU code path (every Triton kernel under the interpreter, BATCHRUN_
 with the pieces run eagerly instead of replayed: the capture itself needs CUDA
 (tests/gpu/test_prefill_graphs_gpu.py)."""
 import pytest
-import torch
 
 from batchrun.engine.config import EngineConfig, SamplingParams
 from batchrun.engine.engine import Engine
-from batchrun.engine.prefill_graphs import PrefillGraphs, PrefillKey, token_buckets
+from batchrun.engine.envs import Experiments
+from batchrun.engine.cudagraph_dispatcher import CudaGraphs, token_buckets
+from batchrun.engine.prefill_graphs import PrefillGraphs
 from batchrun.engine.request import Request
 from tests.tiny_models import random_prompts, save_hf_model
-
-
-def test_token_buckets():
-    assert token_buckets(512) == [16, 32, 64, 128, 192, 256, 320, 384, 448, 512]
-    assert token_buckets(100) == [16, 32, 64, 100]
-    assert token_buckets(20) == [16, 20]
-    assert token_buckets(8) == [8]
-    assert token_buckets(0) == []
-
-
-def test_dispatch():
-    pg = PrefillGraphs(100, with_lora=True, attention=[], q=torch.empty(0), out=torch.empty(0))
-    assert pg.dispatch(1, 0) == PrefillKey(16, 0)
-    assert pg.dispatch(33, 2) == PrefillKey(64, 2)
-    assert pg.dispatch(100, 1) == PrefillKey(100, 1)
-    assert pg.dispatch(101, 0) is None
-    with pytest.raises(ValueError):
-        pg.dispatch(0, 0)
-    with pytest.raises(AssertionError, match="LoRA row"):
-        PrefillGraphs(100, False, [], torch.empty(0), torch.empty(0)).dispatch(5, 1)
-    with pytest.raises(ValueError, match="max_tokens"):
-        PrefillGraphs(0, False, [], torch.empty(0), torch.empty(0))
 
 
 class EagerPieces(PrefillGraphs):
@@ -44,8 +23,8 @@ class EagerPieces(PrefillGraphs):
     Records the keys it ran."""
 
     def __init__(self, runner):
-        super().__init__(runner._prefill_tokens, runner.lora is not None,
-                         runner.model.attention_layers(), runner._p_q, runner._p_out)
+        super().__init__(token_buckets(runner._prefill_tokens), runner.model.attention_layers(),
+                         runner._p_q, runner._p_out)
         self.forward, self.lora_steps, self.keys = runner.prefill_forward, runner._prefill_lora, []
 
     def replay(self, key, meta):
@@ -99,10 +78,11 @@ def test_piecewise_prefill_matches_eager(tmp_path, monkeypatch, lora):
     pieces_engine = _engine(tmp_path, adapters)
     runner = pieces_engine.runner
     assert runner._prefill_tokens == 48
-    runner._prefill_graphs = EagerPieces(runner)
+    pieces = EagerPieces(runner)
+    runner._graphs = CudaGraphs(runner.lora is not None, decode=None, prefill=pieces)
     got = pieces_engine.generate(reqs) + pieces_engine.generate(base_reqs)
-    keys = runner._prefill_graphs.keys
-    assert keys and all(k.tokens in (16, 32, 48) for k in keys)
+    keys = pieces.keys
+    assert keys and all(k.tokens in (16, 32, 48) and not k.decode_only for k in keys)
     assert {k.lora_slots > 0 for k in keys} == ({False, True} if lora else {False})
     for a, b in zip(want, got):
         assert a.output_token_ids == b.output_token_ids
@@ -115,7 +95,8 @@ def test_piecewise_prefill_matches_eager(tmp_path, monkeypatch, lora):
 def test_off_when_eager_or_zero(tmp_path):
     save_hf_model("llama3_gqa", tmp_path / "base")
     assert _engine(tmp_path, {}, enforce_eager=True).runner._prefill_tokens == 0
-    assert _engine(tmp_path, {}, prefill_graph_max_tokens=0).runner._prefill_tokens == 0
-    assert _engine(tmp_path, {}, prefill_graph_max_tokens=16).runner._prefill_tokens == 16
+    for n in (0, 16):
+        engine = _engine(tmp_path, {}, experiments=Experiments(prefill_graph_max_tokens=n))
+        assert engine.runner._prefill_tokens == n
     runner = _engine(tmp_path, {}).runner
     assert runner.prefill_graphs is None  # CPU: nothing captured, every prefill eager

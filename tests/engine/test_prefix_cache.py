@@ -88,9 +88,10 @@ def _recording_block_ids(engine):
     seen = []
     orig = engine.runner.prefill
 
-    def prefill(seqs, counts, *args):
-        seen.extend((s.request_id, s.adapter, list(s.block_ids), s.num_computed) for s in seqs)
-        return orig(seqs, counts, *args)
+    def prefill(batch, *args):
+        seen.extend((s.request_id, s.adapter, list(s.block_ids), start)
+                    for s, start in zip(batch.seqs, batch.starts))
+        return orig(batch, *args)
     engine.runner.prefill = prefill
     return seen, orig
 
@@ -150,7 +151,7 @@ def test_preemption_with_a_shared_prefix(dirs, engines):
     tight = make_engine(dirs, True, num_kv_blocks=12, max_num_batched_tokens=40, max_model_len=80)
     prefilled = []
     real = tight.runner.prefill
-    tight.runner.prefill = lambda seqs, counts, *a: (prefilled.append(sum(counts)), real(seqs, counts, *a))[1]
+    tight.runner.prefill = lambda batch, *a: (prefilled.append(sum(batch.num_tokens)), real(batch, *a))[1]
     got = tokens(tight, reqs)
     st = tight.stats
     assert st["preemptions"] > 0

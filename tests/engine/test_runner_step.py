@@ -4,11 +4,10 @@ outside, and eager() runs decode steps without them for its block only."""
 import dataclasses
 
 import pytest
-import torch
 
 from batchrun.engine.config import EngineConfig, SamplingParams
 from batchrun.engine.engine import Engine
-from batchrun.engine.graphs import GraphKey, GraphRunner
+from batchrun.engine.cudagraph_dispatcher import CudaGraphs, GraphKey
 from batchrun.engine.scheduler import Scheduler
 from batchrun.engine.sequence import Sequence
 from batchrun.engine.layers.step import LoRAStep, Step
@@ -61,14 +60,13 @@ def test_graphs_are_read_only_and_eager_is_scoped(engine, monkeypatch):
     replays, eager_steps = [], []
     forward = runner.decode_forward
 
-    class FakeGraphs:  # stands in for captured graphs: the runner's dispatch/replay calls
-        def dispatch(self, b, lora_slots):
-            return GraphKey(b, lora_slots)
+    class FakeDecodeGraphs:  # stands in for captured decode graphs of every size up to 4
+        sizes = [1, 2, 3, 4]
 
         def replay(self, key):  # what a no-LoRA graph computes from the static inputs
             replays.append(key)
-            return forward(key.padded_batch_size, None)
-    monkeypatch.setattr(runner, "_graphs", FakeGraphs())
+            return forward(key.tokens, None)
+    monkeypatch.setattr(runner, "_graphs", CudaGraphs(True, decode=FakeDecodeGraphs()))
     monkeypatch.setattr(runner, "decode_forward", lambda rows, lora: eager_steps.append(rows) or forward(rows, lora))
     sched = Scheduler(engine.config, engine.blocks, engine.lora)
     for i, p in enumerate(random_prompts(2, [4, 6], 100, seed=4)):
@@ -76,7 +74,7 @@ def test_graphs_are_read_only_and_eager_is_scoped(engine, monkeypatch):
     try:
         engine.step(sched)  # prefill: always eager
         engine.step(sched)
-        assert replays == [GraphKey(2, 0)] and eager_steps == []
+        assert replays == [GraphKey(2, True, 0)] and eager_steps == []
         with runner.eager():
             with runner.eager():
                 engine.step(sched)
@@ -87,19 +85,6 @@ def test_graphs_are_read_only_and_eager_is_scoped(engine, monkeypatch):
     finally:
         for seq in list(sched.running):
             sched.finish(seq, "length")
-
-
-def test_graph_capture_needs_lora_steps_exactly_for_the_lora_sets():
-    cfg = EngineConfig(model="unused", device="cpu", max_num_seqs=4)
-    with pytest.raises(ValueError, match="needs LoRA steps"):
-        GraphRunner(cfg, with_lora=True).capture(lambda rows, lora: None, None)
-    meta = torch.zeros(1)
-    with pytest.raises(ValueError, match="needs no LoRA step"):
-        GraphRunner(cfg, with_lora=False).capture(lambda rows, lora: None,
-                                                   {1: LoRAStep(meta, meta, fuse=True, num_slots=1)})
-    with pytest.raises(ValueError, match="keyed by their slot bound"):
-        GraphRunner(cfg, with_lora=True).capture(lambda rows, lora: None,
-                                                  {2: LoRAStep(meta, meta, fuse=True, num_slots=1)})
 
 
 def test_decode_block_tables_follow_every_change_of_a_rows_blocks(engine):
@@ -117,7 +102,8 @@ def test_decode_block_tables_follow_every_change_of_a_rows_blocks(engine):
         return s
 
     def check(seqs, rows):
-        runner._write_decode_inputs(seqs, rows, num_slots=0, prev_tokens=None)
+        runner._write_decode_inputs(seqs, [len(s.token_ids) - 1 for s in seqs], [-1] * len(seqs),
+                                    rows, num_slots=0, prev_tokens=None)
         got = runner.block_tables[:rows].tolist()
         want = [s.block_ids + [0] * (mb - len(s.block_ids)) for s in seqs]
         want += [[SCRATCH_BLOCK] * mb] * (rows - len(seqs))
@@ -148,3 +134,37 @@ def test_step_times_are_counted_by_kind(engine):
     assert d["decode_steps"] == 4 and d["prefill_steps"] >= 1
     assert d["prefill_s"] > 0 and d["decode_s"] > 0 and d["mixed_s"] == 0
     assert 0 < d["decode_host_s"] <= d["decode_s"]
+
+
+def _state(seq):
+    return {k: (list(v) if isinstance(v, list) else v) for k, v in vars(seq).items()}
+
+
+def test_only_the_scheduler_changes_sequence_state(engine):
+    """schedule() advances num_computed and counts the sampled token as pending; executing the
+    step (model runner, sampling) leaves every Sequence as it was; update() appends the token,
+    takes the pending count back and finishes rows. Prefill, then decode."""
+    sched = engine.scheduler()
+    prompts = random_prompts(2, [5, 7], 100, seed=6)
+    seqs = [Sequence(i, i, p, SamplingParams(max_tokens=2, ignore_eos=True), a, None)
+            for i, (p, a) in enumerate(zip(prompts, [None, "a"]))]
+    for s in seqs:
+        sched.add(s)
+    try:
+        for kind in ("prefill", "decode"):
+            before = [s.num_tokens for s in seqs]
+            batch = sched.schedule()
+            assert batch.is_prefill == (kind == "prefill")
+            assert [s.num_computed for s in batch.seqs] == before
+            assert all(s.num_pending == 1 for s in batch.seqs)
+            states = [_state(s) for s in seqs]
+            launched = engine.executor.execute(batch, None)
+            assert [_state(s) for s in seqs] == states  # the runner and sampler wrote nothing
+            out = launched.sampled.result()
+            finished = sched.update(launched.seqs, out.tokens, out.logprobs, out.top_logprobs)
+            assert all(s.num_pending == 0 for s in seqs)
+            assert [s.num_tokens for s in seqs] == [n + 1 for n in before]
+        assert finished == seqs and all(s.finish_reason == "length" for s in seqs)
+    finally:
+        for seq in list(sched.running):
+            sched.finish(seq, "length")

@@ -44,10 +44,8 @@ def _step(s):
     """One scheduler step as the engine runs it: computed tokens count, each sequence whose
     prompt is done gets one sampled token. Returns the step's sequences' names."""
     batch = s.schedule()
-    for seq, n in zip(batch.seqs, batch.num_tokens):
-        seq.num_computed += n
-        if seq.num_computed == seq.num_tokens:
-            seq.token_ids.append(7)
+    rows = [batch.seqs[i] for i in batch.sampled]
+    s.update(rows, [7] * len(rows), [None] * len(rows), [None] * len(rows))
     return _names(batch.seqs) if batch.is_prefill else ["decode"] + _names(batch.seqs)
 
 

@@ -54,9 +54,9 @@ def test_trickled_stream_equals_list_and_respects_lora_slots(engine):
     steps = []
     orig = engine.runner.decode
 
-    def decode(seqs, prev=None):
-        steps.append({s.adapter for s in seqs} - {None})
-        return orig(seqs, prev)
+    def decode(batch, prev=None):
+        steps.append({s.adapter for s in batch.seqs} - {None})
+        return orig(batch, prev)
     engine.runner.decode = decode
     try:
         got = {}

@@ -7,6 +7,8 @@ import torch
 
 from batchrun.engine.config import EngineConfig, SamplingParams
 from batchrun.engine.engine import Engine
+from batchrun.engine.envs import Experiments
+from batchrun.engine.sequence import Sequence
 from batchrun.engine.request import Request
 from batchrun.engine.models.config import ModelConfig
 from batchrun.engine.models.loader import model_from_hf_state
@@ -44,8 +46,14 @@ def test_bf16_parity_with_hf_llama2_7b_shape():
         fp32_tokens = hf.generate(ids, **gen)[:, 32:].tolist()
     del hf
     torch.cuda.empty_cache()
-    _, got = engine.runner.prefill(
-        [engine_seq(engine, i, p) for i, p in enumerate(prompts)], [32] * 8)
+    sched = engine.scheduler()
+    for i, p in enumerate(prompts):
+        sched.add(Sequence(i, i, p, SamplingParams(), None, None))
+    batch = sched.schedule()
+    assert batch.is_prefill and batch.num_tokens == [32] * 8
+    got = engine.runner.prefill(batch)
+    for seq in list(sched.running):
+        sched.finish(seq, "length")
     err = lambda x: ((x - ref).norm() / ref.norm()).item()  # noqa: E731
     print(f"first-step logits rel err vs fp32: ours bf16 {err(got):.2e}, HF bf16 {err(hf_bf16):.2e}")
     assert err(got) <= 1.5 * err(hf_bf16) + 1e-3
@@ -59,13 +67,6 @@ def test_bf16_parity_with_hf_llama2_7b_shape():
     # after a first divergence continuations differ by construction; ours must track the fp32
     # reference about as well as HF bf16 does
     assert rate(ours_tokens, fp32_tokens) >= 0.8 * rate(hf_tokens, fp32_tokens) - 0.05
-
-
-def engine_seq(engine, i, prompt):
-    from batchrun.engine.sequence import Sequence
-    seq = Sequence(i, i, prompt, SamplingParams(), None, None)
-    engine.blocks.allocate(seq, len(prompt))
-    return seq
 
 
 def _tiny_lora_engine(tmp_path, enforce_eager, enable_lora=True, dtype="float32", **engine):
@@ -153,22 +154,22 @@ def test_async_steps_match_sync_and_never_wait_for_the_device(tmp_path, monkeypa
         else:
             sp = r.sampling
         reqs.append(Request(r.request_id, r.prompt_token_ids, sp, r.adapter))
-    engine.config.async_scheduling = False
+    monkeypatch.setattr(engine.config, "experiments", Experiments(async_scheduling=False))
     want = engine.generate(reqs)
-    engine.config.async_scheduling = True
+    monkeypatch.setattr(engine.config, "experiments", Experiments(async_scheduling=True))
     launched = []
-    orig = engine._launch
+    orig = engine.executor.execute
 
-    def launch(sched, batch, prev):
+    def execute(batch, prev):
         if batch.is_prefill:  # prefill steps copy their inputs from pageable memory: they wait
-            return orig(sched, batch, prev)
-        launched.append(sum(1 for s in batch.seqs if s.num_pending))
+            return orig(batch, prev)
+        launched.append(sum(1 for j in batch.pending_rows if j >= 0))
         torch.cuda.set_sync_debug_mode("error")
         try:
-            return orig(sched, batch, prev)
+            return orig(batch, prev)
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    monkeypatch.setattr(engine, "_launch", launch)
+    monkeypatch.setattr(engine.executor, "execute", execute)
     got = engine.generate(reqs)
     assert [r.output_token_ids for r in got] == [r.output_token_ids for r in want]
     assert [r.finish_reason for r in got] == [r.finish_reason for r in want]
@@ -191,13 +192,12 @@ def _kernels_of_one_decode_step(engine, prompts):
     assert not batch.is_prefill
     runner = engine.runner
     with runner.eager():  # eager: the profiler sees every launch
-        # A first launch per shape allocates one-time buffers (the split-K GEMM's tickets,
-        # kernels/skinny_gemm._tickets), which the first engine profiled would list and the
-        # second not: warm up once so the profile holds only what every step launches.
-        runner.decode(batch.seqs)
+        # warm up once (first launches compile and allocate), so the profile holds only what
+        # every step launches
+        runner.decode(batch)
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            runner.decode(batch.seqs)
+            runner.decode(batch)
             torch.cuda.synchronize()
     names = [e.name for e in prof.events() if e.device_type.name == "CUDA"]
     return collections.Counter(n for n in names if "Memcpy" not in n and "Memset" not in n)
@@ -209,9 +209,9 @@ def skinny(request, monkeypatch):
     steps of <= 16 rows (the size rule lowered to 0), as the 7b projections do, so the LoRA
     decode tests cover the stacked [W; A] skinny GEMM and gate_up's fused GEMM with the norm's
     shrink."""
-    import batchrun.engine.layers.gemm as gemm
+    import batchrun.engine.step_plan as step_plan
     if request.param == "skinny":
-        monkeypatch.setattr(gemm, "MIN_WEIGHT_ELEMENTS", 0)
+        monkeypatch.setattr(step_plan, "MIN_WEIGHT_ELEMENTS", 0)
     return request.param != "cublas"
 
 
@@ -242,8 +242,8 @@ def test_fused_lora_decode_is_as_accurate_as_shrink_expand(tmp_path, monkeypatch
 
     def logits(engine, graphs, fused):
         monkeypatch.setattr(model_runner, "use_triton", lambda t: fused)
-        with decoding_batch(engine, prompts, names, graphs=graphs) as (runner, seqs):
-            return runner.decode(seqs).float().clone()
+        with decoding_batch(engine, prompts, names, graphs=graphs) as (runner, batch):
+            return runner.decode(batch).float().clone()
     ref = logits(fp32, False, False)
     got = {"fused graph": logits(bf16, True, True), "fused eager": logits(bf16, False, True),
            "shrink+expand eager": logits(bf16, False, False)}
@@ -274,18 +274,18 @@ def test_low_slots_replay_the_lora_set_of_their_slot_bound(tmp_path, monkeypatch
 
     def logits(graphs, fused):
         monkeypatch.setattr(model_runner, "use_triton", lambda t: fused)
-        with decoding_batch(engine, prompts, names, graphs=graphs) as (runner, seqs):
-            assert {s.lora_slot for s in seqs} <= {-1, 0}  # the one adapter went to slot 0
+        with decoding_batch(engine, prompts, names, graphs=graphs) as (runner, batch):
+            assert {s.lora_slot for s in batch.seqs} <= {-1, 0}  # the one adapter went to slot 0
             if graphs:
-                assert runner.graphs.dispatch(len(seqs), runner.lora.slot_bound(0)).lora_slots == 1
-            return runner.decode(seqs).float().clone()
+                assert runner.dispatch(len(batch.seqs), True, runner.lora.slot_bound(0))[1].lora_slots == 1
+            return runner.decode(batch).float().clone()
     graph, eager = logits(True, True), logits(False, True)
     plain = logits(False, False)  # shrink + expand over the metadata, every slot
     assert ((graph - eager).norm() / eager.norm()).item() < 1e-5
     assert ((graph - plain).norm() / plain.norm()).item() < 1e-4
-    with decoding_batch(engine, prompts[:3], ["qv", "mlp1", "o"], graphs=True) as (runner, seqs):
-        top = max(s.lora_slot for s in seqs)
-        assert top == 2 and runner.graphs.dispatch(3, runner.lora.slot_bound(top)).lora_slots == 4
+    with decoding_batch(engine, prompts[:3], ["qv", "mlp1", "o"], graphs=True) as (runner, batch):
+        top = max(s.lora_slot for s in batch.seqs)
+        assert top == 2 and runner.dispatch(3, True, runner.lora.slot_bound(top))[1].lora_slots == 4
 
 
 def test_bf16_lora_parity_with_peft(tmp_path):
@@ -367,9 +367,9 @@ def test_bf16_fused_lora_logits_track_fp32_as_closely_as_peft_bf16(tmp_path, b_s
                      max_num_seqs=8, enable_lora=True, max_loras=1, max_lora_rank=8),
         adapters={"ad": str(tmp_path / "ad")})
     prompts = [torch.randint(3, 200, (6 + 7 * i,), generator=g).tolist() for i in range(8)]
-    with decoding_batch(engine, prompts, ["ad"] * 8, graphs=True) as (runner, seqs):
-        ours = runner.decode(seqs).float().clone()
-        token_lists = [list(s.token_ids) for s in seqs]
+    with decoding_batch(engine, prompts, ["ad"] * 8, graphs=True) as (runner, batch):
+        ours = runner.decode(batch).float().clone()
+        token_lists = [list(s.token_ids) for s in batch.seqs]
 
     def peft_logits(dtype):
         m = PeftModel.from_pretrained(make_hf_model("llama3_gqa"), str(tmp_path / "ad"))

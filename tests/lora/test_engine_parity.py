@@ -68,8 +68,8 @@ def test_engine_matches_peft(tmp_path, variant, path, monkeypatch):
     sp = SamplingParams(max_tokens=NEW, ignore_eos=True)
     decode_slots = []  # the engine hands LoRA decode steps their rows in slot order
     orig_decode = engine.runner.decode
-    monkeypatch.setattr(engine.runner, "decode", lambda seqs, prev=None: (
-        decode_slots.append([s.lora_slot for s in seqs]), orig_decode(seqs, prev))[1])
+    monkeypatch.setattr(engine.runner, "decode", lambda batch, prev=None: (
+        decode_slots.append([s.lora_slot for s in batch.seqs]), orig_decode(batch, prev))[1])
     results = engine.generate([Request(i, p, sp, adapter=n)
                                for i, (p, n) in enumerate(zip(prompts, names))])
     assert any(len(set(d)) > 1 for d in decode_slots)

@@ -3,6 +3,7 @@ own deltas; a no-LoRA step is exactly the base output and launches no LoRA op.""
 import pytest
 import torch
 
+from batchrun.engine.layers.step import Step  # a Linear reads its step's LoRA part
 from batchrun.engine.lora import punica
 from batchrun.engine.lora.manager import LoRAManager
 from batchrun.engine.lora.peft_config import PEFT_MODULES
@@ -56,12 +57,12 @@ def _run(mcfg, setup, monkeypatch, force_triton):
             x = torch.randn(len(names), lin.in_features, generator=g)
             assert punica.use_triton(x) == force_triton
             step = m.lora_step(token_slots)
-            y = lin(x, step)
+            y = lin(x, Step(None, step))
             expected = _expected(lin, x, names, deltas, layer_idx, module)
             torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5)
             # A no-LoRA step: exactly the base output, with adapters still loaded.
             step = m.lora_step([-1] * len(names))
-            assert torch.equal(lin(x, step), torch.nn.functional.linear(x, lin.weight))
+            assert torch.equal(lin(x, Step(None, step)), torch.nn.functional.linear(x, lin.weight))
 
 
 def test_mixed_batch_reference(mcfg, setup, monkeypatch):
@@ -86,7 +87,7 @@ def test_no_lora_launches_nothing(mcfg, setup, monkeypatch):
     step = m.lora_step([-1, -1, -1])
     lin = model.model.layers[0].self_attn.qkv_proj
     x = torch.randn(3, lin.in_features)
-    assert torch.equal(lin(x, step), torch.nn.functional.linear(x, lin.weight))
+    assert torch.equal(lin(x, Step(None, step)), torch.nn.functional.linear(x, lin.weight))
 
 
 def test_deferred_delta(mcfg, setup):
@@ -105,25 +106,25 @@ def test_deferred_delta(mcfg, setup):
         for module, lin in _linears(layer):
             x = torch.randn(len(names), lin.in_features, generator=g)
             step = m.lora_step(token_slots, fuse=True)
-            y, delta = lin(x, step, defer=True)
+            y, delta = lin(x, Step(None, step), defer=True)
             torch.testing.assert_close(y, x @ lin.weight.T, rtol=1e-5, atol=1e-5)
             assert delta.shrunk.data_ptr() == y.data_ptr() + lin.out_features * 4  # one GEMM
             want = _expected(lin, x, names, deltas, layer_idx, module)
             torch.testing.assert_close(delta.apply_reference(y), want, rtol=1e-5, atol=1e-5)
-            assert lin(x, step) is not None and step.fuse  # a plain call still adds it itself
-            torch.testing.assert_close(lin(x, step), want, rtol=1e-5, atol=1e-5)
+            assert lin(x, Step(None, step)) is not None and step.fuse  # a plain call still adds it itself
+            torch.testing.assert_close(lin(x, Step(None, step)), want, rtol=1e-5, atol=1e-5)
             step = m.lora_step(token_slots, fuse=False)
-            y, delta = lin(x, step, defer=True)
+            y, delta = lin(x, Step(None, step), defer=True)
             assert delta is None
             torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-5)
             step = m.lora_step([-1] * len(names), fuse=True)
-            y, delta = lin(x, step, defer=True)
+            y, delta = lin(x, Step(None, step), defer=True)
             assert delta is None and torch.equal(y, torch.nn.functional.linear(x, lin.weight))
             # slots below the step's slot bound only: the GEMM stacks just their A rows
             low = [n if n != "y" and n != "z" else None for n in names]  # x is in slot 0
             step = m.lora_step([-1 if n is None else slots[n] for n in low], fuse=True)
             assert step.num_slots == 1
-            y, delta = lin(x, step, defer=True)
+            y, delta = lin(x, Step(None, step), defer=True)
             S = len(lin.output_sizes)
             assert delta.num_slots == 1 and delta.shrunk.shape == (len(names), S * m.rank)
             torch.testing.assert_close(y, x @ lin.weight.T, rtol=1e-5, atol=1e-5)
@@ -157,7 +158,7 @@ def test_mixed_batch_cuda(mcfg, setup, dtype):
         module = "gate_up_proj" if layer_idx else "qkv_proj"
         x = torch.randn(len(names), lin.in_features, device="cuda").to(dtype)
         want = _expected(lin, x, names, deltas, layer_idx, module)
-        torch.testing.assert_close(lin(x, step).float(), want, rtol=tol, atol=tol)
+        torch.testing.assert_close(lin(x, Step(None, step)).float(), want, rtol=tol, atol=tol)
 
 
 @pytest.mark.gpu
@@ -176,11 +177,11 @@ def test_cuda_graph_replay_after_slot_swap(mcfg, setup):
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):  # warm-up: Triton compiles outside the capture
-        lin(x_static, step)
+        lin(x_static, Step(None, step))
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        y_static = lin(x_static, step)
+        y_static = lin(x_static, Step(None, step))
 
     m.release("x")
     sy, sz = m.acquire("y"), m.acquire("z")  # z takes x's slot

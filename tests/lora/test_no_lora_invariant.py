@@ -98,13 +98,14 @@ def _one_prefill_one_decode(engine, adapters: list[str | None]) -> tuple[torch.T
     try:
         batch = sched.schedule()
         assert batch.is_prefill and len(batch.seqs) == len(PROMPTS)
-        done, prefill = engine.runner.prefill(batch.seqs, batch.num_tokens)
-        assert done == list(range(len(PROMPTS)))
-        for seq in batch.seqs:
-            seq.token_ids.append(7)
+        prefill = engine.runner.prefill(batch)
+        assert batch.sampled == list(range(len(PROMPTS)))
+        n = len(batch.seqs)
+        sched.update(batch.seqs, [7] * n, [None] * n, [None] * n)
         batch = sched.schedule()
-        assert not batch.is_prefill and [s.index for s in batch.seqs] == list(range(len(PROMPTS)))
-        decode = engine.runner.decode(batch.seqs)
+        assert not batch.is_prefill and sorted(s.index for s in batch.seqs) == list(range(len(PROMPTS)))
+        order = [s.index for s in batch.seqs]  # LoRA rows are sorted by slot: back to PROMPTS order
+        decode = engine.runner.decode(batch)[torch.tensor([order.index(i) for i in range(n)])]
         return prefill.clone(), decode.clone()
     finally:
         for seq in list(sched.running):

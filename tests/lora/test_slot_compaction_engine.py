@@ -17,11 +17,11 @@ def _run(tmp_path, adapters, max_loras, reqs):
     tops = []  # the highest slot of each LoRA decode step
     decode = engine.runner.decode
 
-    def spy(seqs, prev=None):
-        top = max(s.lora_slot for s in seqs)
+    def spy(batch, prev=None):
+        top = max(s.lora_slot for s in batch.seqs)
         if top >= 0:
             tops.append(top)
-        return decode(seqs, prev)
+        return decode(batch, prev)
     engine.runner.decode = spy
     out = [r.output_token_ids for r in engine.generate(reqs)]
     return out, tops, engine.lora.num_moves

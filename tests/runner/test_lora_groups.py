@@ -29,9 +29,9 @@ def _run(tmp_path, name, max_loras):
         engine = load_engine(s)
         orig_step, orig_forward = engine.runner.decode, engine.runner.decode_forward
 
-        def decode(seqs, prev=None):
-            steps.append({q.adapter for q in seqs})
-            return orig_step(seqs, prev)
+        def decode(batch, prev=None):
+            steps.append({q.adapter for q in batch.seqs})
+            return orig_step(batch, prev)
 
         def decode_forward(rows, lora):  # the CPU engine runs every decode step eagerly
             flags.append(lora is not None)  # the LoRA path ran (False: the no-LoRA path)

@@ -41,9 +41,9 @@ def _run(tmp_path, name, streamed):
         engine = load_engine(s)
         orig = engine.runner.decode
 
-        def decode(seqs, prev=None):
-            steps.append({q.request_id[0] for q in seqs})  # request ids are (unit, row)
-            return orig(seqs, prev)
+        def decode(batch, prev=None):
+            steps.append({q.request_id[0] for q in batch.seqs})  # request ids are (unit, row)
+            return orig(batch, prev)
         engine.runner.decode = decode
         engines.append(engine if streamed else ListOnly(engine))
         return engines[-1]

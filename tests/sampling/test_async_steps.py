@@ -1,4 +1,4 @@
-"""Async scheduling (engine.async_scheduling, StepLoop._advance in engine/steps.py): the host
+"""Async scheduling (experiments.async_scheduling, Engine.step_async in engine/engine.py): the host
 plans step n+1 before it has read step n's tokens. Every row's result must equal the synchronous
 loop's, whatever ends it (length, EOS / stop token, stop string, min_tokens), however it samples
 (greedy, temperature / top-k / top-p with seeds, logprobs, penalties: those wait for their
@@ -9,6 +9,7 @@ import pytest
 
 from batchrun.engine.config import EngineConfig, SamplingParams
 from batchrun.engine.engine import Engine
+from batchrun.engine.envs import Experiments
 from batchrun.engine.request import Request
 from tests.tiny_models import random_prompts, save_hf_model, save_peft_adapters
 
@@ -16,8 +17,9 @@ PROMPTS = ["hello world", "abc xyz", "tiny model run", "a", "the quick brown fox
            "zz top", "one two three four", "lorem ipsum dolor", "qq", "batch rows"]
 
 
-def engine(model, adapters=None, **cfg):
+def engine(model, adapters=None, async_scheduling=True, mixed_steps=False, **cfg):
     cfg = dict(dict(device="cpu", max_model_len=128, max_num_seqs=3), **cfg)
+    cfg["experiments"] = Experiments(async_scheduling=async_scheduling, mixed_steps=mixed_steps)
     return Engine.from_config(EngineConfig(model=model, enable_lora=bool(adapters), **cfg),
                               adapters=adapters)
 
@@ -27,9 +29,9 @@ def run(eng, requests, spy=None):
     steps = []
     orig = eng.runner.decode
 
-    def decode(seqs, prev=None):
-        steps.append((len(seqs), sum(1 for s in seqs if s.num_pending)))
-        return orig(seqs, prev)
+    def decode(batch, prev=None):
+        steps.append((len(batch.seqs), sum(1 for j in batch.pending_rows if j >= 0)))
+        return orig(batch, prev)
     eng.runner.decode = decode
     try:
         return eng.generate(requests), steps
@@ -90,7 +92,7 @@ def mixed_requests(base, prompts):
 @pytest.mark.parametrize("cfg", [
     {},
     {"max_num_seqs": 5, "num_kv_blocks": 13, "block_size": 4, "max_model_len": 48},  # preemption
-    {"enable_mixed_steps": True, "max_num_batched_tokens": 12, "enable_prefix_caching": False},
+    {"mixed_steps": True, "max_num_batched_tokens": 12, "enable_prefix_caching": False},
 ], ids=["plain", "preempt", "mixed"])
 def test_async_steps_give_the_synchronous_results(char_model, tok, cfg):
     prompts = [tok(p)["input_ids"] for p in PROMPTS] * 2  # repeats: prefix-cache hits
@@ -173,14 +175,14 @@ def test_a_preempted_row_whose_pending_token_ends_it_finishes_from_the_queue():
     sched.add(new)
     batch = sched.schedule()
     assert batch.is_prefill and batch.seqs == [old, new]
-    for s in batch.seqs:  # what the engine does when it launches the step: computed, token pending
-        s.num_computed, s.num_pending = s.num_tokens, 1
+    # scheduling the step computed both prompts and counted each row's sampled token as pending
+    assert [(s.num_computed, s.num_pending) for s in batch.seqs] == [(4, 1), (3, 1)]
     batch = sched.schedule()  # old's pending token needs a second block: new is the victim
     assert not batch.is_prefill and batch.seqs == [old]
     assert new.status is SeqStatus.WAITING and list(sched.waiting) == [new]
     assert sched.num_recomputed_tokens == 3
-    new.num_pending -= 1
-    new.token_ids.append(9)  # the engine reads its token back: it ends by length
-    sched.finish(new, "length")
+    # the engine reads the first step's tokens back: new's ends it by length
+    assert sched.update([old, new], [3, 9], [None, None], [None, None]) == [new]
+    assert new.token_ids[-1] == 9 and new.num_pending == 0 and new.finish_reason == "length"
     assert new.status is SeqStatus.FINISHED and not sched.waiting and sched.running == [old]
     assert sched.num_recomputed_tokens == 0 and sched.blocks.num_free == 0

@@ -43,3 +43,12 @@ class RMSNorm(nn.Module):
             shrink.out.copy_(ref_lora_shrink_rows(normed, shrink.lora_a, shrink.token_slots,
                                                   shrink.num_slots))
         return out
+
+    def add_norm(self, x: torch.Tensor, residual: torch.Tensor | None,
+                 lora: LoRADelta | None = None, shrink: LoRAShrink | None = None):
+        """The residual stream's add + norm: (norm(residual + x), residual + x); the first
+        layer's (residual None, no delta before it) starts the stream at x."""
+        if residual is None:
+            assert lora is None, "a pending LoRA delta before the first layer"
+            return self(x, shrink=shrink), x
+        return self(x, residual, lora=lora, shrink=shrink)

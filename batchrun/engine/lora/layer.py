@@ -8,7 +8,9 @@ only slots below k (`LoRAStep.num_slots`) streams k slots' A rows, not all L.
 
 A step without LoRA tokens (`Step.lora is None`) never reaches the hook: `Linear.forward`
 runs its GEMM on `linear.weight`, the same call (and kernel) as without LoRA. The hook gets
-the step's `LoRAStep` and has two cases:
+the step's `LoRAStep` and the GEMM kernel the step plan names for this projection
+(engine/step_plan.py; W's kernel, so W's columns come out as in a no-LoRA step) and has two
+cases:
 
 - a fused step (`LoRAStep.fuse`, set on the Triton path for decode steps and for prefill steps
   of up to `lora_fused_max_tokens` tokens) and a caller that can fuse (`defer`): one GEMM with
@@ -18,9 +20,10 @@ the step's `LoRAStep` and has two cases:
 - otherwise (larger prefills, CPU, callers without a fusing consumer): y = x W.T, then the
   Punica shrink + expand add the delta in place (kernels on CUDA, torch references on CPU).
 
-gate_up on a fused step of few rows does not call the hook: its fused GEMM + SiLU kernel
-streams only W, the norm before it computes the shrink (`shrink_for`, kernels/rms_norm_shrink.py)
-and the kernel's epilogue adds the delta (`delta_from`) before the SiLU (models/llama.py's MLP).
+gate_up on a fused step whose plan runs it in the fused GEMM + SiLU kernel
+(`GemmPlan.gate_up_silu`) does not call the hook: that kernel streams only W, the norm before
+it computes the shrink (`shrink_for`, kernels/rms_norm_shrink.py) and the kernel's epilogue
+adds the delta (`delta_from`) before the SiLU (models/llama.py's MLP).
 """
 from __future__ import annotations
 
@@ -103,20 +106,20 @@ class LoRALinear:
         """The LoRADelta for this projection's consumer once the norm has filled shrink.out."""
         return LoRADelta(shrink.out, self.lora_b, step.token_slots, self.slice_offsets)
 
-    def forward(self, linear, x: Tensor, step: LoRAStep,
+    def forward(self, linear, x: Tensor, step: LoRAStep, kernel: str | None,
                 defer: bool) -> tuple[Tensor, LoRADelta | None]:
-        # x: [T, in] -> (y [T, out], pending delta or None); step: this step's LoRA part
+        # x: [T, in] -> (y [T, out], pending delta or None); step: this step's LoRA part;
+        # kernel: the GEMM the step plan names for this projection
         m = self.manager
         if defer and step.fuse:
             N = linear.out_features
             rows = N + self._shrunk_cols(step)
             bias = None if self.bias_full is None else self.bias_full[:rows]
             # the kernel is chosen by W alone, so W's columns come out as in a no-LoRA step
-            kernel = linear.kernel(x)
             full = gemm.linear(x, self.weight_full[:rows], bias, kernel)  # [T, N + k*S*R]
             return full[:, :N], LoRADelta(full[:, N:], self.lora_b, step.token_slots,
                                           self.slice_offsets)
-        y = gemm.linear(x, linear.weight, linear.bias, linear.kernel(x))
+        y = gemm.linear(x, linear.weight, linear.bias, kernel)
         # m.shrink_buffer: flat fp32 scratch shared by all layers; add_lora views its split-K
         # partials [splits, S, T, R] out of it.
         punica.add_lora(x, y, self.lora_a, self.lora_b, m.shrink_buffer, self.slice_offsets,

@@ -1,0 +1,58 @@
+"""The step plan: every kernel choice of a step, made once by the model runner and carried to
+the layers in the step's `Step` (layers/step.py). Layers read it; none decides a kernel.
+
+What a plan fixes, besides the graphs the step replays (cudagraph_dispatcher.dispatch) and its
+LoRA part (`Step.lora`: None when no token has an adapter; its slot bound `num_slots` and
+whether deltas ride into the next kernel, `fuse`):
+
+- the GEMM each projection kind runs (`GemmPlan`): cuBLAS, or, on steps of at most MAX_ROWS
+  rows (decode at latency batch sizes: what a graph of batch <= 16 replays), batchrun's
+  Triton GEMM that only streams the weight (kernels/skinny_gemm.py), when all of these hold:
+  the experiment switch `triton_decode_gemm` is on, Triton runs (CUDA, or
+  BATCHRUN_FORCE_TRITON on CPU for tests), the dtype is fp16 / bf16, and the weight has at
+  least MIN_WEIGHT_ELEMENTS elements. Narrower weights give too few programs (N / 32) too
+  little of W each, and cuBLAS (with split-K) keeps up or wins (docs/benchmarks.md). Steps of more rows
+  (a throughput batch's decode, prefill) stay on cuBLAS;
+- whether gate_up runs in the fused GEMM + SiLU kernel (`gate_up_silu`: when it takes the
+  skinny GEMM), with its LoRA shrink computed by the norm before it on fused LoRA steps.
+
+The choice depends only on the step's row count, the model's dtype and weight shapes and the
+device, so a given step shape always takes the same kernels: graph replay equals eager, and a
+no-LoRA step of a LoRA engine launches exactly the LoRA-disabled engine's kernels.
+"""
+from __future__ import annotations
+
+import torch
+
+from batchrun.engine.layers.backend import use_triton
+from batchrun.engine.layers.step import GEMM_KINDS, GemmPlan
+
+MAX_ROWS = 16  # kernels/skinny_gemm.py's MAX_ROWS
+MIN_WEIGHT_ELEMENTS = 12288 * 4096  # 48M: Llama-2-7b's qkv_proj takes it, down_proj (45M) not
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def gemm_kernel(enabled: bool, rows: int, probe: torch.Tensor, shape: tuple[int, int]) -> str | None:
+    """The GEMM a [rows, K] input @ [N, K].T weight runs in: "skinny" or None (cuBLAS).
+    probe: a tensor of the step's device and the model's dtype."""
+    if not (enabled and rows <= MAX_ROWS and probe.dtype in _HALF and use_triton(probe)):
+        return None
+    n, k = shape
+    return "skinny" if n * k >= MIN_WEIGHT_ELEMENTS else None
+
+
+def plan_gemms(enabled: bool, rows: int, probe: torch.Tensor,
+               shapes: dict[str, tuple[int, int]]) -> GemmPlan:
+    """The GemmPlan of a forward over `rows` rows; shapes: each projection kind's weight shape
+    [N, K] (every layer's projection of one kind has the same shape)."""
+    return GemmPlan(**{kind: gemm_kernel(enabled, rows, probe, shapes[kind]) for kind in GEMM_KINDS})
+
+
+def weight_shapes(model) -> dict[str, tuple[int, int]]:
+    """Each projection kind's weight shape [N, K] (layer 0's; the layers are alike)."""
+    layer = model.model.layers[0]
+    linears = {"qkv_proj": layer.self_attn.qkv_proj, "o_proj": layer.self_attn.o_proj,
+               "gate_up_proj": layer.mlp.gate_up_proj, "down_proj": layer.mlp.down_proj}
+    shapes = {kind: (m.out_features, m.in_features) for kind, m in linears.items()}
+    shapes["lm_head"] = tuple(model.lm_head.weight.shape)
+    return shapes
