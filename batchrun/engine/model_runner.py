@@ -52,9 +52,6 @@ class ModelRunner:
         self._triton_gemm = config.experiments.triton_decode_gemm
         self._shapes = weight_shapes(model)
         self._probe = torch.empty(0, dtype=dtype, device=device)
-        if torch.device(device).type == "cuda":  # kernels/pdl.py: process-wide, read at launch
-            from batchrun.kernels.pdl import set_pdl
-            set_pdl(config.experiments.pdl)
         cfg = model.config
         self.block_size = blocks.block_size
         self.max_blocks_per_seq = -(-config.max_model_len // self.block_size)

@@ -2,6 +2,7 @@
 import pytest
 
 from batchrun.engine.config import EngineConfig, SamplingParams
+from batchrun.engine.envs import Experiments
 from batchrun.engine.engine import Engine
 from batchrun.engine.request import Request
 from tests.tiny_models import random_prompts, save_hf_model
@@ -38,7 +39,7 @@ def test_preemption_and_chunked_prefill_keep_outputs(model_dir):
     # 16 usable blocks of 16 tokens = 256 tokens of KV for 17 rows: forces preemption;
     # a 48-token budget prefills the 130-token prompt in 3 chunks
     tight, engine = run(model_dir, prompts, max_num_seqs=17, max_num_batched_tokens=48,
-                        num_kv_blocks=17)
+                        experiments=Experiments(num_kv_blocks=17))
     assert engine.stats["preemptions"] > 0
     assert tight == ref
 

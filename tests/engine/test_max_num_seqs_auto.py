@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from batchrun.engine.config import AUTO_MAX_NUM_SEQS, EngineConfig, SamplingParams
+from batchrun.engine.envs import Experiments
 from batchrun.engine.engine import Engine
 from batchrun.engine.cudagraph_dispatcher import capture_sizes
 from batchrun.engine.request import Request
@@ -39,7 +40,7 @@ def test_auto_is_the_kv_blocks_that_fit_capped_on_cpu():
     base = EngineConfig(model=str(DEMO), device="cpu", max_model_len=128, max_num_seqs="auto")
     assert resolve_max_num_seqs(mcfg, base, cpu, torch.float32).max_num_seqs == AUTO_MAX_NUM_SEQS["cpu"]
     for blocks, want in ((9, 1), (20, 2), (8 * 5 + 1, 5), (10_000, AUTO_MAX_NUM_SEQS["cpu"])):
-        cfg = dataclasses.replace(base, num_kv_blocks=blocks)  # 128 / 16 = 8 blocks a sequence, +1 scratch
+        cfg = dataclasses.replace(base, experiments=Experiments(num_kv_blocks=blocks))  # 128 / 16 = 8 blocks a sequence, +1 scratch
         assert resolve_max_num_seqs(mcfg, cfg, cpu, torch.float32).max_num_seqs == want, blocks
     explicit = dataclasses.replace(base, max_num_seqs=40)
     assert resolve_max_num_seqs(mcfg, explicit, cpu, torch.float32) is explicit
@@ -47,7 +48,8 @@ def test_auto_is_the_kv_blocks_that_fit_capped_on_cpu():
 
 def test_the_engine_runs_with_the_resolved_value():
     engine = Engine.from_config(EngineConfig(model=str(DEMO), device="cpu", max_model_len=128,
-                                             max_num_seqs="auto", num_kv_blocks=8 * 3 + 1))
+                                             max_num_seqs="auto",
+                                             experiments=Experiments(num_kv_blocks=8 * 3 + 1)))
     assert engine.config.max_num_seqs == 3
     assert max(capture_sizes(engine.config.max_num_seqs)) == 3  # CUDA graph sizes follow it
     sp = SamplingParams(max_tokens=8, ignore_eos=True)

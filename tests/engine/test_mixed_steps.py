@@ -1,7 +1,6 @@
 """Mixed steps (CPU fp32): decode rows and prompt chunks in one step, within the token budget;
 the same greedy tokens as with mixed steps off (and as HF), under preemption, chunked prompts and
 LoRA; the scheduler never drops a row it already put in the step; the config switch."""
-import unittest.mock as mock
 
 import pytest
 
@@ -42,10 +41,11 @@ def batches(monkeypatch):
     return seen
 
 
-def generate(model_dir, prompts, max_tokens, adapters=None, names=None, mixed_steps=True, **cfg):
+def generate(model_dir, prompts, max_tokens, adapters=None, names=None, mixed_steps=True,
+             num_kv_blocks=None, **cfg):
     # mixed steps are opt-in (Experiments' default is off)
     cfg = dict(dict(device="cpu", max_model_len=256), **cfg)
-    cfg["experiments"] = Experiments(mixed_steps=mixed_steps)
+    cfg["experiments"] = Experiments(mixed_steps=mixed_steps, num_kv_blocks=num_kv_blocks)
     engine = Engine.from_config(EngineConfig(model=model_dir, enable_lora=bool(adapters), **cfg),
                                 adapters=adapters)
     names = names or [None] * len(prompts)
@@ -169,34 +169,20 @@ def test_more_decode_rows_than_the_budget_fall_back_to_a_prefill_step():
     assert batch.is_prefill and batch.num_decode == 0 and [s.index for s in batch.seqs] == [4]
 
 
-def test_config_switch():
-    assert EngineConfig(model="m").enable_mixed_steps is False  # opt-in: measured no faster yet
-    with pytest.raises(ValueError, match="enable_mixed_steps: expected true or false"):
-        EngineConfig(model="m", enable_mixed_steps="yes")
-    raw = {"model": "m", "input": {"path": "in.parquet"}, "output": {"path": "out"}}
-    assert parse_job(raw, base_dir="/jobs").engine.enable_mixed_steps is False
-    raw["engine"] = {"enable_mixed_steps": True}
-    assert parse_job(raw, base_dir="/jobs").engine.enable_mixed_steps is True
-    raw["engine"] = {"enable_mixed_steps": "no"}
-    with pytest.raises(ConfigError, match="engine.enable_mixed_steps: expected true or false"):
+def test_mixed_steps_are_an_experiment_switch_not_a_job_key():
+    assert Experiments().mixed_steps is False  # opt-in: measured no faster
+    assert Experiments.from_env({"BATCHRUN_MIXED_STEPS": "1"}).mixed_steps is True
+    with pytest.raises(ConfigError, match="BATCHRUN_MIXED_STEPS"):
+        Experiments.from_env({"BATCHRUN_MIXED_STEPS": "yes please"})
+    raw = {"model": "m", "input": {"path": "in.parquet"}, "output": {"path": "out"},
+           "engine": {"enable_mixed_steps": True}}
+    with pytest.raises(ConfigError, match="BATCHRUN_MIXED_STEPS"):
         parse_job(raw, base_dir="/jobs")
 
 
-def test_bench_throughput_flag():
+def test_bench_throughput_flag_is_refused_with_its_variable():
     from click.testing import CliRunner
 
-    from batchrun.bench import throughput
-    from batchrun.bench.throughput import ThroughputParams
     from batchrun.cli import main
-    assert ThroughputParams().engine_section()["enable_mixed_steps"] is False
-    assert ThroughputParams(enable_mixed_steps=True).engine_section()["enable_mixed_steps"] is True
-    got = {}
-
-    def fake_run(p, log, command):
-        got["p"] = p
-        raise SystemExit(0)
-    with mock.patch.object(throughput, "run_throughput", fake_run):
-        res = CliRunner().invoke(main, ["bench", "throughput", "--preset", "tiny",
-                                        "--enable-mixed-steps"])
-    assert res.exit_code == 0, res.output
-    assert got["p"].enable_mixed_steps is True
+    res = CliRunner().invoke(main, ["bench", "throughput", "--preset", "tiny", "--enable-mixed-steps"])
+    assert res.exit_code == 2 and "BATCHRUN_MIXED_STEPS" in res.output, res.output

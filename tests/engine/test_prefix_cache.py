@@ -5,6 +5,7 @@ its prompt's blocks."""
 import pytest
 
 from batchrun.engine.config import EngineConfig, SamplingParams
+from batchrun.engine.envs import Experiments
 from batchrun.engine.engine import Engine
 from batchrun.engine.request import Request
 from tests.tiny_models import random_prompts, save_hf_model, save_peft_adapters
@@ -148,7 +149,7 @@ def test_preemption_with_a_shared_prefix(dirs, engines):
     their own and their neighbours' blocks); the tokens stay those of the uncached engine."""
     reqs = shared_prefix_requests()
     want = tokens(engines[False], reqs)
-    tight = make_engine(dirs, True, num_kv_blocks=12, max_num_batched_tokens=40, max_model_len=80)
+    tight = make_engine(dirs, True, experiments=Experiments(num_kv_blocks=12), max_num_batched_tokens=40, max_model_len=80)
     prefilled = []
     real = tight.runner.prefill
     tight.runner.prefill = lambda batch, *a: (prefilled.append(sum(batch.num_tokens)), real(batch, *a))[1]

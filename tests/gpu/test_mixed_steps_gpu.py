@@ -25,8 +25,8 @@ ROWS, NEW = 48, 48
 
 def _run(model, mixed: bool, prompts):
     cfg = EngineConfig(model="llama-2-7b", max_model_len=512, max_num_seqs=16,
-                       max_num_batched_tokens=512, num_kv_blocks=1024,
-                       experiments=Experiments(mixed_steps=mixed))
+                       max_num_batched_tokens=512,
+                       experiments=Experiments(mixed_steps=mixed, num_kv_blocks=1024))
     engine = Engine.from_model(cfg, model)  # CUDA graphs for the pure decode steps
     res = engine.generate([Request(i, p, SamplingParams(max_tokens=NEW - 8 * (i % 3), logprobs=5,
                                                         ignore_eos=True))

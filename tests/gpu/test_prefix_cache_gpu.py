@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from batchrun.engine.config import EngineConfig, SamplingParams
+from batchrun.engine.envs import Experiments
 from batchrun.engine.engine import Engine
 from batchrun.engine.request import Request
 from batchrun.engine.models.config import ModelConfig
@@ -45,7 +46,8 @@ def _requests():
 
 def _run(model, adapters, caching: bool):
     cfg = EngineConfig(model="random-1b", device="cuda", dtype="float32", max_model_len=1024,
-                       max_num_seqs=16, max_num_batched_tokens=1024, num_kv_blocks=2048,
+                       max_num_seqs=16, max_num_batched_tokens=1024,
+                       experiments=Experiments(num_kv_blocks=2048),
                        enable_lora=True, max_loras=2, max_lora_rank=16,
                        enable_prefix_caching=caching)
     engine = Engine.from_model(cfg, model, None, adapters)

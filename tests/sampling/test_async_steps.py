@@ -17,9 +17,11 @@ PROMPTS = ["hello world", "abc xyz", "tiny model run", "a", "the quick brown fox
            "zz top", "one two three four", "lorem ipsum dolor", "qq", "batch rows"]
 
 
-def engine(model, adapters=None, async_scheduling=True, mixed_steps=False, **cfg):
+def engine(model, adapters=None, async_scheduling=True, mixed_steps=False, num_kv_blocks=None,
+           **cfg):
     cfg = dict(dict(device="cpu", max_model_len=128, max_num_seqs=3), **cfg)
-    cfg["experiments"] = Experiments(async_scheduling=async_scheduling, mixed_steps=mixed_steps)
+    cfg["experiments"] = Experiments(async_scheduling=async_scheduling, mixed_steps=mixed_steps,
+                                     num_kv_blocks=num_kv_blocks)
     return Engine.from_config(EngineConfig(model=model, enable_lora=bool(adapters), **cfg),
                               adapters=adapters)
 
