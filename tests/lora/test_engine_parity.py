@@ -7,7 +7,7 @@ from batchrun.engine.config import EngineConfig, SamplingParams
 from batchrun.engine.engine import Engine
 from batchrun.engine.request import Request
 from batchrun.kernels.lora_meta import LoRADelta
-from tests.tiny_models import hf_greedy, make_hf_model, random_prompts, save_hf_model
+from tests.helpers.models import hf_greedy, make_hf_model, random_prompts, save_hf_model
 
 ADAPTERS = {
     "qv": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),

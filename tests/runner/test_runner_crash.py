@@ -13,9 +13,9 @@ import pytest
 from batchrun.cli import ExitCode
 from batchrun.job.spec import load_job
 from batchrun.job.runner import run_job
-from fake_engine import FakeEngine
-from fault_helpers import wait_for
-from runner_helpers import demo_rows, expected, fork_cli, read_output
+from tests.helpers.fake_engine import FakeEngine
+from tests.helpers.faults import wait_for
+from tests.helpers.jobs import demo_rows, expected, fork_cli, read_output
 
 N_ROWS = 30  # 9 units of <= 4 rows: base 0-2, reverse 3-5, upper 6-8
 
