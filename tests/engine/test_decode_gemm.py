@@ -20,6 +20,7 @@ from tests.helpers.adapters import save_peft_adapters
 from tests.helpers.models import random_prompts, save_hf_model
 
 pytest.importorskip("triton")
+pytestmark = pytest.mark.slow  # every test runs whole engines with interpreted kernels
 
 
 @pytest.fixture(scope="module")

@@ -74,6 +74,7 @@ def _engine(tmp_path, adapters, **kw):
     return Engine.from_config(cfg, adapters or None)
 
 
+@pytest.mark.slow  # two whole engines with interpreted kernels
 @pytest.mark.parametrize("lora", [False, True])
 def test_piecewise_prefill_matches_eager(tmp_path, monkeypatch, lora):
     pytest.importorskip("triton")

@@ -37,7 +37,7 @@ def _make_adapter(variant, path, seed, kw):
 # path running under the interpreter.
 @pytest.mark.parametrize("variant,path", [("llama3_gqa", "unfused"), ("qwen2_bias", "unfused"),
                                           ("llama3_gqa", "fused_ref"), ("qwen2_bias", "fused_ref"),
-                                          ("llama3_gqa", "fused_triton")])
+                                          pytest.param("llama3_gqa", "fused_triton", marks=pytest.mark.slow)])
 def test_engine_matches_peft(tmp_path, variant, path, monkeypatch):
     from peft import PeftModel
     import batchrun.engine.model_runner as model_runner
