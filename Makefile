@@ -1,6 +1,8 @@
 # batchrun: the two commands anyone needs.
 #   make demo   set up .venv (first time), run the demo job on the CPU, print a few output rows
-#   make test   set up .venv (first time), run the CPU test suite (what CI runs)
+#   make test   set up .venv (first time), run the CPU test suite (what CI runs), on 2 processes
+#   make test-fast  the same without the tests marked `slow` (whole engines or kernels under the
+#               Triton interpreter): the edit loop's subset, a few minutes on 2 cores
 # Works on a fresh machine with only python3 (3.10+) and pip: everything else goes into .venv.
 
 PYTHON ?= python3
@@ -9,7 +11,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 CONSTRAINTS := requirements/cpu-constraints.txt
 
-.PHONY: all venv test demo plan clean-demo
+.PHONY: all venv test test-fast demo plan clean-demo
 
 all: test
 
@@ -23,8 +25,17 @@ $(STAMP): pyproject.toml $(CONSTRAINTS)
 venv: $(STAMP)
 
 # TRITON_INTERPRET=1: the Triton kernels run (slowly, exactly) on the CPU; GPU-only tests skip.
+# TEST_WORKERS: pytest-xdist processes (-n; 0 runs everything in this process). --dist loadscope
+# hands each test module to one worker: module-scoped fixtures (reference engines) are built
+# once, and a module's tests that share an external resource (tests/slurm's one node) never
+# run at the same time.
+TEST_WORKERS ?= 2
+PYTEST := TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadscope
 test: $(STAMP)
-	TRITON_INTERPRET=1 $(BIN)/python -m pytest -m "not gpu" -q
+	$(PYTEST) -m "not gpu"
+
+test-fast: $(STAMP)
+	$(PYTEST) -m "not gpu and not slow"
 
 # The demo model and adapters ship in demo/; they are retrained only if missing (a few minutes).
 demo/model/config.json:

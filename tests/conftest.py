@@ -9,6 +9,9 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# the shared fixtures (tiny model dir, job factories), available in every folder
+from tests.helpers.fixtures import char_model, job_factory, make_job, tiny_model  # noqa: E402,F401
+
 
 def pytest_collection_modifyitems(config, items):
     # Tests marked `gpu` need CUDA; on CPU machines they are skipped, not failed.

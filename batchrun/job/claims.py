@@ -42,6 +42,7 @@ import threading
 import time
 from typing import Callable, Iterable, Iterator
 
+from batchrun.errors import OutputIOError, io_message
 from batchrun.job.output import OutputDir
 from batchrun.job.plan import Unit
 
@@ -130,12 +131,12 @@ class UnitClaims:
                 os.write(fd, json.dumps({**self.owner, "claimed": self.clock()}).encode())
             finally:
                 os.close(fd)
-        except OSError:  # disk full, quota: an empty claim would look live to every worker
+        except OSError as e:  # disk full, quota: an empty claim would look live to every worker
             try:
                 os.unlink(path)
             except OSError:
                 pass
-            raise
+            raise OutputIOError(io_message(e, "cannot claim a unit")) from None
         return True
 
     def _predecessor(self, data: dict | None) -> bool:

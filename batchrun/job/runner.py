@@ -32,14 +32,14 @@ from batchrun.job.claims import UnitClaims
 from batchrun.job.commit import check_part, read_commits
 from batchrun.engine.request import Result
 from batchrun.errors import ConfigError, OutputIOError, io_message
-from batchrun.job.feeder import END as FEED_END, FLUSH, Feeder, UnitSource
+from batchrun.job.feeder import Feeder, UnitSource
 from batchrun.job.interrupt import Interrupted, Signals
 from batchrun.job.inputs import RowReader
 from batchrun.job.spec import JobSpec
 from batchrun.job.lock import LockBusy, TaskLock
 from batchrun.job.metrics import write_metrics
 from batchrun.job.output import OutputDir
-from batchrun.job.plan import Unit, assign_tasks, engine_groups, group_rows, seqs_bound
+from batchrun.job.plan import Unit, assign_tasks, seqs_bound
 from batchrun.job.progress import Progress
 from batchrun.job.prepare import Prepared, prepare
 from batchrun.job.rows import UnitWork, arrow_columns, build_unit, input_columns, unit_table
@@ -373,8 +373,7 @@ class TaskRunner:
             return work
 
         pending: dict[int, UnitWork] = {}
-        streams = hasattr(engine, "generate_stream")
-        writer = Writer(self._finish, WRITER_QUEUE_UNITS, inline=not streams).start()
+        writer = Writer(self._finish, WRITER_QUEUE_UNITS).start()
         # claims go ahead of the engine only this far: enough to refill its batch, little enough that
         # other workers of the output dir still find units (and bounded memory)
         seqs = getattr(getattr(engine, "config", None), "max_num_seqs", None)  # resolved by the engine
@@ -398,10 +397,7 @@ class TaskRunner:
         source = UnitSource(feeder, on_unit, poll=writer.check)
         on_result = self._on_result(pending, writer.put)
         try:
-            if streams:
-                engine.generate_stream(source, on_result)
-            else:
-                self._generate_by_groups(engine, source, on_result)
+            engine.generate_stream(source, on_result)
             if source.error is not None:  # the units before it ran and are committed below
                 raise source.error
             if pending:
@@ -426,36 +422,6 @@ class TaskRunner:
             except Exception as e:
                 if e is not error:
                     self.log(f"task {self.task_id}: while stopping: {e}")
-
-    def _generate_by_groups(self, engine, source: UnitSource, on_result) -> None:
-        """Engines without ``generate_stream`` (test doubles): one ``generate`` call per engine
-        group (``plan.engine_groups``), fed by the same feeder and writer."""
-        cap, max_loras = group_rows(self.spec.engine.max_num_seqs), self.spec.engine.max_loras
-        carry = None
-        while carry is not None or not source.ended:
-            group: list[UnitWork] = [carry] if carry is not None else []
-            carry = None
-            while True:
-                work = source.get(wait=True, flush=True)
-                if work is FLUSH:  # the claims wait on other workers: run what this worker holds
-                    if group:
-                        break
-                    continue
-                if work is FEED_END:
-                    break
-                if group and len(engine_groups([w.unit for w in group] + [work.unit], cap, max_loras)) > 1:
-                    carry = work  # starts the next group
-                    break
-                group.append(work)
-            requests = []
-            for work in group:  # registered as they go to the engine, as the stream does
-                if not source.register(work):
-                    carry = None
-                    break
-                requests += work.requests
-            if requests:
-                for res in engine.generate(requests, on_result=on_result):
-                    on_result(res)  # rows the engine returned without a callback
 
     # ---- metrics ----------------------------------------------------------------------------
 

@@ -2,14 +2,12 @@
 with a chat template whose sampled tokens depend on the seed (for job-parity tests)."""
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "runner"))
 
-from runner_helpers import CHARS, SPECIALS, build_tokenizer  # noqa: E402
+from tests.helpers.tokenizer import CHARS, SPECIALS, build_tokenizer
 
 DEMO = Path(__file__).resolve().parent.parent.parent / "demo"
 

@@ -1,14 +1,11 @@
 """batchrun.run and batchrun.LLM: the same validation, engine and row builder as the CLI."""
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "runner"))
-
-import batchrun  # noqa: E402
-from batchrun.errors import ConfigError  # noqa: E402
-from runner_helpers import read_output, write_rows  # noqa: E402
+import batchrun
+from batchrun.errors import ConfigError
+from tests.helpers.jobs import read_output, write_rows
 
 DEMO = Path(__file__).resolve().parent.parent.parent / "demo"
 

@@ -7,7 +7,7 @@ import batchrun
 from batchrun.errors import ConfigError
 from batchrun.job.runner import run_job
 from batchrun.job.spec import load_job
-from runner_helpers import read_output, write_job, write_rows
+from tests.helpers.jobs import read_output, write_job, write_rows
 
 SAMPLING = {"max_tokens": 12, "temperature": 1.0, "seed": 7, "n": 2}
 PROMPTS = {100: "hello there", 205: "the quick fox", 317: "abc xyz", 452: "hello there"}

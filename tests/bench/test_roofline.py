@@ -6,7 +6,7 @@ import pytest
 from batchrun.bench.roofline import bf16_peak, decode_bytes_per_step, decode_roofline, hbm_peak
 from batchrun.engine.config import EngineConfig
 from batchrun.engine.engine import Engine
-from tests.tiny_models import save_hf_model
+from tests.helpers.models import save_hf_model
 
 
 @pytest.mark.parametrize("name,peak", [("NVIDIA H200", 4.8e12), ("NVIDIA H100 80GB HBM3", 3.35e12),

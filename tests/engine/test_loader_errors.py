@@ -7,7 +7,7 @@ from safetensors.torch import load_file, save_file
 
 from batchrun.errors import ModelLoadError
 from batchrun.engine.models.loader import inspect_model, load_model
-from tests.tiny_models import save_hf_model
+from tests.helpers.models import save_hf_model
 
 
 @pytest.fixture()

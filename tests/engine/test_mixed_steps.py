@@ -14,8 +14,8 @@ from batchrun.engine.scheduler import Scheduler
 from batchrun.engine.sequence import Sequence, SeqStatus
 from batchrun.errors import ConfigError
 from batchrun.job.spec import parse_job
-from tests.lora.test_engine_parity import _make_adapter
-from tests.tiny_models import hf_greedy, random_prompts, save_hf_model
+from tests.helpers.adapters import parity_adapter
+from tests.helpers.models import hf_greedy, random_prompts, save_hf_model
 
 
 @pytest.fixture(scope="module")
@@ -107,8 +107,8 @@ def test_preemption_under_a_tiny_kv_cache_keeps_outputs(model):
 
 def test_lora_and_base_rows_in_one_mixed_step(tmp_path, model, batches):
     model_dir, _ = model
-    _make_adapter("llama3_gqa", tmp_path / "a", 7, dict(r=4, lora_alpha=8, target_modules="all-linear"))
-    _make_adapter("llama3_gqa", tmp_path / "b", 8, dict(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"]))
+    parity_adapter("llama3_gqa", tmp_path / "a", 7, dict(r=4, lora_alpha=8, target_modules="all-linear"))
+    parity_adapter("llama3_gqa", tmp_path / "b", 8, dict(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"]))
     adapters = {"a": str(tmp_path / "a"), "b": str(tmp_path / "b")}
     names = [None, "a", "b", None, "a", None, "b", "a"]
     prompts = random_prompts(8, [5, 17, 9, 26], 211, seed=6)

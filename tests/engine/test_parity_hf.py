@@ -4,7 +4,7 @@ import pytest
 from batchrun.engine.config import EngineConfig, SamplingParams
 from batchrun.engine.engine import Engine
 from batchrun.engine.request import Request
-from tests.tiny_models import VARIANTS, hf_greedy, random_prompts, save_hf_model
+from tests.helpers.models import hf_greedy, random_prompts, save_hf_model, VARIANTS
 
 LENGTHS = [1, 7, 33, 200, 64, 3]
 NEW = 40

@@ -13,7 +13,7 @@ from batchrun.engine.envs import Experiments
 from batchrun.engine.cudagraph_dispatcher import CudaGraphs, token_buckets
 from batchrun.engine.prefill_graphs import PrefillGraphs
 from batchrun.engine.request import Request
-from tests.tiny_models import random_prompts, save_hf_model
+from tests.helpers.models import random_prompts, save_hf_model
 
 
 class EagerPieces(PrefillGraphs):
@@ -37,11 +37,11 @@ class EagerPieces(PrefillGraphs):
 def tiny_model_and_adapters(tmp_path, lora: bool):
     """A tiny Llama (GQA) in tmp_path/base and, with lora, two real PEFT adapters of it (q/v
     only, all linear layers): (the HF model, {adapter name: dir})."""
-    from tests.lora.test_engine_parity import ADAPTERS, _make_adapter
+    from tests.helpers.adapters import ADAPTERS, parity_adapter
     base = save_hf_model("llama3_gqa", tmp_path / "base")
     adapters = {}
     for i, name in enumerate(("qv", "all") if lora else ()):
-        _make_adapter("llama3_gqa", tmp_path / name, 100 + i, ADAPTERS[name])
+        parity_adapter("llama3_gqa", tmp_path / name, 100 + i, ADAPTERS[name])
         adapters[name] = str(tmp_path / name)
     return base, adapters
 
@@ -53,6 +53,7 @@ def _engine(tmp_path, adapters, **kw):
     return Engine.from_config(cfg, adapters or None)
 
 
+@pytest.mark.slow  # two whole engines with interpreted kernels
 @pytest.mark.parametrize("lora", [False, True])
 def test_piecewise_prefill_matches_eager(tmp_path, monkeypatch, lora):
     pytest.importorskip("triton")

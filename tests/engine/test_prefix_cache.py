@@ -8,7 +8,8 @@ from batchrun.engine.config import EngineConfig, SamplingParams
 from batchrun.engine.envs import Experiments
 from batchrun.engine.engine import Engine
 from batchrun.engine.request import Request
-from tests.tiny_models import random_prompts, save_hf_model, save_peft_adapters
+from tests.helpers.adapters import save_peft_adapters
+from tests.helpers.models import random_prompts, save_hf_model
 
 NEW = 8
 BS = 16

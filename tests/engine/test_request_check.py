@@ -34,7 +34,7 @@ def test_too_long_is_the_same_rule_on_columns():
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from tests.tiny_models import save_hf_model
+    from tests.helpers.models import save_hf_model
     d = tmp_path_factory.mktemp("m") / "llama3_gqa"
     save_hf_model("llama3_gqa", d, seed=3)
     return str(d)

@@ -11,15 +11,15 @@ from batchrun.engine.cudagraph_dispatcher import CudaGraphs, GraphKey
 from batchrun.engine.scheduler import Scheduler
 from batchrun.engine.sequence import Sequence
 from batchrun.engine.layers.step import LoRAStep, Step
-from tests.lora.test_engine_parity import _make_adapter
-from tests.tiny_models import random_prompts, save_hf_model
+from tests.helpers.adapters import parity_adapter
+from tests.helpers.models import random_prompts, save_hf_model
 
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
     root = tmp_path_factory.mktemp("step")
     save_hf_model("llama3_gqa", root / "base")
-    _make_adapter("llama3_gqa", root / "a", 1, dict(r=4, lora_alpha=8, target_modules=["q_proj", "down_proj"]))
+    parity_adapter("llama3_gqa", root / "a", 1, dict(r=4, lora_alpha=8, target_modules=["q_proj", "down_proj"]))
     cfg = EngineConfig(model=str(root / "base"), device="cpu", max_model_len=64, max_num_seqs=4,
                        enable_lora=True, max_loras=1, max_lora_rank=4)
     return Engine.from_config(cfg, adapters={"a": str(root / "a")})

@@ -6,7 +6,8 @@ import pytest
 from batchrun.engine.config import EngineConfig, SamplingParams
 from batchrun.engine.engine import Engine
 from batchrun.engine.request import Request
-from tests.tiny_models import random_prompts, save_hf_model, save_peft_adapters
+from tests.helpers.adapters import save_peft_adapters
+from tests.helpers.models import random_prompts, save_hf_model
 
 NEW = 6
 NAMES = ["a", "b", "c"]

@@ -70,13 +70,13 @@ def test_bf16_parity_with_hf_llama2_7b_shape():
 
 
 def _tiny_lora_engine(tmp_path, enforce_eager, enable_lora=True, dtype="float32", **engine):
-    from tests.lora.test_engine_parity import ADAPTERS, _make_adapter
-    from tests.tiny_models import save_hf_model
+    from tests.helpers.adapters import ADAPTERS, parity_adapter
+    from tests.helpers.models import save_hf_model
     model_dir = tmp_path / "base"
     save_hf_model("llama3_gqa", model_dir)
     adapters = {}
     for i, (name, kw) in enumerate(ADAPTERS.items()):  # real peft adapters, random weights
-        _make_adapter("llama3_gqa", tmp_path / name, 100 + i, kw)
+        parity_adapter("llama3_gqa", tmp_path / name, 100 + i, kw)
         adapters[name] = str(tmp_path / name)
     cfg = EngineConfig(model=str(model_dir), device="cuda", dtype=dtype, max_model_len=256,
                        max_num_seqs=16, enable_lora=enable_lora, max_loras=4, max_lora_rank=16,
@@ -299,14 +299,14 @@ def test_bf16_lora_parity_with_peft(tmp_path):
     noise at this level, so the bound only catches broken paths; the logits test judges
     precision."""
     from peft import PeftModel
-    from tests.lora.test_engine_parity import ADAPTERS, _make_adapter
-    from tests.tiny_models import make_hf_model, random_prompts, save_hf_model
+    from tests.helpers.adapters import ADAPTERS, parity_adapter
+    from tests.helpers.models import make_hf_model, random_prompts, save_hf_model
     variant = "llama3_gqa"
     save_hf_model(variant, tmp_path / "base")
     paths = {}
     for i, (name, kw) in enumerate(ADAPTERS.items()):
         paths[name] = str(tmp_path / name)
-        _make_adapter(variant, paths[name], 100 + i, kw)
+        parity_adapter(variant, paths[name], 100 + i, kw)
     names = [None, "qv", "all", "mlp1", None, "o", "all", "qkv", "qv", "mlp1", "o", "all", "qkv"]
     prompts = random_prompts(len(names), [5, 17, 40, 3, 29], 211, seed=3)
     engine = Engine.from_config(
@@ -352,7 +352,7 @@ def test_bf16_fused_lora_logits_track_fp32_as_closely_as_peft_bf16(tmp_path, b_s
     than PEFT bf16 is."""
     from peft import LoraConfig, PeftModel, get_peft_model
     from benchmarks.step_probe import decoding_batch
-    from tests.tiny_models import make_hf_model, save_hf_model
+    from tests.helpers.models import make_hf_model, save_hf_model
     save_hf_model("llama3_gqa", tmp_path / "base")
     peft = get_peft_model(make_hf_model("llama3_gqa"),
                           LoraConfig(r=8, lora_alpha=16, target_modules="all-linear"))

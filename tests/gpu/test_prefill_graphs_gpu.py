@@ -8,7 +8,7 @@ from batchrun.engine.config import EngineConfig, SamplingParams
 from batchrun.engine.engine import Engine
 from batchrun.engine.request import Request
 from tests.engine.test_prefill_graphs import tiny_model_and_adapters
-from tests.tiny_models import random_prompts, save_hf_model
+from tests.helpers.models import random_prompts, save_hf_model
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]

@@ -7,7 +7,7 @@ from batchrun.engine.config import EngineConfig, SamplingParams
 from batchrun.engine.engine import Engine
 from batchrun.engine.request import Request
 from batchrun.engine.sampler import RowState, exponential_noise, sample
-from tests.tiny_models import random_prompts, save_hf_model
+from tests.helpers.models import random_prompts, save_hf_model
 
 pytestmark = pytest.mark.gpu
 

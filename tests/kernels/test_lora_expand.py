@@ -63,6 +63,7 @@ def test_expand_sums_many_or_odd_splits(splits):
                   splits=splits)
 
 
+@pytest.mark.slow  # 2049 output columns, interpreted
 @pytest.mark.parametrize("dtype", CPU_DTYPES)
 @pytest.mark.parametrize("sizes", [(2049,), (1000, 1049), (33, 17, 2049 - 50)])
 def test_expand_odd_output_size(dtype, sizes):

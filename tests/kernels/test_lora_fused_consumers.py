@@ -81,7 +81,7 @@ NORM_TILES = [(37, 96, 3, 5, "mixed"), (50, 200, 8, 16, "mixed"), (33, 128, 4, 2
 
 @pytest.mark.parametrize("dtype", CPU_DTYPES)
 @pytest.mark.parametrize("T,H,L,R", [(1, 64, 1, 16), (7, 96, 3, 5), (5, 300, 4, 8), (9, 128, 2, 1),
-                                     (8, 4096, 8, 16)])  # the last: a 7b decode step's norm
+                                     pytest.param(8, 4096, 8, 16, marks=pytest.mark.slow)])  # a 7b decode step's norm
 @pytest.mark.parametrize("fused_add", [True, False])
 def test_norm(T, H, L, R, dtype, fused_add, pattern="mixed"):
     _check_norm(T, H, L, R, dtype, fused_add, pattern)
@@ -181,7 +181,7 @@ def test_rotary(T, Hq, Hkv, D, L, R, dtype):
 # (T, Hq, Hkv, D, L, R, slot pattern): GQA and MHA over several row tiles; D = 80 pads the
 # half-head dims (40 of 64); D = 16 puts two heads in one tile of 16 columns
 @pytest.mark.parametrize("dtype", CPU_DTYPES)
-@pytest.mark.parametrize("T,Hq,Hkv,D,L,R,pattern", [(70, 4, 2, 64, 8, 16, "mixed"),
+@pytest.mark.parametrize("T,Hq,Hkv,D,L,R,pattern", [pytest.param(70, 4, 2, 64, 8, 16, "mixed", marks=pytest.mark.slow),
                                                     (37, 6, 1, 80, 3, 5, "sorted"),
                                                     (21, 3, 3, 16, 2, 20, "one"),
                                                     (18, 4, 2, 32, 4, 3, "none"),

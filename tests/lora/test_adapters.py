@@ -7,7 +7,8 @@ from safetensors.torch import load_file, save_file
 
 from batchrun.errors import AdapterError
 from batchrun.engine.lora import inspect_adapter, load_adapter
-from tests.lora.conftest import make_adapter, model_config, peft_deltas
+from tests.helpers.adapters import make_adapter, peft_deltas
+from tests.helpers.models import model_config
 
 CASES = {
     "list": dict(r=4, lora_alpha=8),

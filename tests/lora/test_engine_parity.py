@@ -7,7 +7,7 @@ from batchrun.engine.config import EngineConfig, SamplingParams
 from batchrun.engine.engine import Engine
 from batchrun.engine.request import Request
 from batchrun.kernels.lora_meta import LoRADelta
-from tests.tiny_models import hf_greedy, make_hf_model, random_prompts, save_hf_model
+from tests.helpers.models import hf_greedy, make_hf_model, random_prompts, save_hf_model
 
 ADAPTERS = {
     "qv": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
@@ -37,7 +37,7 @@ def _make_adapter(variant, path, seed, kw):
 # path running under the interpreter.
 @pytest.mark.parametrize("variant,path", [("llama3_gqa", "unfused"), ("qwen2_bias", "unfused"),
                                           ("llama3_gqa", "fused_ref"), ("qwen2_bias", "fused_ref"),
-                                          ("llama3_gqa", "fused_triton")])
+                                          pytest.param("llama3_gqa", "fused_triton", marks=pytest.mark.slow)])
 def test_engine_matches_peft(tmp_path, variant, path, monkeypatch):
     from peft import PeftModel
     import batchrun.engine.model_runner as model_runner

@@ -7,7 +7,7 @@ from batchrun.engine.layers.step import Step  # a Linear reads its step's LoRA p
 from batchrun.engine.lora import punica
 from batchrun.engine.lora.manager import LoRAManager
 from batchrun.engine.lora.peft_config import PEFT_MODULES
-from tests.lora.conftest import FakeLlama, make_adapter, peft_deltas
+from tests.helpers.adapters import FakeLlama, make_adapter, peft_deltas
 
 ADAPTERS = {  # name -> LoraConfig kwargs (different targets and ranks)
     "x": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"]),

@@ -4,7 +4,7 @@ import torch
 
 from batchrun.errors import AdapterError
 from batchrun.engine.lora.manager import MAX_SHRINK_SPLITS, LoRAManager
-from tests.lora.conftest import FakeLlama, make_adapter
+from tests.helpers.adapters import FakeLlama, make_adapter
 
 TARGETS = [["q_proj", "v_proj"], ["o_proj"], ["gate_proj", "down_proj"], "all-linear", ["k_proj"]]
 

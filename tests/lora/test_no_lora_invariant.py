@@ -18,8 +18,8 @@ from batchrun.engine.scheduler import Scheduler
 from batchrun.engine.sequence import Sequence
 from batchrun.kernels.lora_meta import LoRADelta
 from batchrun.engine.lora import punica
-from tests.lora.test_engine_parity import _make_adapter
-from tests.tiny_models import random_prompts, save_hf_model
+from tests.helpers.adapters import parity_adapter
+from tests.helpers.models import random_prompts, save_hf_model
 
 
 def _forbidden(*a, **k):
@@ -31,7 +31,7 @@ def test_base_rows_never_touch_lora(tmp_path, path, monkeypatch):
     if path == "fused_ref":
         monkeypatch.setattr(model_runner, "use_triton", lambda t: True)
     base = save_hf_model("llama3_gqa", tmp_path / "base")
-    _make_adapter("llama3_gqa", tmp_path / "all", 7, dict(r=8, lora_alpha=16, target_modules="all-linear"))
+    parity_adapter("llama3_gqa", tmp_path / "all", 7, dict(r=8, lora_alpha=16, target_modules="all-linear"))
     prompts = random_prompts(6, [5, 17, 40, 3, 29, 11], base.config.vocab_size, seed=5)
     sp = SamplingParams(max_tokens=6, ignore_eos=True)
     kw = dict(model=str(tmp_path / "base"), device="cpu", max_model_len=128, max_num_batched_tokens=32)
@@ -71,7 +71,7 @@ def engines(tmp_path_factory):
     """(LoRA-disabled engine, LoRA engine with NaN-poisoned stacks), CPU, eager."""
     root = tmp_path_factory.mktemp("invariant")
     save_hf_model("qwen2_bias", root / "base")  # q/k/v biases: the bias tail is poisoned too
-    _make_adapter("qwen2_bias", root / "all", 3, dict(r=8, lora_alpha=16, target_modules="all-linear"))
+    parity_adapter("qwen2_bias", root / "all", 3, dict(r=8, lora_alpha=16, target_modules="all-linear"))
     kw = dict(model=str(root / "base"), device="cpu", max_model_len=128, max_num_batched_tokens=128)
     plain = Engine.from_config(EngineConfig(**kw))
     lora = Engine.from_config(EngineConfig(**kw, enable_lora=True, max_loras=2, max_lora_rank=8),

@@ -13,7 +13,7 @@ from batchrun.job import prepare as prep
 from batchrun.job import token_count
 from batchrun.job.spec import load_job
 from batchrun.job.lock import LockBusy
-from runner_helpers import REPO, demo_rows
+from tests.helpers.jobs import demo_rows, REPO
 
 RACER = r"""
 import json, os, sys, time
@@ -88,7 +88,7 @@ def test_a_touched_input_is_digested_again_not_replanned(make_job, tmp_path, mon
 
 def test_a_changed_input_is_still_a_different_job(make_job, tmp_path):
     from batchrun.errors import JobChanged
-    from runner_helpers import write_rows
+    from tests.helpers.jobs import write_rows
     spec = load_job(make_job(demo_rows(24)))
     prep.prepare(spec)
     write_rows(tmp_path / "data" / "in.parquet", demo_rows(25))  # new size and mtime

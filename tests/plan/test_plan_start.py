@@ -4,7 +4,7 @@ import os
 import subprocess
 import sys
 
-from runner_helpers import REPO, demo_rows, run_cli_without
+from tests.helpers.jobs import demo_rows, REPO, run_cli_without
 
 WRAPPER = ("import sys\nfrom batchrun.__main__ import entry\n"
            "try:\n    entry(sys.argv[1:])\nexcept SystemExit as e:\n    code = e.code\nelse:\n    code = 0\n"

@@ -14,7 +14,7 @@ from batchrun.common.tokenizer import load_tokenizer
 from batchrun.job import token_count
 from batchrun.job.report import PY_WHITESPACE, chat_lengths, prompt_lengths
 from batchrun.job.token_count import load_counter
-from runner_helpers import REPO
+from tests.helpers.jobs import REPO
 
 TEXTS = ["hello world", "  leading and trailing  ", "Ünïcödé ✓ text", "a" * 300, "x", "tab\there\nnew line",
          "?!.,;:'-", "MiXeD CaSe 123", "<s>special</s> in text<sep>", "hello world", "ab  cd"]
@@ -177,7 +177,7 @@ def test_counts_are_numpy_not_python_lists(tiny_model):
 def test_plan_prompt_tokens_equal_the_runs(make_job, tmp_path):
     """End to end: the shard table's prompt tokens and error rows equal what the run records."""
     import pyarrow.parquet as pq
-    from runner_helpers import demo_rows, read_output, run_cli
+    from tests.helpers.jobs import demo_rows, read_output, run_cli
     rows = demo_rows(20)
     rows[3]["prompt"] = "a" * 120  # too long with max_tokens 24 in max_model_len 128: an error row
     rows[4]["prompt"] = "   "      # empty

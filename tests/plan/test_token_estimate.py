@@ -11,7 +11,7 @@ from batchrun.job import token_estimate
 from batchrun.job.spec import load_job
 from batchrun.job.report import plan_report
 from batchrun.job.token_estimate import byte_bound
-from runner_helpers import REPO, demo_rows
+from tests.helpers.jobs import demo_rows, REPO
 
 SPECIALS = ["<unk>", "<s>", "</s>"]
 ALPHABET = list("abcdefghij ABC") + ["  ", "\t", "\n", "é", "e\u0301", "\u0344", "한", "中文", "✓", "🙂", "\ufdfa",

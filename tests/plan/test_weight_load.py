@@ -8,7 +8,7 @@ from safetensors.torch import load_file
 
 from batchrun.engine.models import loader
 from batchrun.engine.models.stage import StagedCopier
-from tests.tiny_models import save_hf_model
+from tests.helpers.models import save_hf_model
 
 
 def _params(model):

@@ -15,8 +15,8 @@ from batchrun.job.inputs import INVALID, InvalidText, column_values
 from batchrun.job.spec import load_job
 from batchrun.job.report import plan_report
 from batchrun.job.runner import run_job
-from fake_engine import FakeEngine
-from runner_helpers import demo_rows, expected, read_output, run_cli
+from tests.helpers.fake_engine import FakeEngine
+from tests.helpers.jobs import demo_rows, expected, read_output, run_cli
 
 BAD = b"\xff\xfe bad"
 

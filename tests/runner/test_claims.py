@@ -256,3 +256,20 @@ def test_a_claim_of_a_dead_earlier_run_of_the_same_worker_is_taken_over_at_once(
     rerun = UnitClaims(out, units(), "0", lease_s=30)  # same worker name: holds that worker's lock
     assert rerun.claim(1) == "claimed" and rerun.stolen == 1
     assert not dead.still_mine(1)
+
+
+def test_a_full_disk_while_claiming_is_an_output_io_error(out, monkeypatch):
+    # the feeder thread claims ahead of the engine: a claim that cannot be written must end the
+    # run as the output I/O failure it is (exit 7, one line with the fix), not an internal error
+    import errno
+
+    from batchrun.errors import OutputIOError
+
+    def full(fd, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(claims_mod.os, "write", full)
+    c = UnitClaims(out, units(), "0", lease_s=30)
+    with pytest.raises(OutputIOError, match="No space left on device. free some space"):
+        c.claim(0)
+    monkeypatch.undo()
+    assert not [n for n in os.listdir(out.claims) if n.startswith("unit-")]  # no empty claim left

@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from fault_helpers import N_ROWS, assert_every_id_once, commits
-from runner_helpers import demo_rows, fork_cli
+from tests.helpers.faults import assert_every_id_once, commits, N_ROWS
+from tests.helpers.jobs import demo_rows, fork_cli
 
 LEASE = "0.4"  # a killed worker's claims expire after 0.4 s
 ROUNDS = 10

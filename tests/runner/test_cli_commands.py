@@ -6,8 +6,8 @@ from click.testing import CliRunner
 
 import batchrun.job.runner as runner_mod
 from batchrun.cli import ExitCode, main, slurm_task_defaults
-from fake_engine import FakeEngine
-from runner_helpers import demo_rows, read_output
+from tests.helpers.fake_engine import FakeEngine
+from tests.helpers.jobs import demo_rows, read_output
 
 
 @pytest.fixture(autouse=True)

@@ -5,7 +5,7 @@ from click.testing import CliRunner
 
 from batchrun.cli import main
 from batchrun.job.exit_codes import MEANINGS, ExitCode
-from runner_helpers import REPO
+from tests.helpers.jobs import REPO
 
 
 def readme_table() -> dict[int, str]:

@@ -9,7 +9,7 @@ import batchrun.job.runner as runner_mod
 from batchrun.cli import ExitCode, main
 from batchrun.job.interrupt import Interrupted
 from fake_engine import FakeEngine
-from runner_helpers import demo_rows, read_output
+from tests.helpers.jobs import demo_rows, read_output
 
 
 @pytest.fixture(autouse=True)

@@ -12,8 +12,8 @@ import signal
 
 import pytest
 
-from fault_helpers import N_ROWS, assert_every_id_once, commits, dataset_ids, wait_for
-from runner_helpers import demo_rows, fork_cli
+from tests.helpers.faults import assert_every_id_once, commits, dataset_ids, N_ROWS, wait_for
+from tests.helpers.jobs import demo_rows, fork_cli
 
 
 def run_ok(job, *extra):

@@ -10,9 +10,9 @@ from batchrun.cli import ExitCode
 from batchrun.errors import ConfigError, InputChanged
 from batchrun.job.spec import load_job
 from batchrun.job.runner import run_job
-from fake_engine import FakeEngine
-from fault_helpers import N_ROWS, assert_every_id_once, commits, wait_for
-from runner_helpers import demo_rows, fork_cli, run_cli, write_rows
+from tests.helpers.fake_engine import FakeEngine
+from tests.helpers.faults import assert_every_id_once, commits, N_ROWS, wait_for
+from tests.helpers.jobs import demo_rows, fork_cli, run_cli, write_rows
 
 
 def run(job, restart=False):
@@ -171,7 +171,7 @@ def test_input_changed_during_run_stops_with_exit_5(make_job, tmp_path, change):
     proc.join(60)
     assert proc.exitcode == ExitCode.JOB_CHANGED
     # everything committed came from the old contents, each id once
-    from fault_helpers import dataset_ids
+    from tests.helpers.faults import dataset_ids
     ids = dataset_ids(out)
     assert len(ids) == sum(json.loads((out / "_batchrun" / "commits" / c).read_text())["rows"]
                            for c in commits(out))

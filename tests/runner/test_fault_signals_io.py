@@ -16,9 +16,9 @@ from batchrun.cli import ExitCode
 from batchrun.errors import OutputIOError
 from batchrun.job.spec import load_job
 from batchrun.job.runner import run_job
-from fake_engine import FakeEngine
-from fault_helpers import N_ROWS, assert_every_id_once, commits, dataset_ids, handlers_installed, wait_for
-from runner_helpers import REPO, demo_rows, fork_cli, run_cli
+from tests.helpers.fake_engine import FakeEngine
+from tests.helpers.faults import assert_every_id_once, commits, dataset_ids, handlers_installed, N_ROWS, wait_for
+from tests.helpers.jobs import demo_rows, fork_cli, REPO, run_cli
 
 
 def run(job, restart=False):

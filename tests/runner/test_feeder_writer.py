@@ -17,9 +17,9 @@ from batchrun.job.plan import Unit
 from batchrun.job.rows import UnitWork
 from batchrun.job.runner import RowFailure, run_job
 from batchrun.job.writer import Writer
-from fault_helpers import N_ROWS, commits
-from runner_helpers import demo_rows
-from stream_fake import StreamingFakeEngine
+from tests.helpers.faults import commits, N_ROWS
+from tests.helpers.jobs import demo_rows
+from tests.helpers.fake_engine import FakeEngine
 
 
 def _work(i, rows=4, requests=True):
@@ -132,10 +132,10 @@ def test_writer_commits_in_order_off_thread_and_reraises_its_error():
     assert done == [0, 1]
 
 
-# ---- through a streamed run (the StreamingFakeEngine, in process) ----------------------------
+# ---- through a streamed run (the FakeEngine, in process) ----------------------------
 
 def _run(job):
-    return run_job(load_job(job), engine_factory=StreamingFakeEngine.from_spec, progress=False, log=lambda m: None)
+    return run_job(load_job(job), engine_factory=FakeEngine.from_spec, progress=False, log=lambda m: None)
 
 
 def test_a_feeder_error_lets_the_units_before_it_commit(make_job, tmp_path, monkeypatch):

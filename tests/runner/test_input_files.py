@@ -8,7 +8,7 @@ import pytest
 from batchrun.errors import ConfigError
 from batchrun.job.inputs import find_input_files
 from batchrun.job.spec import parse_job
-from runner_helpers import write_rows
+from tests.helpers.jobs import write_rows
 
 
 def found(tmp_path, path):
@@ -120,7 +120,7 @@ def test_run_reads_the_rows_under_a_symlinked_subdirectory(make_job, tmp_path):
     from batchrun.job.spec import load_job
     from batchrun.job.verify import verify
     from fake_engine import FakeEngine
-    from runner_helpers import demo_rows, read_output
+    from tests.helpers.jobs import demo_rows, read_output
     job = make_job(demo_rows(6))
     write_rows(tmp_path / "elsewhere" / "more.parquet", demo_rows(5, start=6))
     os.symlink(tmp_path / "elsewhere", tmp_path / "data" / "linked")
@@ -132,7 +132,7 @@ def test_run_reads_the_rows_under_a_symlinked_subdirectory(make_job, tmp_path):
 def test_output_inside_a_symlinked_input_subdirectory_is_refused(make_job, tmp_path):
     from batchrun.job.output_path import check_output_path
     from batchrun.job.spec import load_job
-    from runner_helpers import demo_rows
+    from tests.helpers.jobs import demo_rows
     job = make_job(demo_rows(3), output={"path": "elsewhere/out"})
     put(tmp_path / "elsewhere" / "b.parquet")
     os.symlink(tmp_path / "elsewhere", tmp_path / "data" / "linked")

@@ -16,7 +16,7 @@ from batchrun.job.runner import run_job
 from batchrun.job.spec import load_job
 from batchrun.job.verify import verify
 from fake_engine import FakeEngine
-from runner_helpers import demo_rows, expected, read_output
+from tests.helpers.jobs import demo_rows, expected, read_output
 
 N = 9
 ROWS = demo_rows(N)

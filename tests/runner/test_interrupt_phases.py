@@ -14,7 +14,7 @@ from batchrun.job import interrupt
 from batchrun.job.interrupt import Interrupted, Signals
 from batchrun.job.prepare import prepare
 from batchrun.job.spec import load_job
-from runner_helpers import REPO, demo_rows
+from tests.helpers.jobs import demo_rows, REPO
 
 # A signal that lands inside a weakref callback: the handler runs at the first call after kill.
 SIGNAL_IN_WEAKREF_CALLBACK = """

@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 from batchrun.cli import ExitCode
-from runner_helpers import HERE, REPO, demo_rows, fork_cli, run_cli
+from tests.helpers.jobs import demo_rows, fork_cli, HERE, REPO, run_cli
 
 
 def run_logged(job, log_path, *flags, env=None):

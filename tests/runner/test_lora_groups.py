@@ -13,7 +13,7 @@ import pytest
 
 from batchrun.job.spec import OutputSpec, load_job
 from batchrun.job.runner import load_engine, run_job
-from runner_helpers import REPO, read_output
+from tests.helpers.jobs import read_output, REPO
 
 DEMO_JOB = REPO / "jobs" / "demo.yaml"
 HAVE_DEMO = (REPO / "demo" / "model" / "config.json").is_file()

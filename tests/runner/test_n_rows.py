@@ -9,8 +9,8 @@ import pyarrow.compute as pc
 from batchrun.job.spec import load_job
 from batchrun.job.report import plan_report
 from batchrun.job.runner import run_job
-from fake_engine import FakeEngine
-from runner_helpers import demo_rows, read_output, run_cli
+from tests.helpers.fake_engine import FakeEngine
+from tests.helpers.jobs import demo_rows, read_output, run_cli
 
 N = 3
 

@@ -10,7 +10,7 @@ from batchrun.errors import ConfigError
 from batchrun.job.inputs import RowReader, check_schemas, find_input_files
 from batchrun.job.spec import parse_job
 from batchrun.job.plan import Plan, assign_tasks, make_plan, task_units
-from runner_helpers import write_rows
+from tests.helpers.jobs import write_rows
 
 
 def spec_for(tmp_path, path="data", adapters=("reverse", "upper"), **inp):

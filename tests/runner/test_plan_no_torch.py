@@ -10,7 +10,7 @@ import pytest
 import pyarrow as pa
 
 from batchrun.job.token_count import load_counter
-from runner_helpers import REPO, demo_rows
+from tests.helpers.jobs import demo_rows, REPO
 
 BLOCK = ("import sys; sys.modules['torch'] = None; sys.modules['transformers'] = None; "
          "from batchrun.__main__ import entry; entry(sys.argv[1:])")

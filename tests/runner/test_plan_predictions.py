@@ -7,7 +7,7 @@ import pytest
 from click.testing import CliRunner
 
 from batchrun.cli import ExitCode, main
-from runner_helpers import demo_rows
+from tests.helpers.jobs import demo_rows
 
 
 def cli(*args):
@@ -101,7 +101,7 @@ def test_plan_says_when_the_run_will_exit_10(make_job):
 def test_plan_predicts_what_the_real_engine_refuses(make_job, tmp_path):
     """The real engine (CPU, tiny model) on the same rows: its error rows are the ones plan counted."""
     pytest.importorskip("xgrammar")
-    from runner_helpers import read_output
+    from tests.helpers.jobs import read_output
     rows = demo_rows(6)
     for r in rows:
         r["adapter"] = None

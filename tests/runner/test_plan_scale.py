@@ -11,7 +11,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from runner_helpers import REPO
+from tests.helpers.jobs import REPO
 
 N = 1_000_000
 MAX_SECONDS = 5.0

@@ -8,7 +8,7 @@ import threading
 import pytest
 
 from batchrun.common import preload
-from runner_helpers import demo_rows, read_output, run_cli, run_cli_without
+from tests.helpers.jobs import demo_rows, read_output, run_cli, run_cli_without
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ from batchrun.job.exit_codes import ExitCode, exit_code_of
 from batchrun.job.runner import run_job
 from batchrun.job.spec import load_job
 from fake_engine import FakeEngine
-from runner_helpers import demo_rows
+from tests.helpers.jobs import demo_rows
 
 AUTO = {"device": "auto", "dtype": "auto", "max_model_len": 128, "max_num_seqs": 8}
 

@@ -8,7 +8,7 @@ import batchrun.job.runner as runner_mod
 from batchrun.cli import ExitCode, main
 from batchrun.job.progress import Progress
 from fake_engine import FakeEngine
-from runner_helpers import demo_rows
+from tests.helpers.jobs import demo_rows
 
 
 @pytest.fixture(autouse=True)

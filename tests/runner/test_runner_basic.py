@@ -11,8 +11,8 @@ from batchrun.job.spec import load_job
 from batchrun.job.prepare import JobChanged
 from batchrun.job.runner import RowFailure, run_job
 from batchrun.job.rows import row_seed
-from fake_engine import FakeEngine
-from runner_helpers import demo_rows, expected, read_output, write_rows
+from tests.helpers.fake_engine import FakeEngine
+from tests.helpers.jobs import demo_rows, expected, read_output, write_rows
 
 
 def run(job, **kw):
@@ -49,12 +49,15 @@ def test_outputs_every_row_once_with_expected_text(make_job, tmp_path):
 
 
 def test_base_shard_runs_first_and_units_are_batched(make_job, tmp_path, monkeypatch):
-    log = tmp_path / "calls.txt"
+    log = tmp_path / "results.txt"
     monkeypatch.setenv("FAKE_ENGINE_LOG", str(log))
+    monkeypatch.setattr(FakeEngine, "max_units_in_flight", 0)
     run(make_job(demo_rows(30)))
-    # 3 shards of 10 rows (units of 4, 4, 2), base first: one generate call for the base shard,
-    # one for both adapter shards (max_loras 2 >= 2 adapters: they share the engine's batch)
-    assert log.read_text().split() == ["10", "20"]
+    # 3 shards of 10 rows (units of 4, 4, 2), base first: the fake finishes requests in the
+    # order the runner hands them over, so every base row comes before any adapter row
+    adapters = [line.split()[-1] for line in log.read_text().splitlines()]
+    assert adapters == ["None"] * 10 + ["reverse"] * 10 + ["upper"] * 10
+    assert FakeEngine.max_units_in_flight > 1  # the engine's batch holds rows of several units
     commits = sorted((tmp_path / "out" / "_batchrun" / "commits").iterdir())
     adapters = [json.loads(c.read_text())["adapter"] for c in commits]
     assert adapters == [None] * 3 + ["reverse"] * 3 + ["upper"] * 3
@@ -140,13 +143,13 @@ def test_changed_job_is_refused_unless_restart(make_job, tmp_path):
 def test_two_tasks_write_disjoint_units_covering_every_row(make_job, tmp_path):
     # Units are claimed dynamically (#14): two tasks running at once share them; one task alone
     # runs everything, so the second one, started after, has nothing left.
-    from fault_helpers import assert_every_id_once
-    from runner_helpers import fork_cli
-    # The streaming path: a worker's feeder claims only 2 x max_num_seqs rows (+ one unit) ahead
-    # of its engine, so the other worker, starting a moment later, still finds units.
+    from tests.helpers.faults import assert_every_id_once
+    from tests.helpers.jobs import fork_cli
+    # A worker's feeder claims only 2 x max_num_seqs rows (+ one unit) ahead of its engine, so
+    # the other worker, starting a moment later, still finds units.
     job = make_job(demo_rows(120), engine={"max_num_seqs": 2})
     procs = [fork_cli(["run", job, "--no-progress", "--task-id", t, "--num-tasks", 2],
-                      env={"FAKE_ENGINE_SLEEP": "0.03", "BATCHRUN_CLAIM_LEASE": "2", "FAKE_ENGINE_STREAM": "1"})
+                      env={"FAKE_ENGINE_SLEEP": "0.03", "BATCHRUN_CLAIM_LEASE": "2"})
              for t in (0, 1)]
     for p in procs:
         p.join(60)

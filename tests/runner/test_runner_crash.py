@@ -13,9 +13,9 @@ import pytest
 from batchrun.cli import ExitCode
 from batchrun.job.spec import load_job
 from batchrun.job.runner import run_job
-from fake_engine import FakeEngine
-from fault_helpers import wait_for
-from runner_helpers import demo_rows, expected, fork_cli, read_output
+from tests.helpers.fake_engine import FakeEngine
+from tests.helpers.faults import wait_for
+from tests.helpers.jobs import demo_rows, expected, fork_cli, read_output
 
 N_ROWS = 30  # 9 units of <= 4 rows: base 0-2, reverse 3-5, upper 6-8
 
@@ -49,7 +49,9 @@ def commits(out):
     ("after_rename:2", {}, 1),  # unit 1 visible but not committed: the rerun rewrites it
     ("after_commit:4", {}, 4),  # between units (in the middle of a shard's generate call)
     ("after_commit:3", {}, 3),  # between shards (base done, nothing of reverse yet)
-    ("", {"FAKE_ENGINE_EXIT_AFTER": "7"}, 1),  # mid-unit, inside the engine's generate
+    # mid-unit, inside the engine's stream: unit 0 finished 3 results earlier and went to the
+    # writer thread, which may or may not have committed it before the kill
+    ("", {"FAKE_ENGINE_EXIT_AFTER": "7"}, (0, 1)),
 ])
 def test_kill_at_any_point_then_rerun_gives_every_row_once(make_job, tmp_path, crash_at, env, committed):
     job = make_job(demo_rows(N_ROWS))
@@ -57,7 +59,8 @@ def test_kill_at_any_point_then_rerun_gives_every_row_once(make_job, tmp_path, c
     proc = fork_cli(["run", job, "--no-progress"], crash_at=crash_at, env=env)
     proc.join(60)
     assert proc.exitcode == 137
-    assert len(commits(out)) == committed
+    assert len(commits(out)) in (committed if isinstance(committed, tuple) else (committed,))
+    committed = len(commits(out))
     before = check_dataset(out, complete=False)
     committed_rows = sum(json.loads((out / "_batchrun" / "commits" / c).read_text())["rows"] for c in commits(out))
     visible_uncommitted = 4 if crash_at.startswith("after_rename") else 0  # whole, and rewritten later
@@ -110,7 +113,7 @@ def test_lock_stops_a_second_run_of_the_same_task(make_job, tmp_path):
     job = make_job(demo_rows(N_ROWS))
     out = tmp_path / "out"
     task0 = ["run", job, "--no-progress", "--task-id", "0", "--num-tasks", "2"]
-    first = fork_cli(task0, env={"FAKE_ENGINE_SLEEP": "0.05"})
+    first = fork_cli(task0, env={"FAKE_ENGINE_SLEEP": "0.2"})  # 6 s: the other runs start well before it ends
     wait_for(lambda: len(commits(out)) >= 1)
     second = fork_cli(task0)
     second.join(60)

@@ -17,7 +17,7 @@ import pytest
 
 from batchrun.job.spec import OutputSpec, load_job
 from batchrun.job.runner import run_job
-from runner_helpers import REPO, demo_rows, read_output
+from tests.helpers.jobs import demo_rows, read_output, REPO
 
 DEMO_JOB = REPO / "jobs" / "demo.yaml"
 HAVE_DEMO = (REPO / "demo" / "model" / "config.json").is_file() and (REPO / "demo" / "data" / "prompts.parquet").is_file()

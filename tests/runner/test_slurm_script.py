@@ -5,7 +5,7 @@ from click.testing import CliRunner
 from batchrun.cli import ExitCode, main
 from batchrun.errors import ConfigError
 from batchrun.job.slurm import time_limit_s
-from runner_helpers import demo_rows
+from tests.helpers.jobs import demo_rows
 
 
 def cli(*args):

@@ -12,9 +12,9 @@ import pytest
 from batchrun.job.exit_codes import ExitCode
 from batchrun.job.spec import load_job
 from batchrun.job.runner import run_job
-from fault_helpers import N_ROWS, assert_every_id_once, commits, dataset_ids, wait_for
-from runner_helpers import demo_rows
-from stream_fake import StreamingFakeEngine
+from tests.helpers.faults import assert_every_id_once, commits, dataset_ids, N_ROWS, wait_for
+from tests.helpers.jobs import demo_rows
+from tests.helpers.fake_engine import FakeEngine
 
 WRITE_DELAY_S = 0.25
 
@@ -24,9 +24,9 @@ def _child(args, crash_at, kill_after, state_path, env):
     os.environ.update({"TOKENIZERS_PARALLELISM": "false", **env})
     import batchrun.job.commit as commit
     import batchrun.job.runner as runner
-    import fake_cli
+    from tests.helpers import fake_cli
     fake_cli.install(crash_at)  # also patches publish/record for crash_at points
-    runner.load_engine = StreamingFakeEngine.from_spec
+    runner.load_engine = FakeEngine.from_spec
     made = {}
 
     class Feeder(runner.Feeder):
@@ -51,8 +51,8 @@ def _child(args, crash_at, kill_after, state_path, env):
         with open(state_path, "w") as fh:
             json.dump({"built": f.units_built, "committed": w.units_written, "backlog": w.backlog,
                        "inline": w.inline}, fh)
-    StreamingFakeEngine.emitted, StreamingFakeEngine.kill_after = 0, kill_after
-    StreamingFakeEngine.before_kill = staticmethod(record)
+    FakeEngine.emitted, FakeEngine.kill_after = 0, kill_after
+    FakeEngine.before_kill = staticmethod(record)
     from batchrun.__main__ import entry
     entry(args)
 
@@ -66,7 +66,7 @@ def start(job, crash_at="", kill_after=0, state=None, env=None):
 
 
 def rerun(job):
-    return run_job(load_job(job), engine_factory=StreamingFakeEngine.from_spec, progress=False, log=lambda m: None)
+    return run_job(load_job(job), engine_factory=FakeEngine.from_spec, progress=False, log=lambda m: None)
 
 
 @pytest.mark.parametrize("kill_after", [5, 14, 23])

@@ -1,6 +1,6 @@
 """The demo job streamed through the real CPU engine: consecutive units and engine groups share
 decode steps (the batch does not drain at a group or shard boundary), and the streamed tokens
-equal those of the old runner, one ``generate(list)`` call per engine group."""
+equal those of the engine driven one ``generate(list)`` call per engine group."""
 import dataclasses
 
 import pytest
@@ -8,26 +8,36 @@ import pytest
 from batchrun.job.spec import OutputSpec, load_job
 from batchrun.job.plan import Plan, engine_groups, group_rows
 from batchrun.job.runner import load_engine, run_job
-from runner_helpers import REPO, read_output
+from tests.helpers.jobs import read_output, REPO
 
 DEMO_JOB = REPO / "jobs" / "demo.yaml"
 HAVE_DEMO = (REPO / "demo" / "model" / "config.json").is_file()
 
 
-class ListOnly:
-    """The engine without generate_stream: the runner then calls generate once per engine group."""
+class PerGroup:
+    """The reference: the engine driven one ``generate(list)`` call per engine group of the plan,
+    so its batch drains at every group boundary (how the runner ran before it streamed)."""
 
-    def __init__(self, engine):
-        self._engine = engine
+    def __init__(self, engine, group_of: dict[int, int]):
+        self._engine, self._group_of = engine, group_of
         self.calls = 0
 
-    def generate(self, requests, on_result=None):
-        self.calls += 1
-        return self._engine.generate(requests, on_result=on_result)
+    def generate_stream(self, source, on_result):
+        batch = []
+
+        def run_batch():
+            if batch:
+                self.calls += 1
+                self._engine.generate(batch, on_result=on_result)
+                batch.clear()
+        while (got := source.take(1, wait=True)) is not None:
+            for req in got:
+                if batch and self._group_of[req.request_id[0]] != self._group_of[batch[0].request_id[0]]:
+                    run_batch()
+                batch.append(req)
+        run_batch()
 
     def __getattr__(self, name):
-        if name == "generate_stream":
-            raise AttributeError(name)
         return getattr(self._engine, name)
 
 
@@ -45,8 +55,12 @@ def _run(tmp_path, name, streamed):
             steps.append({q.request_id[0] for q in batch.seqs})  # request ids are (unit, row)
             return orig(batch, prev)
         engine.runner.decode = decode
-        engines.append(engine if streamed else ListOnly(engine))
-        return engines[-1]
+        if not streamed:
+            plan = Plan.load(str(tmp_path / name / "_batchrun" / "plan"))
+            groups = engine_groups(plan.units, group_rows(s.engine.max_num_seqs), s.engine.max_loras)
+            engine = PerGroup(engine, {u.index: g for g, us in enumerate(groups) for u in us})
+        engines.append(engine)
+        return engine
     run_job(spec, engine_factory=factory, progress=False, log=lambda m: None)
     out = {r["id"]: (r["adapter"], r["output_token_ids"], r["finish_reason"])
            for r in read_output(tmp_path / name).to_pylist()}

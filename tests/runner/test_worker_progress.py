@@ -5,12 +5,14 @@ import os
 import time
 
 import batchrun.job.worker_progress as wp
+from batchrun.job.worker_progress import read_progress
 from batchrun.job.spec import load_job
 from batchrun.job.output import OutputDir
 from batchrun.job.report import status_report
 from batchrun.job.runner import run_job
-from fake_engine import FakeEngine
-from runner_helpers import demo_rows, run_cli
+from tests.helpers.fake_engine import FakeEngine
+from tests.helpers.faults import wait_for
+from tests.helpers.jobs import demo_rows, run_cli
 
 
 def workers_of(status_text: str) -> dict[str, list[str]]:
@@ -39,11 +41,10 @@ def test_a_running_worker_shows_units_done_and_claimed_now(make_job, tmp_path, m
     seen = []
 
     class Watched(FakeEngine):
-        calls = 0
-
         def generate(self, requests, on_result=None):
-            Watched.calls += 1
-            if Watched.calls == 2:  # the base group committed, this (LoRA) one claimed, not yet run
+            if requests[0].adapter and not seen:  # the base shard ran, a LoRA unit is claimed, not yet run
+                out = OutputDir(str(tmp_path / "out"))
+                wait_for(lambda: any(p.get("units_done") for p in read_progress(out)))  # the writer thread committed
                 r = run_cli("status", tmp_path / "out")
                 seen.append(r.stdout + r.stderr)
             return super().generate(requests, on_result)

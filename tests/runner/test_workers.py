@@ -11,8 +11,8 @@ import pytest
 from batchrun.errors import ConfigError
 from batchrun.job.exit_codes import ExitCode
 from batchrun.job.workers import GPU_ENV, check_worker_device, pick_gpus, run_workers, visible_gpus, worst
-from fault_helpers import assert_every_id_once, wait_for, commits
-from runner_helpers import HERE, REPO, demo_rows, read_output
+from tests.helpers.faults import assert_every_id_once, commits, wait_for
+from tests.helpers.jobs import demo_rows, HERE, REPO, read_output
 
 FAKE = [sys.executable, str(HERE / "fake_cli.py")]
 

@@ -8,7 +8,7 @@ from batchrun.job.runner import run_job
 from batchrun.job.spec import load_job
 from batchrun.job.verify import verify
 from fake_engine import FakeEngine
-from runner_helpers import demo_rows, read_output
+from tests.helpers.jobs import demo_rows, read_output
 
 SCHEMA = pa.schema([("id", pa.int64()), ("prompt", pa.string()), ("adapter", pa.string()),
                     ("topic", pa.string_view()), ("score", pa.decimal128(6, 2))])

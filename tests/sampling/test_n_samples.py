@@ -7,7 +7,7 @@ import pyarrow as pa
 from batchrun.job.spec import load_job
 from batchrun.job.runner import run_job
 from batchrun.job.verify import verify
-from runner_helpers import read_output
+from tests.helpers.jobs import read_output
 
 ROWS = [{"id": i, "prompt": p} for i, p in enumerate(["hello", "abc", "tiny model", "xyz run", "fox", "lora"])]
 SAMPLING = {"n": 3, "temperature": 1.0, "seed": 11, "max_tokens": 8, "logprobs": 2, "stop": ["zz"]}

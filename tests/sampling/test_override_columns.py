@@ -46,7 +46,7 @@ def test_plan_counts_bad_override_rows_as_the_run_does(job_factory, tmp_path):
     from batchrun.job.spec import load_job
     from batchrun.job.report import plan_report
     from batchrun.job.runner import run_job
-    from fake_engine import FakeEngine
+    from tests.helpers.fake_engine import FakeEngine
     rows = [{"id": 0, "prompt": "hello", "min_tokens": 2, "stop": ["x"]},
             {"id": 1, "prompt": "abc", "min_tokens": 50, "stop": None},  # min_tokens > max_tokens
             {"id": 2, "prompt": "fox", "min_tokens": None, "stop": [""]},  # empty stop string

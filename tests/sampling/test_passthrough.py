@@ -7,8 +7,8 @@ import pytest
 from batchrun.errors import ConfigError
 from batchrun.job.spec import load_job
 from batchrun.job.runner import run_job
-from fake_engine import FakeEngine
-from runner_helpers import read_output
+from tests.helpers.fake_engine import FakeEngine
+from tests.helpers.jobs import read_output
 
 
 def run(job, **kw):

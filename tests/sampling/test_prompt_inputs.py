@@ -9,9 +9,9 @@ import torch
 from batchrun.errors import ConfigError
 from batchrun.job.spec import load_job, parse_job
 from batchrun.job.runner import run_job
-from fake_engine import FakeEngine
-from runner_helpers import read_output
-from tests.tiny_models import hf_greedy, save_hf_model
+from tests.helpers.fake_engine import FakeEngine
+from tests.helpers.jobs import read_output
+from tests.helpers.models import hf_greedy, save_hf_model
 
 
 def run(job, fake=True):

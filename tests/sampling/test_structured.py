@@ -11,7 +11,7 @@ import pytest
 from batchrun.errors import ConfigError
 from batchrun.job.spec import load_job, parse_job
 from batchrun.job.runner import run_job
-from runner_helpers import read_output, write_job, write_rows
+from tests.helpers.jobs import read_output, write_job, write_rows
 
 SCHEMA = {"type": "object", "properties": {"name": {"enum": ["ann", "bob"]}, "ok": {"type": "boolean"},
                                            "n": {"type": "integer", "minimum": 0, "maximum": 99}},
@@ -39,24 +39,12 @@ def test_missing_xgrammar_is_a_clear_error(monkeypatch):
 @pytest.fixture(scope="module")
 def json_model(tmp_path_factory):
     pytest.importorskip("xgrammar")
-    import torch
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from tests.helpers.models import save_hf_model
+    from tests.helpers.tokenizer import char_tokenizer
     d = tmp_path_factory.mktemp("jsonllama") / "model"
     specials = ["<pad>", "<s>", "</s>", "<unk>"]
-    vocab = {t: i for i, t in enumerate(specials + list(string.printable[:95]))}
-    tk = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tk.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    tk.decoder = decoders.Fuse()
-    tok = PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
-                                  unk_token="<unk>")
-    cfg = LlamaConfig(vocab_size=len(vocab), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=256,
-                      bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg)
-    model.save_pretrained(d)
-    tok.save_pretrained(d)
+    tok = char_tokenizer(string.printable[:95], specials, wrap=False, chat_template=None)
+    save_hf_model("char_llama", d, tokenizer=tok, over={"vocab_size": len(specials) + 95})
     return str(d)
 
 

@@ -1,9 +1,9 @@
-"""Helpers for the job-runner tests (imported by conftest.py and the tests)."""
+"""Job files, input rows, outputs, and running the CLI (real or with the fake engine) for the
+job-side tests."""
 from __future__ import annotations
 
 import json
 import os
-import string
 import subprocess
 import sys
 from pathlib import Path
@@ -14,24 +14,7 @@ import yaml
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
-SPECIALS = ["<pad>", "<s>", "</s>", "<unk>", "<sep>"]
-CHARS = " " + string.ascii_lowercase + string.ascii_uppercase + string.digits + ".,!?'-:;"
-CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
-
-
-def build_tokenizer():
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
-    from transformers import PreTrainedTokenizerFast
-    vocab = {t: i for i, t in enumerate(SPECIALS + list(CHARS))}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    tok.decoder = decoders.Fuse()
-    tok.post_processor = processors.TemplateProcessing(
-        single="<s> $A <sep>", special_tokens=[("<s>", 1), ("<sep>", 4)])
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
-                                   pad_token="<pad>", unk_token="<unk>", sep_token="<sep>")
-    fast.chat_template = CHAT_TEMPLATE
-    return fast
+FAKE_CLI = HERE / "fake_cli.py"
 
 
 def write_rows(path: Path, rows: list[dict], schema: pa.Schema | None = None, row_group_size: int | None = None):
@@ -59,8 +42,8 @@ def write_job(path: Path, job: dict) -> Path:
 
 
 def run_cli(*args, env: dict | None = None, fake: bool = True, timeout: float = 120, cwd=None):
-    """Run the CLI in a subprocess; fake=True swaps in the FakeEngine (tests/runner/fake_cli.py)."""
-    cmd = [sys.executable, str(HERE / "fake_cli.py")] if fake else [sys.executable, "-m", "batchrun"]
+    """Run the CLI in a subprocess; fake=True swaps in the FakeEngine (tests/helpers/fake_cli.py)."""
+    cmd = [sys.executable, str(FAKE_CLI)] if fake else [sys.executable, "-m", "batchrun"]
     full_env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
                 **(env or {})}
     return subprocess.run(cmd + [str(a) for a in args], capture_output=True, text=True, env=full_env,
@@ -84,7 +67,7 @@ def fork_cli(args: list, crash_at: str = "", env: dict | None = None):
     """Start the (fake-engine) CLI in a forked child: everything is already imported, so it
     starts in milliseconds. Returns the multiprocessing.Process (exitcode = the CLI's exit code)."""
     import multiprocessing
-    from fake_cli import cli
+    from tests.helpers.fake_cli import cli
     env = {"TOKENIZERS_PARALLELISM": "false", **(env or {})}  # the Rust pool does not survive fork
     proc = multiprocessing.get_context("fork").Process(target=cli, args=([str(a) for a in args], crash_at, env))
     proc.start()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import time
 
-from runner_helpers import demo_rows, expected
+from tests.helpers.jobs import demo_rows, expected
 
 N_ROWS = 30  # with rows_per_unit 4 (make_job's default): 9 units
 

@@ -7,25 +7,23 @@
     install(crash_at="os.remove:N")      die right before the N-th call of os.remove (also
                                          os.unlink, os.replace, os.rename, shutil.rmtree): a
                                          kill -9 at a chosen system call, as strace's inject does
-N counts calls/units of this process (1-based). Run as a script it reads CRASH_AT from the environment.
+N counts calls/units of this process (1-based). Run as a script (``python tests/helpers/fake_cli.py
+ARGS``, as run_cli and --workers children do) it reads CRASH_AT from the environment.
 """
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+if __name__ == "__main__":  # a script's sys.path starts at its own folder: put the repository first
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import batchrun.job.commit as commit  # noqa: E402
 import batchrun.job.runner as runner  # noqa: E402
 import batchrun.job.workers as workers  # noqa: E402
-from fake_engine import FakeEngine  # noqa: E402
+from tests.helpers.fake_engine import FakeEngine  # noqa: E402
 
 
 def install(crash_at: str = "") -> None:
-    if os.environ.get("FAKE_ENGINE_STREAM"):  # the streaming runner path (feeder + writer threads)
-        from stream_fake import StreamingFakeEngine
-        runner.load_engine = StreamingFakeEngine.from_spec
-    else:
-        runner.load_engine = FakeEngine.from_spec
+    runner.load_engine = FakeEngine.from_spec
     workers.worker_command = lambda: [sys.executable, os.path.abspath(__file__)]  # --workers children: fake too
     point, _, count = crash_at.partition(":")
     if not point:
