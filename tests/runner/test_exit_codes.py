@@ -8,7 +8,7 @@ from click.testing import CliRunner
 import batchrun.job.runner as runner_mod
 from batchrun.cli import ExitCode, main
 from batchrun.job.interrupt import Interrupted
-from fake_engine import FakeEngine
+from tests.helpers.fake_engine import FakeEngine
 from tests.helpers.jobs import demo_rows, read_output
 
 

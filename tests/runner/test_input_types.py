@@ -15,7 +15,7 @@ from batchrun.job.report import plan_report
 from batchrun.job.runner import run_job
 from batchrun.job.spec import load_job
 from batchrun.job.verify import verify
-from fake_engine import FakeEngine
+from tests.helpers.fake_engine import FakeEngine
 from tests.helpers.jobs import demo_rows, expected, read_output
 
 N = 9

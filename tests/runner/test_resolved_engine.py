@@ -13,7 +13,7 @@ from batchrun.job import resolve_engine
 from batchrun.job.exit_codes import ExitCode, exit_code_of
 from batchrun.job.runner import run_job
 from batchrun.job.spec import load_job
-from fake_engine import FakeEngine
+from tests.helpers.fake_engine import FakeEngine
 from tests.helpers.jobs import demo_rows
 
 AUTO = {"device": "auto", "dtype": "auto", "max_model_len": 128, "max_num_seqs": 8}

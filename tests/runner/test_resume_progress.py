@@ -7,7 +7,7 @@ from click.testing import CliRunner
 import batchrun.job.runner as runner_mod
 from batchrun.cli import ExitCode, main
 from batchrun.job.progress import Progress
-from fake_engine import FakeEngine
+from tests.helpers.fake_engine import FakeEngine
 from tests.helpers.jobs import demo_rows
 
 

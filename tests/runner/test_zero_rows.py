@@ -7,7 +7,7 @@ from batchrun.job.report import plan_report, show_rows, status_report
 from batchrun.job.runner import run_job
 from batchrun.job.spec import load_job
 from batchrun.job.verify import verify
-from fake_engine import FakeEngine
+from tests.helpers.fake_engine import FakeEngine
 from tests.helpers.jobs import demo_rows, read_output
 
 SCHEMA = pa.schema([("id", pa.int64()), ("prompt", pa.string()), ("adapter", pa.string()),
