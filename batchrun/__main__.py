@@ -2,12 +2,12 @@
 
 Signal handlers come first, before click/pyarrow/torch are imported, so SIGTERM/SIGINT at any
 moment of start-up exits 130 with one line instead of 143 (no message) or click's "Aborted!"
-(job/interrupt.py: at once while nothing is written, then as Interrupted).
+(job/run/interrupt.py: at once while nothing is written, then as Interrupted).
 """
 import os
 import sys
 
-from batchrun.job.interrupt import EXIT_CODE as INTERRUPTED, Interrupted, install_early, message
+from batchrun.job.run.interrupt import EXIT_CODE as INTERRUPTED, Interrupted, install_early, message
 
 
 def entry(args=None) -> None:

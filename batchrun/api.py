@@ -26,7 +26,7 @@ from batchrun.api_outputs import CompletionOutput, Logprob, RequestOutput, compl
 from batchrun.api_prompts import KINDS, CallPrompt, chat_prompts, generate_prompts
 from batchrun.api_sampling import SamplingParams, sampling_key, sampling_list
 from batchrun.errors import ConfigError
-from batchrun.job.spec import JobSpec, SamplingSpec, check_max_tokens, load_job, parse_job, parse_sampling
+from batchrun.job.jobfile.spec import JobSpec, SamplingSpec, check_max_tokens, load_job, parse_job, parse_sampling
 
 __all__ = ["LLM", "SamplingParams", "LoRARequest", "RequestOutput", "CompletionOutput", "Logprob", "run"]
 
@@ -37,7 +37,7 @@ def run(job: str | os.PathLike | dict, task_id: int = 0, num_tasks: int = 1, res
         progress: bool | str = False, log=None):
     """Run a job file (path) or a job mapping (relative paths resolve against the current
     directory) like ``batchrun run``; returns the task's TaskStats. Raises ConfigError etc."""
-    from batchrun.job.runner import run_job
+    from batchrun.job.run.runner import run_job
     spec = parse_job(job, base_dir=os.getcwd()) if isinstance(job, dict) else load_job(job)
     return run_job(spec, task_id=task_id, num_tasks=num_tasks, restart=restart, progress=progress,
                    log=log or (lambda m: None))
@@ -57,8 +57,8 @@ class LLM:
                          **({"adapter_column": "adapter"} if adapters else {})},
                "output": {"path": "-"}, "sampling": {"max_tokens": 1}, "engine": engine}
         self.spec: JobSpec = parse_job(raw, base_dir=os.getcwd())
-        from batchrun.job.prepare import check_model_and_adapters
-        from batchrun.job.runner import load_engine
+        from batchrun.job.plan.prepare import check_model_and_adapters
+        from batchrun.job.run.runner import load_engine
         check_model_and_adapters(self.spec)  # the pre-weights checks `batchrun run` makes
         self.engine = load_engine(self.spec)
         self._told: set = set()  # generation_config.json defaults already logged
@@ -132,8 +132,8 @@ class LLM:
     def _works(self, items: list[CallPrompt], names: list, samplings: list, inp) -> tuple[list, list]:
         """The call's prompts as the runner's units: one per (prompt kind, adapter, sampling), each
         built by rows.build_unit as a job builds a unit's rows. Returns (works, call positions per work)."""
-        from batchrun.job.plan import Unit
-        from batchrun.job.rows import build_unit
+        from batchrun.job.plan.units import Unit
+        from batchrun.job.inputs.rows import build_unit
         groups: dict[tuple, list[int]] = {}
         for i, item in enumerate(items):
             groups.setdefault((item.kind, names[i], samplings[i][0]), []).append(i)
@@ -220,7 +220,7 @@ class LLM:
             return item.value
         if item.kind == "ids":
             return None
-        from batchrun.job import prompts
+        from batchrun.job.inputs import prompts
         tok = self.engine.tokenizer
         if tok is None:
             return None

@@ -19,7 +19,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from batchrun.errors import ConfigError
-from batchrun.job.spec import _SAMPLING_SCHEMA, _fields, _int_list, _str_list, response_format_json, \
+from batchrun.job.jobfile.spec import _SAMPLING_SCHEMA, _fields, _int_list, _str_list, response_format_json, \
     sampling_problems
 
 # vLLM SamplingParams fields batchrun does not implement -> (vLLM's default, what to do instead).

@@ -18,9 +18,9 @@ from dataclasses import replace
 import click
 
 from batchrun.errors import ConfigError, OutputIOError, io_message
-from batchrun.job.error_rate import ErrorRateExceeded, check_job
+from batchrun.job.run.error_rate import ErrorRateExceeded, check_job
 from batchrun.job.exit_codes import HELP as EXIT_CODES_HELP, ExitCode, exit_code_of
-from batchrun.job.interrupt import Interrupted
+from batchrun.job.run.interrupt import Interrupted
 
 
 def _fail(code: ExitCode, message: str):
@@ -73,7 +73,7 @@ def main(ctx):
     row failed. `verify` and `status` exit 0 only for a complete output (9 while units are
     pending, 8 for damaged parts)."""
     if ctx.invoked_subcommand != "run":  # `run` ends its start-up itself, before its first write
-        from batchrun.job.interrupt import start_up_over
+        from batchrun.job.run.interrupt import start_up_over
         start_up_over()
 
 
@@ -121,8 +121,8 @@ def run(job, task_id, num_tasks, restart, restart_token, progress, log_interval,
     from batchrun.common import preload
     if workers is None and gpus is None:  # a worker pool's parent runs no engine
         preload.start()  # torch & co. import while the job is checked and planned (preload.py)
-    from batchrun.job.spec import load_job
-    from batchrun.job.runner import run_job
+    from batchrun.job.jobfile.spec import load_job
+    from batchrun.job.run.runner import run_job
 
     if (workers is not None or gpus is not None) and (task_id is not None or num_tasks is not None):
         _fail(ExitCode.USAGE, "--workers/--gpus start their own tasks 0..N-1: drop --task-id/--num-tasks")
@@ -134,16 +134,16 @@ def run(job, task_id, num_tasks, restart, restart_token, progress, log_interval,
               "(with a Slurm array of non-contiguous ids, pass --task-id/--num-tasks explicitly)")
     held = []
     try:
-        from batchrun.job.claims import lease_from_env
+        from batchrun.job.store.claims import lease_from_env
         claim_lease = lease_from_env(claim_lease)
     except ValueError as e:
         _fail(ExitCode.USAGE, str(e))
     if workers is not None or gpus is not None:
-        from batchrun.job.interrupt import start_up_over
+        from batchrun.job.run.interrupt import start_up_over
         start_up_over()  # the parent forwards signals to its workers (workers.py)
         _run_workers(job, workers, gpus, restart, restart_token, log_interval, claim_lease, max_error_rate)
     try:
-        from batchrun.job.workers import GPU_ENV, check_worker_device
+        from batchrun.job.launch.workers import GPU_ENV, check_worker_device
         if os.environ.get(GPU_ENV):
             check_worker_device()
     except ConfigError as e:
@@ -196,8 +196,8 @@ def _preload_tokenizer(spec) -> None:
 def _run_workers(job, workers, gpus, restart, restart_token, log_interval, claim_lease, max_error_rate):
     """--workers/--gpus: the parent of N `batchrun run` workers; exits with the worst of their codes."""
     import uuid
-    from batchrun.job import workers as wk
-    from batchrun.job.spec import load_job
+    from batchrun.job.launch import workers as wk
+    from batchrun.job.jobfile.spec import load_job
     if any(os.environ.get(v) for v in ("BATCHRUN_WORKER_GPU",)):
         _fail(ExitCode.USAGE, "--workers/--gpus inside a worker: nested worker pools are not supported")
     try:
@@ -216,15 +216,15 @@ def _run_workers(job, workers, gpus, restart, restart_token, log_interval, claim
 
 
 def _summary_block(st, code, what: str) -> None:
-    from batchrun.job.progress import summary_lines
+    from batchrun.job.run.progress_bar import summary_lines
     for line in summary_lines(st, int(code), what):
         click.echo(line, err=True)
 
 
 def _summary(spec, st) -> dict:
     """Print the task's and the job's totals; return the job's (metrics.job_metrics)."""
-    from batchrun.job.metrics import job_metrics
-    from batchrun.job.output import OutputDir
+    from batchrun.job.store.metrics import job_metrics
+    from batchrun.job.store.layout import OutputDir
     import json
     out = OutputDir(spec.output.path)
     with open(out.manifest) as f:
@@ -252,7 +252,7 @@ def _summary(spec, st) -> dict:
                    "error rows stay exact. Seconds instead of minutes on millions of rows.")
 def plan(job, num_tasks, no_tokens, estimate_tokens):
     """Validate JOB without loading weights and print its shards, work units and task shares."""
-    from batchrun.job.spec import load_job
+    from batchrun.job.jobfile.spec import load_job
     from batchrun.job.report import plan_report
     num_tasks = num_tasks or slurm_task_defaults()[1] or 1
     with _read_errors():
@@ -283,7 +283,7 @@ def verify(out):
     Exit 0 only when every unit of the job is committed and whole; 8 when some committed unit is
     missing or damaged (a rerun of the job rewrites it); 9 while units are pending (the output is
     incomplete: `verify OUT && publish` never publishes part of a job)."""
-    from batchrun.job.verify import verify_output
+    from batchrun.job.store.verify import verify_output
     with _read_errors():
         text, code = verify_output(out)
     click.echo(text)
@@ -328,7 +328,7 @@ def show(out, limit, prompts):
 def slurm(job, array, script, time_, cpus, mem, partition, account, gpus_per_task, sbatch_args, restart,
           signal_before, submit):
     """Write an sbatch script running JOB as a Slurm array of ARRAY tasks; --submit submits it."""
-    from batchrun.job import slurm as sl
+    from batchrun.job.launch import slurm as sl
     try:
         spec = sl.read_job(job)  # variables in its paths are expanded by each task, not here
         path = script or os.path.splitext(spec.job_file)[0] + ".sbatch"

@@ -84,9 +84,9 @@ def first_worker(job: Path) -> dict:
     """Plan the output directory as the first worker does, then commit every unit (a marker and
     one small stand-in part file each, so check_part accepts them) unless already done."""
     import pyarrow as pa
-    from batchrun.job import commit
-    from batchrun.job.spec import load_job
-    from batchrun.job.prepare import prepare
+    from batchrun.job.store import commit
+    from batchrun.job.jobfile.spec import load_job
+    from batchrun.job.plan.prepare import prepare
     t0 = time.perf_counter()
     prep = prepare(load_job(str(job)), log=lambda m: None)
     planned = time.perf_counter() - t0
@@ -107,12 +107,12 @@ def first_worker(job: Path) -> dict:
 def later_worker(job: Path, in_flight: int) -> dict:
     """A joining worker's start-up, phase by phase (run in a fresh process: cold imports)."""
     t0 = time.perf_counter()
-    from batchrun.job.claims import UnitClaims
-    from batchrun.job.commit import check_part, read_commits
-    from batchrun.job.spec import load_job
-    from batchrun.job.output import OutputDir
-    from batchrun.job.plan import Plan
-    from batchrun.job.prepare import prepare, validate
+    from batchrun.job.store.claims import UnitClaims
+    from batchrun.job.store.commit import check_part, read_commits
+    from batchrun.job.jobfile.spec import load_job
+    from batchrun.job.store.layout import OutputDir
+    from batchrun.job.plan.units import Plan
+    from batchrun.job.plan.prepare import prepare, validate
     r = {"imports_s": time.perf_counter() - t0}
     spec = load_job(str(job))
     t = time.perf_counter()

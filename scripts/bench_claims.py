@@ -8,9 +8,9 @@ import os
 import shutil
 import time
 
-from batchrun.job.claims import UnitClaims
-from batchrun.job.output import OutputDir
-from batchrun.job.plan import Unit
+from batchrun.job.store.claims import UnitClaims
+from batchrun.job.store.layout import OutputDir
+from batchrun.job.plan.units import Unit
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--units", type=int, default=10000)

@@ -13,8 +13,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from batchrun.job.spec import parse_job
-from batchrun.job.plan import Plan, make_plan
+from batchrun.job.jobfile.spec import parse_job
+from batchrun.job.plan.units import Plan, make_plan
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--rows", type=int, default=10_000_000)

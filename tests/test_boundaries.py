@@ -48,10 +48,10 @@ def test_no_engine_file_imports_the_job_side():
 def test_the_scan_sees_each_form_of_import():
     # the check above can fail: each way of writing the import is found
     rel = Path("batchrun/engine/layers/x.py")
-    for src in ["import batchrun.job.spec", "from batchrun.job import preload",
+    for src in ["import batchrun.job.jobfile.spec", "from batchrun.job import preload",
                 "from batchrun import job", "from ...job.spec import JobSpec",
-                "def f():\n    from batchrun.job.rows import build_unit",
-                "importlib.import_module('batchrun.job.runner')"]:
+                "def f():\n    from batchrun.job.inputs.rows import build_unit",
+                "importlib.import_module('batchrun.job.run.runner')"]:
         assert len(_job_imports(src + "\n", rel)) == 1, src
     assert _job_imports("from batchrun.common.short_repr import short_repr\n"
                         "from ..lora import layer\nimport batchrun.jobs_like_name\n", rel) == []

@@ -24,9 +24,9 @@ def measure(job_path: str, warmup_rows: int = 0) -> dict:
 
     from batchrun.engine.config import SamplingParams
     from batchrun.engine.request import Request
-    from batchrun.job.spec import load_job
-    from batchrun.job.rows import row_seed
-    from batchrun.job.runner import load_engine
+    from batchrun.job.jobfile.spec import load_job
+    from batchrun.job.inputs.rows import row_seed
+    from batchrun.job.run.runner import load_engine
     t_imported = time.time()
     spec = load_job(job_path)
     inp = spec.input

@@ -232,7 +232,7 @@ def measure_job(job: str, output_dir: str) -> dict:
 def job_breakdown(run: dict, output_dir: str) -> dict:
     """Phases of the job process. From the run's metrics file when it has the fields; else
     from the stamped output lines (first "task N/M:" line = checks and plan done)."""
-    from batchrun.job.output import OutputDir
+    from batchrun.job.store.layout import OutputDir
     wall = run["wall_s"]
     path = Path(OutputDir(output_dir).task_metrics_dir) / "task-0.json"
     m = json.loads(path.read_text()) if path.is_file() else {}

@@ -1,7 +1,7 @@
 """The model directory's transformers tokenizer, loaded once per process.
 
 ``load_tokenizer`` is the one loader: the engine and the job side's pre-run checks
-(job/token_count.py) both call it, and it returns the same tokenizer for the same directory
+(job/inputs/token_count.py) both call it, and it returns the same tokenizer for the same directory
 (until its files change). It waits for `batchrun run`'s background imports first
 (common/preload.py): two threads importing transformers at once can see it half initialised.
 """

@@ -49,10 +49,10 @@ HELP = "\b\nExit codes:\n" + "\n".join(f"  {int(c):>3}  {MEANINGS[c]}" for c in 
 def exit_code_of(exc: BaseException | None) -> ExitCode:
     """The exit code `batchrun run` gives for a run that ended with ``exc`` (None: success)."""
     from batchrun.errors import ConfigError, JobChanged, OutputIOError
-    from batchrun.job.error_rate import ErrorRateExceeded
-    from batchrun.job.interrupt import Interrupted
-    from batchrun.job.lock import LockBusy
-    from batchrun.job.runner import RowFailure
+    from batchrun.job.run.error_rate import ErrorRateExceeded
+    from batchrun.job.run.interrupt import Interrupted
+    from batchrun.job.store.lock import LockBusy
+    from batchrun.job.run.runner import RowFailure
     if exc is None:
         return ExitCode.OK
     for types, code in ((JobChanged, ExitCode.JOB_CHANGED), (ConfigError, ExitCode.CONFIG),

@@ -13,23 +13,23 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from batchrun.job.arrow_types import plain_table
-from batchrun.job.commit import check_part, committed_units, read_commits, uncommitted_parts
+from batchrun.job.inputs.arrow_types import plain_table
+from batchrun.job.store.commit import check_part, committed_units, read_commits, uncommitted_parts
 from batchrun.errors import ConfigError
-from batchrun.job.error_rate import error_rate_problem
+from batchrun.job.run.error_rate import error_rate_problem
 from batchrun.job.exit_codes import ExitCode
-from batchrun.job.inputs import INVALID, InvalidText, RowReader, column_values
-from batchrun.job.spec import JobSpec, sampling_summary
-from batchrun.job.lock import is_locked
-from batchrun.job.output import OutputDir
-from batchrun.job.output_path import check_unowned_dir
-from batchrun.job.plan import Plan, assign_tasks, engine_groups, group_rows, make_plan
-from batchrun.job.plan_formats import format_checker
-from batchrun.job.prepare import token_counter, validate
-from batchrun.job.prompts import chat_messages
-from batchrun.job.rows import _sampling
-from batchrun.job.worker_progress import HEADER, worker_rows
-from batchrun.job.token_estimate import Estimate
+from batchrun.job.inputs.files import INVALID, InvalidText, RowReader, column_values
+from batchrun.job.jobfile.spec import JobSpec, sampling_summary
+from batchrun.job.store.lock import is_locked
+from batchrun.job.store.layout import OutputDir
+from batchrun.job.store.safe_path import check_unowned_dir
+from batchrun.job.plan.units import Plan, assign_tasks, engine_groups, group_rows, make_plan
+from batchrun.job.plan.formats import format_checker
+from batchrun.job.plan.prepare import token_counter, validate
+from batchrun.job.inputs.prompts import chat_messages
+from batchrun.job.inputs.rows import _sampling
+from batchrun.job.run.progress_files import HEADER, worker_rows
+from batchrun.job.inputs.token_estimate import Estimate
 from batchrun.engine.request_check import too_long
 
 

@@ -5,8 +5,8 @@ import pytest
 
 import batchrun
 from batchrun.errors import ConfigError
-from batchrun.job.runner import run_job
-from batchrun.job.spec import load_job
+from batchrun.job.run.runner import run_job
+from batchrun.job.jobfile.spec import load_job
 from tests.helpers.jobs import read_output, write_job, write_rows
 
 SAMPLING = {"max_tokens": 12, "temperature": 1.0, "seed": 7, "n": 2}

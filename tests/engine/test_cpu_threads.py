@@ -78,7 +78,7 @@ def test_cgroup_quota(tmp_path, v2, v1, want):
 
 @pytest.mark.parametrize("affinity,workers,want", [(2, 2, "1"), (16, 4, "3"), (8, 3, "1"), (4, 1, "3")])
 def test_cpu_workers_on_one_node_share_the_cpus(tmp_path, monkeypatch, affinity, workers, want):
-    from batchrun.job.workers import run_workers
+    from batchrun.job.launch.workers import run_workers
     cpus(monkeypatch, affinity)
     seen = tmp_path / "threads"
     cmd = [sys.executable, "-c", "import os, sys; open(sys.argv[1], 'a').write(os.environ.get('OMP_NUM_THREADS', '-') "

@@ -13,8 +13,8 @@ from batchrun.engine.cudagraph_dispatcher import capture_sizes
 from batchrun.engine.request import Request
 from batchrun.engine.kv_sizing import resolve_max_num_seqs
 from batchrun.errors import ConfigError
-from batchrun.job.fingerprint import job_fingerprint
-from batchrun.job.spec import parse_job
+from batchrun.job.store.fingerprint import job_fingerprint
+from batchrun.job.jobfile.spec import parse_job
 from batchrun.engine.models.config import ModelConfig
 
 DEMO = Path(__file__).resolve().parents[2] / "demo" / "model"

@@ -13,7 +13,7 @@ from batchrun.engine.request import Request
 from batchrun.engine.scheduler import Scheduler
 from batchrun.engine.sequence import Sequence, SeqStatus
 from batchrun.errors import ConfigError
-from batchrun.job.spec import parse_job
+from batchrun.job.jobfile.spec import parse_job
 from tests.helpers.adapters import parity_adapter
 from tests.helpers.models import hf_greedy, random_prompts, save_hf_model
 

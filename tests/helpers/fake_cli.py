@@ -16,9 +16,9 @@ import sys
 if __name__ == "__main__":  # a script's sys.path starts at its own folder: put the repository first
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-import batchrun.job.commit as commit  # noqa: E402
-import batchrun.job.runner as runner  # noqa: E402
-import batchrun.job.workers as workers  # noqa: E402
+import batchrun.job.store.commit as commit  # noqa: E402
+import batchrun.job.run.runner as runner  # noqa: E402
+import batchrun.job.launch.workers as workers  # noqa: E402
 from tests.helpers.fake_engine import FakeEngine  # noqa: E402
 
 

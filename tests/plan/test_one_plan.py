@@ -9,16 +9,16 @@ import time
 
 import pytest
 
-from batchrun.job import prepare as prep
-from batchrun.job import token_count
-from batchrun.job.spec import load_job
-from batchrun.job.lock import LockBusy
+from batchrun.job.plan import prepare as prep
+from batchrun.job.inputs import token_count
+from batchrun.job.jobfile.spec import load_job
+from batchrun.job.store.lock import LockBusy
 from tests.helpers.jobs import demo_rows, REPO
 
 RACER = r"""
 import json, os, sys, time
-from batchrun.job import prepare as prep
-from batchrun.job.spec import load_job
+from batchrun.job.plan import prepare as prep
+from batchrun.job.jobfile.spec import load_job
 job, log, ready, go = sys.argv[1:5]
 real = prep.make_plan
 def slow_plan(*a, **k):
@@ -98,7 +98,7 @@ def test_a_changed_input_is_still_a_different_job(make_job, tmp_path):
 
 HOLDER = r"""
 import sys, time
-from batchrun.job.lock import TaskLock
+from batchrun.job.store.lock import TaskLock
 TaskLock(sys.argv[1], "planning").acquire()
 print("held", flush=True)
 time.sleep(60)

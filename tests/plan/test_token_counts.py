@@ -11,9 +11,9 @@ import pytest
 
 from batchrun.common import tokenizer
 from batchrun.common.tokenizer import load_tokenizer
-from batchrun.job import token_count
+from batchrun.job.inputs import token_count
 from batchrun.job.report import PY_WHITESPACE, chat_lengths, prompt_lengths
-from batchrun.job.token_count import load_counter
+from batchrun.job.inputs.token_count import load_counter
 from tests.helpers.jobs import REPO
 
 TEXTS = ["hello world", "  leading and trailing  ", "Ünïcödé ✓ text", "a" * 300, "x", "tab\there\nnew line",

@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers, processors
 
-from batchrun.job import token_estimate
-from batchrun.job.spec import load_job
+from batchrun.job.inputs import token_estimate
+from batchrun.job.jobfile.spec import load_job
 from batchrun.job.report import plan_report
-from batchrun.job.token_estimate import byte_bound
+from batchrun.job.inputs.token_estimate import byte_bound
 from tests.helpers.jobs import demo_rows, REPO
 
 SPECIALS = ["<unk>", "<s>", "</s>"]

@@ -11,10 +11,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from batchrun.errors import ConfigError
-from batchrun.job.inputs import INVALID, InvalidText, column_values
-from batchrun.job.spec import load_job
+from batchrun.job.inputs.files import INVALID, InvalidText, column_values
+from batchrun.job.jobfile.spec import load_job
 from batchrun.job.report import plan_report
-from batchrun.job.runner import run_job
+from batchrun.job.run.runner import run_job
 from tests.helpers.fake_engine import FakeEngine
 from tests.helpers.jobs import demo_rows, expected, read_output, run_cli
 

@@ -1,4 +1,4 @@
-"""UnitClaims (batchrun/job/claims.py): claim, skip committed, renew, expire/steal, racing stealers,
+"""UnitClaims (batchrun/job/store/claims.py): claim, skip committed, renew, expire/steal, racing stealers,
 still_mine, release, shard-preferring order, waiting for other workers' claims."""
 import json
 import multiprocessing
@@ -7,10 +7,10 @@ import time
 
 import pytest
 
-from batchrun.job import claims as claims_mod
-from batchrun.job.claims import UnitClaims, lease_from_env
-from batchrun.job.output import OutputDir
-from batchrun.job.plan import Unit
+from batchrun.job.store import claims as claims_mod
+from batchrun.job.store.claims import UnitClaims, lease_from_env
+from batchrun.job.store.layout import OutputDir
+from batchrun.job.plan.units import Unit
 
 
 def units(shards=((None, 4), ("reverse", 2), ("upper", 2))) -> list[Unit]:

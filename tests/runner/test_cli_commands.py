@@ -4,7 +4,7 @@ import os
 import pytest
 from click.testing import CliRunner
 
-import batchrun.job.runner as runner_mod
+import batchrun.job.run.runner as runner_mod
 from batchrun.cli import ExitCode, main, slurm_task_defaults
 from tests.helpers.fake_engine import FakeEngine
 from tests.helpers.jobs import demo_rows, read_output

@@ -8,8 +8,8 @@ import pytest
 from batchrun.engine.config import REMOVED_ENGINE_KEYS, EngineConfig, job_engine_fields
 from batchrun.engine.envs import Experiments, env_name
 from batchrun.errors import ConfigError
-from batchrun.job.fingerprint import combine, job_fingerprint
-from batchrun.job.spec import parse_job
+from batchrun.job.store.fingerprint import combine, job_fingerprint
+from batchrun.job.jobfile.spec import parse_job
 
 
 def _job(tmp_path, **engine):

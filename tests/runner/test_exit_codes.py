@@ -5,9 +5,9 @@ import signal
 import pytest
 from click.testing import CliRunner
 
-import batchrun.job.runner as runner_mod
+import batchrun.job.run.runner as runner_mod
 from batchrun.cli import ExitCode, main
-from batchrun.job.interrupt import Interrupted
+from batchrun.job.run.interrupt import Interrupted
 from tests.helpers.fake_engine import FakeEngine
 from tests.helpers.jobs import demo_rows, read_output
 

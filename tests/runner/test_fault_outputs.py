@@ -8,8 +8,8 @@ import pytest
 
 from batchrun.cli import ExitCode
 from batchrun.errors import ConfigError, InputChanged
-from batchrun.job.spec import load_job
-from batchrun.job.runner import run_job
+from batchrun.job.jobfile.spec import load_job
+from batchrun.job.run.runner import run_job
 from tests.helpers.fake_engine import FakeEngine
 from tests.helpers.faults import assert_every_id_once, commits, N_ROWS, wait_for
 from tests.helpers.jobs import demo_rows, fork_cli, run_cli, write_rows

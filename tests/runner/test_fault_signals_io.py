@@ -11,11 +11,11 @@ import time
 
 import pytest
 
-import batchrun.job.commit as commit_mod
+import batchrun.job.store.commit as commit_mod
 from batchrun.cli import ExitCode
 from batchrun.errors import OutputIOError
-from batchrun.job.spec import load_job
-from batchrun.job.runner import run_job
+from batchrun.job.jobfile.spec import load_job
+from batchrun.job.run.runner import run_job
 from tests.helpers.fake_engine import FakeEngine
 from tests.helpers.faults import assert_every_id_once, commits, dataset_ids, handlers_installed, N_ROWS, wait_for
 from tests.helpers.jobs import demo_rows, fork_cli, REPO, run_cli

@@ -8,15 +8,15 @@ import time
 
 import pytest
 
-import batchrun.job.commit as commit
-import batchrun.job.runner as runner
+import batchrun.job.store.commit as commit
+import batchrun.job.run.runner as runner
 from batchrun.errors import OutputIOError
-from batchrun.job.feeder import END, Feeder, UnitSource
-from batchrun.job.spec import load_job
-from batchrun.job.plan import Unit
-from batchrun.job.rows import UnitWork
-from batchrun.job.runner import RowFailure, run_job
-from batchrun.job.writer import Writer
+from batchrun.job.run.feeder import END, Feeder, UnitSource
+from batchrun.job.jobfile.spec import load_job
+from batchrun.job.plan.units import Unit
+from batchrun.job.inputs.rows import UnitWork
+from batchrun.job.run.runner import RowFailure, run_job
+from batchrun.job.run.writer import Writer
 from tests.helpers.faults import commits, N_ROWS
 from tests.helpers.jobs import demo_rows
 from tests.helpers.fake_engine import FakeEngine

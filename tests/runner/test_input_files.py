@@ -6,8 +6,8 @@ import pyarrow.dataset as ds
 import pytest
 
 from batchrun.errors import ConfigError
-from batchrun.job.inputs import find_input_files
-from batchrun.job.spec import parse_job
+from batchrun.job.inputs.files import find_input_files
+from batchrun.job.jobfile.spec import parse_job
 from tests.helpers.jobs import write_rows
 
 
@@ -116,9 +116,9 @@ def test_unlistable_directory_is_refused_not_skipped(tmp_path, monkeypatch):
 
 
 def test_run_reads_the_rows_under_a_symlinked_subdirectory(make_job, tmp_path):
-    from batchrun.job.runner import run_job
-    from batchrun.job.spec import load_job
-    from batchrun.job.verify import verify
+    from batchrun.job.run.runner import run_job
+    from batchrun.job.jobfile.spec import load_job
+    from batchrun.job.store.verify import verify
     from fake_engine import FakeEngine
     from tests.helpers.jobs import demo_rows, read_output
     job = make_job(demo_rows(6))
@@ -130,8 +130,8 @@ def test_run_reads_the_rows_under_a_symlinked_subdirectory(make_job, tmp_path):
 
 
 def test_output_inside_a_symlinked_input_subdirectory_is_refused(make_job, tmp_path):
-    from batchrun.job.output_path import check_output_path
-    from batchrun.job.spec import load_job
+    from batchrun.job.store.safe_path import check_output_path
+    from batchrun.job.jobfile.spec import load_job
     from tests.helpers.jobs import demo_rows
     job = make_job(demo_rows(3), output={"path": "elsewhere/out"})
     put(tmp_path / "elsewhere" / "b.parquet")

@@ -12,9 +12,9 @@ import pytest
 
 from batchrun.errors import ConfigError
 from batchrun.job.report import plan_report
-from batchrun.job.runner import run_job
-from batchrun.job.spec import load_job
-from batchrun.job.verify import verify
+from batchrun.job.run.runner import run_job
+from batchrun.job.jobfile.spec import load_job
+from batchrun.job.store.verify import verify
 from tests.helpers.fake_engine import FakeEngine
 from tests.helpers.jobs import demo_rows, expected, read_output
 
@@ -232,7 +232,7 @@ def test_override_column_types(name, make_job, tmp_path):
 
 
 def test_a_view_type_that_cannot_round_trip_is_refused_at_plan(make_job, tmp_path, monkeypatch):
-    import batchrun.job.inputs as inputs
+    import batchrun.job.inputs.files as inputs
     job = make_job(ROWS, input={"passthrough_columns": ["extra"]})
     write(tmp_path, columns(extra=PASSTHROUGH_TYPES["string_view"]))
     monkeypatch.setattr(inputs, "check_round_trip", lambda t: "no cast kernel" if str(t) == "string_view" else None)
@@ -242,7 +242,7 @@ def test_a_view_type_that_cannot_round_trip_is_refused_at_plan(make_job, tmp_pat
 
 
 def test_plain_type_replaces_views_at_any_depth():
-    from batchrun.job.arrow_types import plain_type
+    from batchrun.job.inputs.arrow_types import plain_type
     t = pa.struct([("a", pa.list_(pa.string_view())), ("m", pa.map_(pa.string_view(), pa.binary_view())),
                    ("d", pa.dictionary(pa.int8(), pa.string_view())), ("n", pa.int32())])
     assert plain_type(t) == pa.struct([("a", pa.list_(pa.large_string())),

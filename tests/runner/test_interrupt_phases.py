@@ -1,4 +1,4 @@
-"""The two signal phases of job/interrupt.py: at once (os._exit 130) while the console entry's
+"""The two signal phases of job/run/interrupt.py: at once (os._exit 130) while the console entry's
 start-up has written nothing, then Interrupted; and a signal whose Interrupted Python swallowed
 (inside a weakref callback, as importlib's module-lock callback is) is not lost."""
 import os
@@ -10,16 +10,16 @@ import weakref
 
 import pytest
 
-from batchrun.job import interrupt
-from batchrun.job.interrupt import Interrupted, Signals
-from batchrun.job.prepare import prepare
-from batchrun.job.spec import load_job
+from batchrun.job.run import interrupt
+from batchrun.job.run.interrupt import Interrupted, Signals
+from batchrun.job.plan.prepare import prepare
+from batchrun.job.jobfile.spec import load_job
 from tests.helpers.jobs import demo_rows, REPO
 
 # A signal that lands inside a weakref callback: the handler runs at the first call after kill.
 SIGNAL_IN_WEAKREF_CALLBACK = """
 import os, signal, sys, time, weakref
-from batchrun.job import interrupt
+from batchrun.job.run import interrupt
 interrupt.install_early()
 {after_install}
 class Obj: pass
@@ -94,7 +94,7 @@ def test_prepare_ends_start_up_before_its_first_write(make_job, tmp_path, monkey
     def spy():
         seen.append(os.path.exists(tmp_path / "out"))  # nothing written yet
         real()
-    monkeypatch.setattr("batchrun.job.prepare.start_up_over", spy)
+    monkeypatch.setattr("batchrun.job.plan.prepare.start_up_over", spy)
     try:
         interrupt.install_early()
         assert interrupt.in_start_up()

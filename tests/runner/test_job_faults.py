@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from batchrun.errors import ConfigError
-from batchrun.job.spec import load_job, parse_job
+from batchrun.job.jobfile.spec import load_job, parse_job
 
 REPO = Path(__file__).resolve().parent.parent.parent
 HEAD = "model: m\ninput: {path: x}\noutput: {path: o}\n"
@@ -66,7 +66,7 @@ def test_alias_bomb_under_memory_limit(tmp_path):
     f.write_text(bomb_yaml())
     r = in_small_process(f"""
         from batchrun.errors import ConfigError
-        from batchrun.job.spec import load_job
+        from batchrun.job.jobfile.spec import load_job
         try:
             load_job({str(f)!r})
         except ConfigError as e:
@@ -80,7 +80,7 @@ def test_shared_python_structure_is_shown_bounded():
     # parse_job gets already-built data too: a 9-level shared list must not be repr'd in full.
     r = in_small_process("""
         from batchrun.errors import ConfigError
-        from batchrun.job.spec import parse_job
+        from batchrun.job.jobfile.spec import parse_job
         value = ["x"] * 9
         for _ in range(8):
             value = [value] * 9

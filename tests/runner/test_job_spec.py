@@ -4,7 +4,7 @@ from pathlib import Path
 import pytest
 
 from batchrun.errors import ConfigError
-from batchrun.job.spec import load_job, parse_job
+from batchrun.job.jobfile.spec import load_job, parse_job
 
 MIN = {"model": "m", "input": {"path": "in.parquet"}, "output": {"path": "out"}}
 
@@ -103,7 +103,7 @@ def test_engine_enable_prefix_caching(monkeypatch):
         err(job(engine={"enable_prefix_caching": "no"}))
     # the job's value reaches the engine's config
     from batchrun.engine.engine import Engine
-    from batchrun.job.runner import load_engine
+    from batchrun.job.run.runner import load_engine
     seen = []
     monkeypatch.setattr(Engine, "from_config", classmethod(lambda cls, cfg, adapters=None: seen.append(cfg)))
     load_engine(off)

@@ -5,7 +5,7 @@ import pytest
 
 from batchrun.errors import ConfigError
 from batchrun.job.exit_codes import ExitCode
-from batchrun.job.spec import load_job
+from batchrun.job.jobfile.spec import load_job
 from tests.helpers.jobs import run_cli
 
 HEAD = b"model: m\ninput: {path: data, prompt_column: p}\noutput: {path: out}\n"

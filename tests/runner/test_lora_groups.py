@@ -11,8 +11,8 @@ import dataclasses
 
 import pytest
 
-from batchrun.job.spec import OutputSpec, load_job
-from batchrun.job.runner import load_engine, run_job
+from batchrun.job.jobfile.spec import OutputSpec, load_job
+from batchrun.job.run.runner import load_engine, run_job
 from tests.helpers.jobs import read_output, REPO
 
 DEMO_JOB = REPO / "jobs" / "demo.yaml"

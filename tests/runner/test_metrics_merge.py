@@ -10,10 +10,10 @@ import time
 
 import pytest
 
-from batchrun.job import metrics
-from batchrun.job.commit import write_json_atomic
-from batchrun.job.lock import LockBusy, TaskLock
-from batchrun.job.output import OutputDir
+from batchrun.job.store import metrics
+from batchrun.job.store.commit import write_json_atomic
+from batchrun.job.store.lock import LockBusy, TaskLock
+from batchrun.job.store.layout import OutputDir
 
 
 def _hold_merge_then_add_task_1(path: str, ready, hold_s: float) -> None:

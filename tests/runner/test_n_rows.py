@@ -6,9 +6,9 @@ import re
 
 import pyarrow.compute as pc
 
-from batchrun.job.spec import load_job
+from batchrun.job.jobfile.spec import load_job
 from batchrun.job.report import plan_report
-from batchrun.job.runner import run_job
+from batchrun.job.run.runner import run_job
 from tests.helpers.fake_engine import FakeEngine
 from tests.helpers.jobs import demo_rows, read_output, run_cli
 

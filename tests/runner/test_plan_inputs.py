@@ -7,9 +7,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from batchrun.errors import ConfigError
-from batchrun.job.inputs import RowReader, check_schemas, find_input_files
-from batchrun.job.spec import parse_job
-from batchrun.job.plan import Plan, assign_tasks, make_plan, task_units
+from batchrun.job.inputs.files import RowReader, check_schemas, find_input_files
+from batchrun.job.jobfile.spec import parse_job
+from batchrun.job.plan.units import Plan, assign_tasks, make_plan, task_units
 from tests.helpers.jobs import write_rows
 
 

@@ -9,7 +9,7 @@ import pytest
 
 import pyarrow as pa
 
-from batchrun.job.token_count import load_counter
+from batchrun.job.inputs.token_count import load_counter
 from tests.helpers.jobs import demo_rows, REPO
 
 BLOCK = ("import sys; sys.modules['torch'] = None; sys.modules['transformers'] = None; "

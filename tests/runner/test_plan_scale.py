@@ -20,9 +20,9 @@ MAX_TOTAL_MB = 1024  # whole process, interpreter and pyarrow included
 
 CHILD = r"""
 import json, sys, time
-from batchrun.job.spec import parse_job
-from batchrun.job.plan import make_plan
-from batchrun.job.output import OutputDir
+from batchrun.job.jobfile.spec import parse_job
+from batchrun.job.plan.units import make_plan
+from batchrun.job.store.layout import OutputDir
 import pyarrow, numpy
 def rss():  # VmHWM: this process's peak RSS (ru_maxrss would include the parent's, kept across exec)
     for line in open("/proc/self/status"):

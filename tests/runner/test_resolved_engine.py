@@ -9,10 +9,10 @@ from types import SimpleNamespace
 import pytest
 
 from batchrun.errors import JobChanged
-from batchrun.job import resolve_engine
+from batchrun.job.plan import resolve_engine
 from batchrun.job.exit_codes import ExitCode, exit_code_of
-from batchrun.job.runner import run_job
-from batchrun.job.spec import load_job
+from batchrun.job.run.runner import run_job
+from batchrun.job.jobfile.spec import load_job
 from tests.helpers.fake_engine import FakeEngine
 from tests.helpers.jobs import demo_rows
 

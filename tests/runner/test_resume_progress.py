@@ -4,9 +4,9 @@ import re
 import pytest
 from click.testing import CliRunner
 
-import batchrun.job.runner as runner_mod
+import batchrun.job.run.runner as runner_mod
 from batchrun.cli import ExitCode, main
-from batchrun.job.progress import Progress
+from batchrun.job.run.progress_bar import Progress
 from tests.helpers.fake_engine import FakeEngine
 from tests.helpers.jobs import demo_rows
 

@@ -7,10 +7,10 @@ import pyarrow as pa
 import pytest
 
 from batchrun.errors import ConfigError
-from batchrun.job.spec import load_job
-from batchrun.job.prepare import JobChanged
-from batchrun.job.runner import RowFailure, run_job
-from batchrun.job.rows import row_seed
+from batchrun.job.jobfile.spec import load_job
+from batchrun.job.plan.prepare import JobChanged
+from batchrun.job.run.runner import RowFailure, run_job
+from batchrun.job.inputs.rows import row_seed
 from tests.helpers.fake_engine import FakeEngine
 from tests.helpers.jobs import demo_rows, expected, read_output, write_rows
 

@@ -11,8 +11,8 @@ import signal
 import pytest
 
 from batchrun.cli import ExitCode
-from batchrun.job.spec import load_job
-from batchrun.job.runner import run_job
+from batchrun.job.jobfile.spec import load_job
+from batchrun.job.run.runner import run_job
 from tests.helpers.fake_engine import FakeEngine
 from tests.helpers.faults import wait_for
 from tests.helpers.jobs import demo_rows, expected, fork_cli, read_output

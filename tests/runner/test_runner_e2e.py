@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from batchrun.job.spec import OutputSpec, load_job
-from batchrun.job.runner import run_job
+from batchrun.job.jobfile.spec import OutputSpec, load_job
+from batchrun.job.run.runner import run_job
 from tests.helpers.jobs import demo_rows, read_output, REPO
 
 DEMO_JOB = REPO / "jobs" / "demo.yaml"

@@ -4,7 +4,7 @@ from click.testing import CliRunner
 
 from batchrun.cli import ExitCode, main
 from batchrun.errors import ConfigError
-from batchrun.job.slurm import time_limit_s
+from batchrun.job.launch.slurm import time_limit_s
 from tests.helpers.jobs import demo_rows
 
 

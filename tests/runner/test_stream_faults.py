@@ -10,8 +10,8 @@ import time
 import pytest
 
 from batchrun.job.exit_codes import ExitCode
-from batchrun.job.spec import load_job
-from batchrun.job.runner import run_job
+from batchrun.job.jobfile.spec import load_job
+from batchrun.job.run.runner import run_job
 from tests.helpers.faults import assert_every_id_once, commits, dataset_ids, N_ROWS, wait_for
 from tests.helpers.jobs import demo_rows
 from tests.helpers.fake_engine import FakeEngine
@@ -22,8 +22,8 @@ WRITE_DELAY_S = 0.25
 def _child(args, crash_at, kill_after, state_path, env):
     """Forked child: the CLI with the streaming fake engine and a slow writer."""
     os.environ.update({"TOKENIZERS_PARALLELISM": "false", **env})
-    import batchrun.job.commit as commit
-    import batchrun.job.runner as runner
+    import batchrun.job.store.commit as commit
+    import batchrun.job.run.runner as runner
     from tests.helpers import fake_cli
     fake_cli.install(crash_at)  # also patches publish/record for crash_at points
     runner.load_engine = FakeEngine.from_spec

@@ -5,9 +5,9 @@ import dataclasses
 
 import pytest
 
-from batchrun.job.spec import OutputSpec, load_job
-from batchrun.job.plan import Plan, engine_groups, group_rows
-from batchrun.job.runner import load_engine, run_job
+from batchrun.job.jobfile.spec import OutputSpec, load_job
+from batchrun.job.plan.units import Plan, engine_groups, group_rows
+from batchrun.job.run.runner import load_engine, run_job
 from tests.helpers.jobs import read_output, REPO
 
 DEMO_JOB = REPO / "jobs" / "demo.yaml"

@@ -4,12 +4,12 @@ import json
 import os
 import time
 
-import batchrun.job.worker_progress as wp
-from batchrun.job.worker_progress import read_progress
-from batchrun.job.spec import load_job
-from batchrun.job.output import OutputDir
+import batchrun.job.run.progress_files as wp
+from batchrun.job.run.progress_files import read_progress
+from batchrun.job.jobfile.spec import load_job
+from batchrun.job.store.layout import OutputDir
 from batchrun.job.report import status_report
-from batchrun.job.runner import run_job
+from batchrun.job.run.runner import run_job
 from tests.helpers.fake_engine import FakeEngine
 from tests.helpers.faults import wait_for
 from tests.helpers.jobs import demo_rows, run_cli

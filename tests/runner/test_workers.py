@@ -1,4 +1,4 @@
-"""`batchrun run --workers N / --gpus ...` (batchrun/job/workers.py): GPU binding with fake device
+"""`batchrun run --workers N / --gpus ...` (batchrun/job/launch/workers.py): GPU binding with fake device
 lists, the worker-side device check, exit codes, and N CPU workers finishing one job."""
 import os
 import signal
@@ -10,7 +10,7 @@ import pytest
 
 from batchrun.errors import ConfigError
 from batchrun.job.exit_codes import ExitCode
-from batchrun.job.workers import GPU_ENV, check_worker_device, pick_gpus, run_workers, visible_gpus, worst
+from batchrun.job.launch.workers import GPU_ENV, check_worker_device, pick_gpus, run_workers, visible_gpus, worst
 from tests.helpers.faults import assert_every_id_once, commits, wait_for
 from tests.helpers.jobs import demo_rows, HERE, REPO, read_output
 

@@ -4,9 +4,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from batchrun.job.report import plan_report, show_rows, status_report
-from batchrun.job.runner import run_job
-from batchrun.job.spec import load_job
-from batchrun.job.verify import verify
+from batchrun.job.run.runner import run_job
+from batchrun.job.jobfile.spec import load_job
+from batchrun.job.store.verify import verify
 from tests.helpers.fake_engine import FakeEngine
 from tests.helpers.jobs import demo_rows, read_output
 

@@ -5,8 +5,8 @@ import json
 import pytest
 
 from batchrun.errors import ConfigError
-from batchrun.job.spec import parse_job
-from batchrun.job.rows import _sampling
+from batchrun.job.jobfile.spec import parse_job
+from batchrun.job.inputs.rows import _sampling
 
 MIN = {"model": "m", "input": {"path": "in.parquet"}, "output": {"path": "out"}}
 

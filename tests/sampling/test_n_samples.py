@@ -4,9 +4,9 @@ import os
 
 import pyarrow as pa
 
-from batchrun.job.spec import load_job
-from batchrun.job.runner import run_job
-from batchrun.job.verify import verify
+from batchrun.job.jobfile.spec import load_job
+from batchrun.job.run.runner import run_job
+from batchrun.job.store.verify import verify
 from tests.helpers.jobs import read_output
 
 ROWS = [{"id": i, "prompt": p} for i, p in enumerate(["hello", "abc", "tiny model", "xyz run", "fox", "lora"])]

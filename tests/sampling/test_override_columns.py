@@ -5,8 +5,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from batchrun.errors import ConfigError
-from batchrun.job.inputs import check_schemas
-from batchrun.job.spec import InputSpec
+from batchrun.job.inputs.files import check_schemas
+from batchrun.job.jobfile.spec import InputSpec
 
 
 def write(tmp_path, cols: dict):
@@ -43,9 +43,9 @@ def test_n_column_is_fine_when_overrides_are_listed(tmp_path):
 
 
 def test_plan_counts_bad_override_rows_as_the_run_does(job_factory, tmp_path):
-    from batchrun.job.spec import load_job
+    from batchrun.job.jobfile.spec import load_job
     from batchrun.job.report import plan_report
-    from batchrun.job.runner import run_job
+    from batchrun.job.run.runner import run_job
     from tests.helpers.fake_engine import FakeEngine
     rows = [{"id": 0, "prompt": "hello", "min_tokens": 2, "stop": ["x"]},
             {"id": 1, "prompt": "abc", "min_tokens": 50, "stop": None},  # min_tokens > max_tokens

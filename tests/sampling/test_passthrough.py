@@ -5,8 +5,8 @@ import pyarrow as pa
 import pytest
 
 from batchrun.errors import ConfigError
-from batchrun.job.spec import load_job
-from batchrun.job.runner import run_job
+from batchrun.job.jobfile.spec import load_job
+from batchrun.job.run.runner import run_job
 from tests.helpers.fake_engine import FakeEngine
 from tests.helpers.jobs import read_output
 

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from batchrun.errors import ConfigError
-from batchrun.job.spec import load_job, parse_job
-from batchrun.job.runner import run_job
+from batchrun.job.jobfile.spec import load_job, parse_job
+from batchrun.job.run.runner import run_job
 from tests.helpers.fake_engine import FakeEngine
 from tests.helpers.jobs import read_output
 from tests.helpers.models import hf_greedy, save_hf_model

@@ -9,8 +9,8 @@ import sys
 import pytest
 
 from batchrun.errors import ConfigError
-from batchrun.job.spec import load_job, parse_job
-from batchrun.job.runner import run_job
+from batchrun.job.jobfile.spec import load_job, parse_job
+from batchrun.job.run.runner import run_job
 from tests.helpers.jobs import read_output, write_job, write_rows
 
 SCHEMA = {"type": "object", "properties": {"name": {"enum": ["ann", "bob"]}, "ok": {"type": "boolean"},

@@ -11,8 +11,8 @@ import yaml
 
 from batchrun.cli import slurm_task_defaults
 from batchrun.errors import ConfigError
-from batchrun.job import slurm as sl
-from batchrun.job.spec import _resolve
+from batchrun.job.launch import slurm as sl
+from batchrun.job.jobfile.spec import _resolve
 
 REPO = Path(__file__).resolve().parents[2]
 SLURM_VARS = ("SLURM_ARRAY_TASK_ID", "SLURM_ARRAY_TASK_MIN", "SLURM_ARRAY_TASK_MAX", "SLURM_ARRAY_TASK_STEP",

@@ -208,8 +208,8 @@ def test_time_limit_signal_exits_130_and_a_resubmission_resumes(tmp_path):
     # test) planned the output dir and holds live claims on its last units: the task runs the
     # others, then waits for those. (On a slow machine the signal may come during start-up; every
     # check below holds either way.)
-    from batchrun.job.spec import load_job
-    from batchrun.job.prepare import prepare
+    from batchrun.job.jobfile.spec import load_job
+    from batchrun.job.plan.prepare import prepare
     rows = ROWS
     job = make_job(tmp_path, rows, sampling={"ignore_eos": True})
     out = tmp_path / "out"

@@ -14,8 +14,8 @@ import socket
 import threading
 import time
 
-from batchrun.job.commit import write_json_atomic
-from batchrun.job.output import OutputDir
+from batchrun.job.store.commit import write_json_atomic
+from batchrun.job.store.layout import OutputDir
 
 WRITE_EVERY_S = 5.0  # a commit rewrites the file at most this often (one small write per worker)
 
@@ -94,7 +94,7 @@ HEADER = ["worker", "state", "host", "units done", "claimed now", "rows", "rows/
 def worker_rows(out: OutputDir, now: float | None = None) -> list[list]:
     """One row per worker for `status` (HEADER's columns). ``rows`` are output rows (one per
     sample); ``state`` is the file's status, or "died" for a running one whose lock is free."""
-    from batchrun.job.lock import is_locked
+    from batchrun.job.store.lock import is_locked
     now = time.time() if now is None else now
     held = claims_by_worker(out)
     rows = []

@@ -21,7 +21,7 @@ import time
 from collections import deque
 from typing import Callable
 
-from batchrun.job.rows import UnitWork
+from batchrun.job.inputs.rows import UnitWork
 
 _POLL_S = 0.1
 

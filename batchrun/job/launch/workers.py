@@ -3,7 +3,7 @@ same unit claims, one GPU each (CUDA_VISIBLE_DEVICES), one combined progress lin
 stops them all (exit 130), exit code the worst of theirs.
 
 Each worker is an ordinary `batchrun run JOB --task-id i --num-tasks N` child; the claims
-(batchrun/job/claims.py) share the units. A GPU worker checks at start that exactly its one device is
+(batchrun/job/store/claims.py) share the units. A GPU worker checks at start that exactly its one device is
 visible (``check_worker_device``), so a wrong binding fails loudly instead of stacking workers on
 one GPU. CPU workers get OMP_NUM_THREADS = their share of the node's CPUs (engine/cpu_threads.py),
 unless the user set it, so N engines do not each size their thread pool to the whole node.
@@ -19,7 +19,7 @@ from typing import Callable, Sequence
 
 from batchrun.engine.cpu_threads import EXPLICIT, worker_threads
 from batchrun.errors import ConfigError
-from batchrun.job.interrupt import Interrupted
+from batchrun.job.run.interrupt import Interrupted
 
 GPU_ENV = "BATCHRUN_WORKER_GPU"  # the device a worker was bound to (set by the parent)
 

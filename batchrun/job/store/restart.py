@@ -18,9 +18,9 @@ import json
 import os
 import shutil
 
-from batchrun.job.commit import fsync_path, read_commits, write_json_atomic
-from batchrun.job.lock import LockBusy, is_locked
-from batchrun.job.output import OutputDir, part_name
+from batchrun.job.store.commit import fsync_path, read_commits, write_json_atomic
+from batchrun.job.store.lock import LockBusy, is_locked
+from batchrun.job.store.layout import OutputDir, part_name
 
 KEEP = ("locks", "slurm")
 

@@ -28,8 +28,8 @@ import yaml
 
 from batchrun.engine.config import DEVICES
 from batchrun.errors import ConfigError
-from batchrun.job.safe_yaml import load_yaml
-from batchrun.job.spec import _ENV_REF, load_job
+from batchrun.job.jobfile.safe_yaml import load_yaml
+from batchrun.job.jobfile.spec import _ENV_REF, load_job
 
 HEADER = """#!/usr/bin/env bash
 # Written by `batchrun slurm` for {job_file}.

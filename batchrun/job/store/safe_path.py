@@ -12,9 +12,9 @@ import os
 import re
 
 from batchrun.errors import ConfigError
-from batchrun.job.input_files import deep_input_dirs, glob_root, is_glob
-from batchrun.job.spec import JobSpec
-from batchrun.job.output import META, OutputDir
+from batchrun.job.inputs.discovery import deep_input_dirs, glob_root, is_glob
+from batchrun.job.jobfile.spec import JobSpec
+from batchrun.job.store.layout import META, OutputDir
 
 
 def _real(path: str) -> str:

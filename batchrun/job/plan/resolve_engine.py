@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import os
 
-from batchrun.job.spec import JobSpec
+from batchrun.job.jobfile.spec import JobSpec
 
 # Keys of the manifest's "engine_resolved" record, in the order messages name them.
 KEYS = ("device", "dtype", "quantization")

@@ -19,7 +19,7 @@ import hashlib
 import json
 import os
 
-from batchrun.job.spec import JobSpec, SamplingSpec
+from batchrun.job.jobfile.spec import JobSpec, SamplingSpec
 
 # Sampling fields fingerprinted as before #13; newer fields count only when set, so a job that
 # does not use them keeps its fingerprint (and resumes) across the upgrade.

@@ -15,25 +15,25 @@ import time
 from dataclasses import dataclass
 
 from batchrun import __version__
-from batchrun.job.commit import write_json_atomic
+from batchrun.job.store.commit import write_json_atomic
 from batchrun.errors import ConfigError, JobChanged, OutputIOError, io_message
-from batchrun.job.fingerprint import PART_NAMES, combine, job_fingerprint
+from batchrun.job.store.fingerprint import PART_NAMES, combine, job_fingerprint
 from batchrun.common import preload
-from batchrun.job.inputs import check_schemas, find_input_files
-from batchrun.job.interrupt import start_up_over
-from batchrun.job.spec import JobSpec
-from batchrun.job.lock import LockBusy, TaskLock, acquire_waiting
+from batchrun.job.inputs.files import check_schemas, find_input_files
+from batchrun.job.run.interrupt import start_up_over
+from batchrun.job.jobfile.spec import JobSpec
+from batchrun.job.store.lock import LockBusy, TaskLock, acquire_waiting
 from batchrun.engine.lora.adapters import inspect_adapter
 from batchrun.engine.models.checkpoint import inspect_model
 from batchrun.engine.models.config import check_context_length
-from batchrun.job.output import META, OutputDir
-from batchrun.job.output_path import check_output_path, check_unowned_dir
-from batchrun.job.pins import InputPins, Pin, identity
-from batchrun.job.resolve_engine import changed_message, resolution_changes, resolve_engine
-from batchrun.job.plan import Plan, make_plan
+from batchrun.job.store.layout import META, OutputDir
+from batchrun.job.store.safe_path import check_output_path, check_unowned_dir
+from batchrun.job.inputs.pins import InputPins, Pin, identity
+from batchrun.job.plan.resolve_engine import changed_message, resolution_changes, resolve_engine
+from batchrun.job.plan.units import Plan, make_plan
 from batchrun.common.tokenizer import load_tokenizer
-from batchrun.job.token_count import load_counter
-from batchrun.job.restart import begin_wipe, check_no_active_task, end_wipe, finish_wipe, pending_wipe
+from batchrun.job.inputs.token_count import load_counter
+from batchrun.job.store.restart import begin_wipe, check_no_active_task, end_wipe, finish_wipe, pending_wipe
 
 
 @dataclass
@@ -74,7 +74,7 @@ def token_counter(spec: JobSpec, use_transformers: bool = False):
     which loads transformers' tokenizer for the engine anyway (common/tokenizer.load_tokenizer loads
     it once per process); `plan` needs no transformers for plain-text prompts. Checks that a chat
     template exists if the job needs one."""
-    from batchrun.job.prompts import uses_chat_template
+    from batchrun.job.inputs.prompts import uses_chat_template
     counter = load_counter(spec.model, uses_chat_template(spec.input), use_transformers)
     if spec.input.messages_column and not getattr(counter.hf, "chat_template", None):
         raise ConfigError(f"input.messages_column: the tokenizer in {spec.model} has no chat template; "

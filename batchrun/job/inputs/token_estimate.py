@@ -167,7 +167,7 @@ class Estimate:
     def note(self) -> str:
         if self.bound is None:
             return ("(prompt tokens exact: this tokenizer's pipeline has no proven byte bound "
-                    "(batchrun/job/token_estimate.py), so every row was tokenized)")
+                    "(batchrun/job/inputs/token_estimate.py), so every row was tokenized)")
         if not self.estimated:
             return "(prompt tokens exact: every row needed its exact count)"
         return (f"~ estimated: {self.sampled} sampled rows (every {self.stride}th) give "

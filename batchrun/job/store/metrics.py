@@ -11,9 +11,9 @@ from __future__ import annotations
 import json
 import os
 
-from batchrun.job.commit import committed_units, write_json_atomic
-from batchrun.job.lock import TaskLock, acquire_waiting
-from batchrun.job.output import OutputDir
+from batchrun.job.store.commit import committed_units, write_json_atomic
+from batchrun.job.store.lock import TaskLock, acquire_waiting
+from batchrun.job.store.layout import OutputDir
 
 MERGE_WAIT_S = 60.0  # a merge takes milliseconds; the OS drops a dead holder's lock
 

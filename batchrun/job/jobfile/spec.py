@@ -27,9 +27,9 @@ from batchrun.engine.config import TYPE_NAMES as _TYPE_NAMES, EngineConfig, job_
 from batchrun.engine.config import removed_key_message
 from batchrun.engine.config import finite_float, show as _show, type_ok as _type_ok
 from batchrun.errors import ConfigError
-from batchrun.job.error_rate import check_rate
-from batchrun.job.job_text import check_text, decode_job_file, text_problem
-from batchrun.job.safe_yaml import load_yaml
+from batchrun.job.run.error_rate import check_rate
+from batchrun.job.jobfile.text import check_text, decode_job_file, text_problem
+from batchrun.job.jobfile.safe_yaml import load_yaml
 from batchrun.common.short_repr import short_repr as _short
 
 ON_ERROR = ("skip", "fail")

@@ -10,7 +10,7 @@
 """
 from __future__ import annotations
 
-from batchrun.job.spec import InputSpec
+from batchrun.job.jobfile.spec import InputSpec
 
 
 def uses_chat_template(inp: InputSpec) -> bool:

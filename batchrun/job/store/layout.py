@@ -7,7 +7,7 @@
         restarting.json            only while a --restart is deleting the previous run (crash-safe)
         plan/                      plan.json + row_file.npy + row_index.npy
         commits/unit-000000.json   one marker per committed unit (rows, errors, tokens)
-        claims/unit-000000         a worker's claim on a unit in flight (batchrun/job/claims.py)
+        claims/unit-000000         a worker's claim on a unit in flight (batchrun/job/store/claims.py)
         tmp/task-0/                part files being written (never visible in the dataset)
         locks/task-0.lock          one fcntl lock per task id (manifest.lock: planning;
                                    metrics.lock: merging metrics.json)

@@ -1,4 +1,4 @@
-"""Run one worker of a job: claim uncommitted units (batchrun/job/claims.py) and run them, base shard
+"""Run one worker of a job: claim uncommitted units (batchrun/job/store/claims.py) and run them, base shard
 first, then adapters; any number of workers may share one output directory.
 
 Three threads: the feeder (``feeder.py``) reads and tokenizes the next units ahead of the GPU;
@@ -27,24 +27,24 @@ from typing import Callable, Iterable
 import numpy as np
 
 from batchrun.common import preload
-from batchrun.job import commit
-from batchrun.job.claims import UnitClaims
-from batchrun.job.commit import check_part, read_commits
+from batchrun.job.store import commit
+from batchrun.job.store.claims import UnitClaims
+from batchrun.job.store.commit import check_part, read_commits
 from batchrun.engine.request import Result
 from batchrun.errors import ConfigError, OutputIOError, io_message
-from batchrun.job.feeder import Feeder, UnitSource
-from batchrun.job.interrupt import Interrupted, Signals
-from batchrun.job.inputs import RowReader
-from batchrun.job.spec import JobSpec
-from batchrun.job.lock import LockBusy, TaskLock
-from batchrun.job.metrics import write_metrics
-from batchrun.job.output import OutputDir
-from batchrun.job.plan import Unit, assign_tasks, seqs_bound
-from batchrun.job.progress import Progress
-from batchrun.job.prepare import Prepared, prepare
-from batchrun.job.rows import UnitWork, arrow_columns, build_unit, input_columns, unit_table
-from batchrun.job.worker_progress import ProgressFile
-from batchrun.job.writer import Writer
+from batchrun.job.run.feeder import Feeder, UnitSource
+from batchrun.job.run.interrupt import Interrupted, Signals
+from batchrun.job.inputs.files import RowReader
+from batchrun.job.jobfile.spec import JobSpec
+from batchrun.job.store.lock import LockBusy, TaskLock
+from batchrun.job.store.metrics import write_metrics
+from batchrun.job.store.layout import OutputDir
+from batchrun.job.plan.units import Unit, assign_tasks, seqs_bound
+from batchrun.job.run.progress_bar import Progress
+from batchrun.job.plan.prepare import Prepared, prepare
+from batchrun.job.inputs.rows import UnitWork, arrow_columns, build_unit, input_columns, unit_table
+from batchrun.job.run.progress_files import ProgressFile
+from batchrun.job.run.writer import Writer
 
 FEEDER_AHEAD_BATCHES = 2  # the feeder reads and claims at most this many engine batches of rows ahead
 WRITER_QUEUE_UNITS = 4  # finished units that may wait for the writer before the engine thread blocks

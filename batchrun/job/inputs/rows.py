@@ -13,14 +13,16 @@ from typing import Any, Callable
 
 import pyarrow as pa
 
-from batchrun.job import arrow_types, prompts
+from batchrun.job.inputs import arrow_types
+
+from batchrun.job.inputs import prompts
 from batchrun.engine.config import SamplingParams
 from batchrun.engine.request import Request, Result
-from batchrun.job.inputs import ARROW, INVALID, InvalidText
-from batchrun.job.spec import JobSpec, response_format_json, sampling_problems
+from batchrun.job.inputs.files import ARROW, INVALID, InvalidText
+from batchrun.job.jobfile.spec import JobSpec, response_format_json, sampling_problems
 from batchrun.common.short_repr import short_repr
-from batchrun.job.output import OPTIONAL_COLUMNS, output_schema
-from batchrun.job.plan import Plan, Unit
+from batchrun.job.store.layout import OPTIONAL_COLUMNS, output_schema
+from batchrun.job.plan.units import Plan, Unit
 
 
 def row_seed(job_seed: int, row_id: Any, sample_index: int = 0) -> int:

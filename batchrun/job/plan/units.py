@@ -22,11 +22,11 @@ import pyarrow.compute as pc
 import pyarrow.dataset as ds
 
 from batchrun.engine.config import AUTO_MAX_NUM_SEQS
-from batchrun.job.commit import fsync_path
+from batchrun.job.store.commit import fsync_path
 from batchrun.errors import ConfigError
-from batchrun.job.arrow_types import plain_table
-from batchrun.job.inputs import InputSchema, check_schemas, column_values, find_input_files, id_array
-from batchrun.job.spec import JobSpec
+from batchrun.job.inputs.arrow_types import plain_table
+from batchrun.job.inputs.files import InputSchema, check_schemas, column_values, find_input_files, id_array
+from batchrun.job.jobfile.spec import JobSpec
 
 PLAN_FORMAT = 1
 

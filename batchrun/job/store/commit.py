@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from batchrun.job.output import OutputDir
+from batchrun.job.store.layout import OutputDir
 
 PARQUET_MAGIC = b"PAR1"
 

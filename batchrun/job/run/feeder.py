@@ -19,8 +19,8 @@ from collections import deque
 from typing import Callable, Iterable
 
 from batchrun.engine.request import Request
-from batchrun.job.plan import Unit
-from batchrun.job.rows import UnitWork
+from batchrun.job.plan.units import Unit
+from batchrun.job.inputs.rows import UnitWork
 
 _END = END = object()  # Feeder.get: the units have ended
 # Feeder.get(flush=True): the unit iterable yielded None (claims.UnitClaims does while every

@@ -12,7 +12,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from batchrun.job.commit import check_part, read_commits, uncommitted_parts
+from batchrun.job.store.commit import check_part, read_commits, uncommitted_parts
 from batchrun.job.exit_codes import ExitCode
 from batchrun.job.report import load_state
 

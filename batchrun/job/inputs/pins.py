@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from batchrun.job.fingerprint import file_digest
+from batchrun.job.store.fingerprint import file_digest
 from batchrun.errors import InputChanged
 
 

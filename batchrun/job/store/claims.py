@@ -43,8 +43,8 @@ import time
 from typing import Callable, Iterable, Iterator
 
 from batchrun.errors import OutputIOError, io_message
-from batchrun.job.output import OutputDir
-from batchrun.job.plan import Unit
+from batchrun.job.store.layout import OutputDir
+from batchrun.job.plan.units import Unit
 
 DEFAULT_LEASE_S = 120.0
 UNREADABLE_GRACE_S = 5.0  # a claim file with no readable owner is stale after this (or the lease)

@@ -17,9 +17,9 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from batchrun.errors import ConfigError
-from batchrun.job.arrow_types import check_round_trip, has_view, plain_table
-from batchrun.job.input_files import find_input_files, glob_root, is_glob  # noqa: F401 (re-exported)
-from batchrun.job.spec import JOB_ONLY_SAMPLING, OVERRIDE_COLUMNS, InputSpec
+from batchrun.job.inputs.arrow_types import check_round_trip, has_view, plain_table
+from batchrun.job.inputs.discovery import find_input_files, glob_root, is_glob  # noqa: F401 (re-exported)
+from batchrun.job.jobfile.spec import JOB_ONLY_SAMPLING, OVERRIDE_COLUMNS, InputSpec
 
 def _is_str(t: pa.DataType) -> bool:
     if pa.types.is_dictionary(t):

@@ -1,0 +1,1 @@
+"""Input Parquet files: discovery, schema checks, pins, rows -> engine requests, token counts."""

@@ -1,0 +1,1 @@
+"""The job file: job.yaml parsed and validated into a JobSpec."""

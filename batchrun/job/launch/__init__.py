@@ -1,0 +1,1 @@
+"""Launching workers: several on one node, Slurm arrays."""

@@ -1,0 +1,1 @@
+"""One plan per output: shards, work units, and the checks a run makes before loading weights."""

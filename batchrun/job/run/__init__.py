@@ -1,0 +1,1 @@
+"""Running a worker: feeder, engine thread, writer, progress, interruption."""

@@ -1,0 +1,1 @@
+"""The output store: layout, parts and commit markers, claims, locks, fingerprint, restart, verify, metrics."""
