@@ -7,16 +7,9 @@ from batchrun.engine.config import EngineConfig, SamplingParams
 from batchrun.engine.engine import Engine
 from batchrun.engine.request import Request
 from batchrun.kernels.lora_meta import LoRADelta
+from tests.helpers.adapters import ADAPTERS
 from tests.helpers.models import hf_greedy, make_hf_model, random_prompts, save_hf_model
 
-ADAPTERS = {
-    "qv": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
-    "all": dict(r=8, lora_alpha=16, use_rslora=True, target_modules="all-linear"),
-    "mlp1": dict(r=4, lora_alpha=4, target_modules=["gate_proj", "up_proj", "down_proj", "k_proj"],
-                 rank_pattern={"down_proj": 6}, alpha_pattern={"k_proj": 12}, layers_to_transform=[1]),
-    "o": dict(r=2, lora_alpha=8, target_modules=["o_proj"]),
-    "qkv": dict(r=8, lora_alpha=4, target_modules=r".*\.(q|k|v)_proj"),
-}
 NEW = 8
 
 
