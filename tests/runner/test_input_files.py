@@ -119,7 +119,7 @@ def test_run_reads_the_rows_under_a_symlinked_subdirectory(make_job, tmp_path):
     from batchrun.job.run.runner import run_job
     from batchrun.job.jobfile.spec import load_job
     from batchrun.job.store.verify import verify
-    from fake_engine import FakeEngine
+    from tests.helpers.fake_engine import FakeEngine
     from tests.helpers.jobs import demo_rows, read_output
     job = make_job(demo_rows(6))
     write_rows(tmp_path / "elsewhere" / "more.parquet", demo_rows(5, start=6))

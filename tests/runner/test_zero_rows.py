@@ -43,8 +43,8 @@ def test_zero_row_inputs_write_the_output_schema_and_say_the_input_is_empty(make
 
     report, ok = verify(str(tmp_path / "out"))
     assert ok and "verified: 1/1 units (0 rows)" in report, report
-    report, complete = status_report(str(tmp_path / "out"))
-    assert complete and "rows:    0/0 written" in report, report
+    report, code = status_report(str(tmp_path / "out"))
+    assert code == 0 and "rows:    0/0 written" in report, report  # ExitCode.OK: complete
     assert show_rows(str(tmp_path / "out"), 5, False) == "(no rows: the job's input has none)"
 
     logs = []
