@@ -23,10 +23,6 @@ from batchrun.job.plan.units import Unit
 from batchrun.job.inputs.rows import UnitWork
 
 _END = END = object()  # Feeder.get: the units have ended
-# Feeder.get(flush=True): the unit iterable yielded None (claims.UnitClaims does while every
-# remaining unit is held by a live worker): a consumer that batches units should run what it has
-# instead of waiting for more, or two waiting workers would each sit on units the other needs.
-FLUSH = object()
 _POLL_S = 0.1  # a waiting consumer re-checks `poll` (e.g. the writer's health) this often
 
 
@@ -59,11 +55,7 @@ class Feeder:
             for unit in self._units:
                 if self._stop:
                     return
-                if unit is None:
-                    with self._cond:
-                        if not self._queue or self._queue[-1] is not FLUSH:
-                            self._queue.append(FLUSH)
-                            self._cond.notify_all()
+                if unit is None:  # claims.UnitClaims: every unit left is held by a live worker
                     continue
                 with self._cond:
                     while self._queued_rows >= self.ahead_rows and not self._stop:
@@ -88,17 +80,12 @@ class Feeder:
 
     # ---- consumer ---------------------------------------------------------------------------
 
-    def get(self, wait: bool, poll: Callable[[], None] | None = None, flush: bool = False):
-        """The next built unit; None if none is ready yet (wait=False); END once the units ended;
-        FLUSH where the units yielded None, if ``flush`` (else it is skipped).
+    def get(self, wait: bool, poll: Callable[[], None] | None = None):
+        """The next built unit; None if none is ready yet (wait=False); END once the units ended.
 
         Raises what the feeder thread raised. ``poll`` runs while waiting (and may raise)."""
         with self._cond:
             while True:
-                while self._queue and self._queue[0] is FLUSH:
-                    self._queue.popleft()
-                    if flush:
-                        return FLUSH
                 if self._queue:
                     break
                 if not wait:
@@ -147,13 +134,12 @@ class UnitSource:
         self.ended = False
         self.error: BaseException | None = None
 
-    def get(self, wait: bool, flush: bool = False):
-        """The feeder's next unit, not yet registered (None: not ready; END: no more units;
-        FLUSH: see Feeder.get)."""
+    def get(self, wait: bool):
+        """The feeder's next unit, not yet registered (None: not ready; END: no more units)."""
         if self.ended:
             return END
         try:
-            work = self.feeder.get(wait, self.poll, flush)
+            work = self.feeder.get(wait, self.poll)
         except Exception as e:
             if e is not self.feeder.error:
                 raise  # the poll's error, or a bug here: not the end of the units

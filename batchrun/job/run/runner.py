@@ -350,7 +350,7 @@ class TaskRunner:
 
     def _run_units(self, engine, todo: Iterable[Unit]) -> None:
         """Stream ``todo`` (any iterable, consumed lazily and in order; ``None`` items = the claims
-        wait on other workers, see feeder.FLUSH) through the engine."""
+        wait on other workers) through the engine."""
         spec = self.spec
         _settle_tokenizer(engine.tokenizer)
         reader = RowReader(self.plan.files, input_columns(spec, self.plan), arrow_columns=arrow_columns(self.plan))

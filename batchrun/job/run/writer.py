@@ -6,10 +6,6 @@ in hand-off order. At most ``max_queued`` units wait; a full queue blocks ``put`
 engine thread spends blocked is ``wait_s``). Signals are handled on the main thread only, so a
 commit on this thread is never cut by SIGTERM/SIGINT; ``close`` waits for what was handed over.
 
-``inline=True`` runs each commit inside ``put`` on the caller's thread instead (no thread): the
-runner uses it for engines without ``generate_stream`` (test doubles driven one ``generate``
-call per group), which so keep the old timing: a unit is committed before the next result.
-
 The first error of a commit stops the writer (the units after it stay uncommitted); ``check``,
 ``put`` and ``close`` re-raise that same exception object, type and message unchanged, on the
 caller's thread.
@@ -27,9 +23,8 @@ _POLL_S = 0.1
 
 
 class Writer:
-    def __init__(self, commit: Callable[[UnitWork], None], max_queued: int = 4, name: str = "batchrun-writer",
-                 inline: bool = False):
-        self._commit, self.inline = commit, inline
+    def __init__(self, commit: Callable[[UnitWork], None], max_queued: int = 4, name: str = "batchrun-writer"):
+        self._commit = commit
         self.max_queued = max(int(max_queued), 1)
         self._queue: deque[UnitWork] = deque()
         self._busy = False
@@ -41,8 +36,7 @@ class Writer:
         self._thread = threading.Thread(target=self._main, name=name, daemon=True)
 
     def start(self) -> "Writer":
-        if not self.inline:
-            self._thread.start()
+        self._thread.start()
         return self
 
     def _main(self) -> None:
@@ -81,17 +75,6 @@ class Writer:
 
     def put(self, work: UnitWork) -> None:
         t0 = time.time()
-        if self.inline:
-            self.check()
-            try:
-                self._commit(work)
-            except Exception as e:  # not Interrupted: a signal deferred to the commit's end
-                self.error = e
-                raise
-            finally:
-                self.wait_s += time.time() - t0
-            self.units_written += 1
-            return
         with self._cond:
             while len(self._queue) >= self.max_queued and self.error is None:
                 self._cond.wait(_POLL_S)
