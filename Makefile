@@ -1,8 +1,8 @@
 # batchrun: the two commands anyone needs.
 #   make demo   set up .venv (first time), run the demo job on the CPU, print a few output rows
 #   make test   set up .venv (first time), run the CPU test suite (what CI runs), on 2 processes
-#   make test-fast  the same without the tests marked `slow` (whole engines or kernels under the
-#               Triton interpreter): the edit loop's subset, a few minutes on 2 cores
+#   make test-fast  the same without the tests marked `slow` (over ~4 s each: whole engines or
+#               interpreted kernels, CLI runs in subprocesses): the edit loop's subset
 # Works on a fresh machine with only python3 (3.10+) and pip: everything else goes into .venv.
 
 PYTHON ?= python3

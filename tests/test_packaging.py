@@ -73,6 +73,7 @@ def test_wheel_holds_the_kernels_as_batchrun_kernels(wheel):
     assert sources <= set(names)
 
 
+@pytest.mark.slow
 def test_installed_wheel_imports_its_own_files(wheel, tmp_path):
     target = tmp_path / "site"
     subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-index",

@@ -10,6 +10,7 @@ from batchrun.bench.throughput import ThroughputParams, check_output, prepare_fi
 from batchrun.cli import main
 
 
+@pytest.mark.slow
 def test_throughput_tiny_end_to_end(tmp_path):
     out = tmp_path / "tp.json"
     args = ["bench", "throughput", "--preset", "tiny", "--device", "cpu", "--input-len", "8",
@@ -92,6 +93,7 @@ def test_throughput_flag_errors():
     ThroughputParams(num_adapters=0, lora_fraction=0.0).check()
 
 
+@pytest.mark.slow
 def test_throughput_shared_prefix_caching_on_and_off(tmp_path):
     """--prefix-len: every prompt starts with the same tokens; with caching on the engine finds
     them cached (hit rate printed), and both settings give the same outputs (digests)."""

@@ -35,6 +35,7 @@ print(json.dumps({"fp": p.fingerprint, "units": [[u.index, u.adapter, u.rows] fo
 """
 
 
+@pytest.mark.slow
 def test_two_racing_first_workers_publish_one_plan(make_job, tmp_path):
     job = make_job(demo_rows(24))
     env = {**os.environ, "PYTHONPATH": str(REPO), "TOKENIZERS_PARALLELISM": "false"}

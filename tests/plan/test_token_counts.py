@@ -130,6 +130,7 @@ def _tokenizer_parity(a, b):
     assert a.chat_template == b.chat_template
 
 
+@pytest.mark.slow
 def test_a_named_fast_tokenizer_loads_without_the_auto_machinery(tiny_model, monkeypatch):
     """tokenizer_class PreTrainedTokenizerFast (5.x saves it as TokenizersBackend): load_tokenizer
     builds that class directly, the tokenizer AutoTokenizer gives (same encodes, decodes, special
@@ -174,6 +175,7 @@ def test_counts_are_numpy_not_python_lists(tiny_model):
     assert isinstance(out, np.ndarray) and out.dtype == np.int64 and out[1] == 0 and out[0] == out[2] > 0
 
 
+@pytest.mark.slow
 def test_plan_prompt_tokens_equal_the_runs(make_job, tmp_path):
     """End to end: the shard table's prompt tokens and error rows equal what the run records."""
     import pyarrow.parquet as pq

@@ -16,6 +16,7 @@ LEASE = "0.4"  # a killed worker's claims expire after 0.4 s
 ROUNDS = 10
 
 
+@pytest.mark.slow
 def test_kill_one_of_three_workers_the_others_finish_every_id_once(make_job, tmp_path):
     job = make_job(demo_rows(N_ROWS))
     out = tmp_path / "out"

@@ -43,6 +43,7 @@ RESTART_POINTS = ["os.replace:1", "shutil.rmtree:1", "os.unlink:1", "os.unlink:5
                   "os.replace:2"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("point", RUN_POINTS)
 def test_kill_at_syscall_during_run_then_rerun(make_job, tmp_path, point):
     job = make_job(demo_rows(N_ROWS))

@@ -125,6 +125,7 @@ def _mount(*args) -> bool:
     return subprocess.run(["mount", *args], capture_output=True).returncode == 0
 
 
+@pytest.mark.slow
 def test_real_full_disk(make_job, tmp_path):
     mnt = tmp_path / "small"
     mnt.mkdir()
@@ -171,6 +172,7 @@ def test_status_show_verify_on_a_read_only_output_dir(make_job, tmp_path):
 
 # ---- damaged metadata --------------------------------------------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.parametrize("what", ["manifest_garbage", "manifest_not_mapping", "plan_garbage"])
 def test_damaged_metadata_is_one_line_and_restart_recovers(make_job, tmp_path, what):
     job = make_job(demo_rows(N_ROWS))

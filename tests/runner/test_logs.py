@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from batchrun.cli import ExitCode
 from tests.helpers.jobs import demo_rows, fork_cli, HERE, REPO, run_cli
 
@@ -18,6 +20,7 @@ def run_logged(job, log_path, *flags, env=None):
                               stdout=subprocess.DEVNULL, stderr=err, env=full_env, timeout=120).returncode
 
 
+@pytest.mark.slow
 def test_log_mode_off_a_terminal_is_line_based_and_ends_with_the_summary(make_job, tmp_path):
     rows = demo_rows(30)
     rows[4]["prompt"] = ""
@@ -42,6 +45,7 @@ def test_log_mode_off_a_terminal_is_line_based_and_ends_with_the_summary(make_jo
     assert any("start-up" in ln and "generation" in ln and "writing" in ln for ln in summary)
 
 
+@pytest.mark.slow
 def test_failed_task_still_ends_with_a_summary_giving_its_exit_code(make_job, tmp_path):
     rows = demo_rows(12)
     rows[9]["prompt"] = None
@@ -65,6 +69,7 @@ def test_metrics_keep_every_run_of_every_task(make_job, tmp_path):
     assert len(t0["runs"]) == 3 and t0["runs"][0]["units_done"] > 0 and t0["runs"][1]["units_done"] == 0
 
 
+@pytest.mark.slow
 def test_help_lists_exit_codes_and_empty_tasks_say_why(make_job, tmp_path):
     r = run_cli("run", "--help")
     assert r.returncode == 0
@@ -81,6 +86,7 @@ def test_help_lists_exit_codes_and_empty_tasks_say_why(make_job, tmp_path):
     assert "nothing to do: all 3 of its units were committed by an earlier run" in r.stderr
 
 
+@pytest.mark.slow
 def test_show_says_an_adapter_is_unknown(make_job, tmp_path):
     rows = demo_rows(3)
     rows[1]["adapter"] = "nope"

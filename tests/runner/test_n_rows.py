@@ -4,6 +4,8 @@ output rows separately."""
 import json
 import re
 
+import pytest
+
 import pyarrow.compute as pc
 
 from batchrun.job.jobfile.spec import load_job
@@ -63,6 +65,7 @@ def test_plan_and_run_agree_on_error_rows_with_n_3(make_job, tmp_path):
             job_m["error_rows"]) == (12, 12 * N, 12 * N, 4 * N)
 
 
+@pytest.mark.slow
 def test_summary_names_input_and_output_rows(make_job, tmp_path):
     job = make_job(rows_with_bad_ones(), sampling={"max_tokens": 24, "n": N, "temperature": 0.7})
     r = run_cli("run", job, "--no-progress")

@@ -61,6 +61,7 @@ def test_a_failing_torch_import_surfaces_before_anything_is_written(make_job, tm
     assert not (tmp_path / "out" / "_batchrun" / "manifest.json").exists()
 
 
+@pytest.mark.slow
 def test_a_broken_tokenizer_loaded_in_the_background_is_a_config_error(make_job, tiny_model, tmp_path):
     model = tmp_path / "model"
     shutil.copytree(tiny_model["model"], model)
@@ -75,6 +76,7 @@ def test_a_bad_job_exits_with_its_config_error_while_imports_run(make_job, tmp_p
     assert r.returncode == 3 and "is not a directory" in r.stderr, r.stderr
 
 
+@pytest.mark.slow
 def test_runs_with_and_without_the_preload_write_the_same_rows(make_job, tmp_path):
     job = make_job(demo_rows(12))
     tables = []

@@ -109,6 +109,7 @@ def test_sigterm_sigint_stop_cleanly_with_interrupted_exit_code(make_job, tmp_pa
     check_dataset(out, complete=True)
 
 
+@pytest.mark.slow
 def test_lock_stops_a_second_run_of_the_same_task(make_job, tmp_path):
     job = make_job(demo_rows(N_ROWS))
     out = tmp_path / "out"

@@ -56,6 +56,7 @@ def _batchrun(args, **kw):
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kw)
 
 
+@pytest.mark.slow
 def test_real_engine_kill9_then_resume_matches_clean_run(make_job, tmp_path):
     rows = demo_rows(40)
     rows[5]["prompt"] = ""  # one error row along the way

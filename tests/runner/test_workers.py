@@ -56,6 +56,7 @@ def _env(**kw):
             "TOKENIZERS_PARALLELISM": "false", **kw}
 
 
+@pytest.mark.slow
 def test_workers_bound_to_gpus_this_cpu_machine_lacks_refuse(make_job, tmp_path, capfd):
     job = make_job(demo_rows(12))
     lines = []
@@ -68,6 +69,7 @@ def test_workers_bound_to_gpus_this_cpu_machine_lacks_refuse(make_job, tmp_path,
         assert f"worker bound to GPU {gpu} sees 0 CUDA devices" in err
 
 
+@pytest.mark.slow
 def test_cpu_workers_through_the_cli(make_job, tmp_path):
     job = make_job(demo_rows(30))
     r = subprocess.run([*FAKE, "run", str(job), "--workers", "3"], capture_output=True, text=True, timeout=120,
@@ -80,6 +82,7 @@ def test_cpu_workers_through_the_cli(make_job, tmp_path):
     assert r.returncode == 2 and "drop --task-id/--num-tasks" in r.stderr
 
 
+@pytest.mark.slow
 def test_sigterm_stops_every_worker_with_130(make_job, tmp_path):
     job = make_job(demo_rows(30))
     proc = subprocess.Popen([*FAKE, "run", str(job), "--workers", "2", "--log-interval", "0.2"],
@@ -91,6 +94,7 @@ def test_sigterm_stops_every_worker_with_130(make_job, tmp_path):
     assert err.count("batchrun: summary task") == 2 and err.count("exit 130") >= 2, err[-3000:]
 
 
+@pytest.mark.slow
 def test_max_error_rate_reaches_the_workers_and_the_pool_exits_10(make_job, tmp_path):
     rows = demo_rows(16)
     for i in (1, 6, 11):
