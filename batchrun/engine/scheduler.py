@@ -1,7 +1,7 @@
 """Continuous batching: each step is a mixed step (decode rows + prefill chunks), a prefill
 step or a decode step.
 
-- Mixed steps (`enable_mixed_steps`, the default; vLLM's unified scheduling): while there is
+- Mixed steps (`BATCHRUN_MIXED_STEPS=1`, off by default; vLLM's unified scheduling): while there is
   prompt work, one step carries every running row's next decode token first (each after
   `_make_room` for its next KV slot, preempting as a decode step does), then chunks of prompts
   still mid-way, then newly admitted sequences, all within `max_num_batched_tokens`. Decode
