@@ -158,12 +158,10 @@ def _launch(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float,
             FUSED_ADD=residual is not None, BLOCK_N=block, num_warps=num_warps, **pdl_kwargs(x))
         return out, residual
     # Two launches: the delta (and residual add) on 16-32-row x CHUNK tiles, in parallel over the
-    # whole [T, H], then the plain row norm of the result. One launch lost every time it was
-    # tried: each tile's last program normalising its rows (an atomic ticket) serialised H
-    # columns x 16 rows in one program (20 µs at 256 rows on the H200, ~3 µs plain); at 8 rows,
-    # one program per whole row gathering its slot's 128 KB of B took 7.3 µs (H200) and
-    # 128-column chunks with a per-row ticket, the last program re-reading the row in 32
-    # serial chunks, 10.7 µs (H100), against 3.9 / 4.2 µs for these two launches.
+    # whole [T, H], then the plain row norm of the result. A single launch serialises work: the
+    # last program of a tile (an atomic ticket) normalises H columns x 16 rows alone, or one
+    # program per row gathers its slot's whole B; both measured slower than these two launches
+    # (docs/benchmarks.md's decision log).
     bm = row_block(T)
     chunk = max(128, triton.next_power_of_2(triton.cdiv(H, DELTA_CHUNKS)))
     if residual is not None:

@@ -34,7 +34,7 @@ before the tiles did; rows of one slot share those B lines in L1. Tile rows then
 16 (no tl.dot), so a step of T <= GATHER_MAX_ROWS rows is one tile of next_power_of_2(T) rows.
 
 The consumers launch with num_stages=1: the slot loop is short, and software pipelining only
-added shared memory and registers (H200, 256 and 8192 rows: 10-30 % slower with 2-3 stages).
+added shared memory and registers (2-3 stages ran slower at 256 and 8192 rows).
 
 Precision: 16-bit s and B of the same dtype are dotted as they are (their products are exact in
 fp32, accumulated in fp32); any other pair is dotted in fp32 with "ieee" precision (no tf32).
@@ -166,10 +166,8 @@ def lora_delta_rows(
 
 # Steps of at most this many token rows add the delta with lora_delta_rows (GATHER) instead of
 # the slot loop; a constant (the row count is static per CUDA graph, so each captured shape
-# keeps its form). 8: benchmarks/lora_consumers_bench.py on an H100 (bf16,
-# 7b shapes), gather vs slot loop in us: at 8 rows with 8 adapters 4.9/4.6/3.5 vs 5.7/5.9/6.0
-# (norm/silu/rotary), with 1 adapter within 0.5 us; at 16 rows with 1 adapter the slot loop
-# wins (silu 2.6 vs 4.8, norm 3.9 vs 5.0), at 1 row the gather (silu 1.8 vs 2.5).
+# keeps its form). 8: up to 8 rows the gather wins or ties the slot loop on 7b shapes, at 16
+# rows the slot loop wins (`benchmarks/kernels.py consumers`; decision log in docs/benchmarks.md).
 GATHER_MAX_ROWS: Final = 8
 
 

@@ -155,9 +155,8 @@ def decode_num_splits(programs: int, max_ctx: int, sms: int) -> int:
 
     Split only when the programs cannot fill the GPU (fewer than 2 per SM) and contexts can be
     long; otherwise the merge kernel costs more than it saves. Splits aim at 4 programs per SM
-    and keep >= 256 tokens of capacity each (H200 sweep, benchmarks/results/
-    2026-12-04-kernel-attention-sweep.json: B=8 x 1024 MHA 51 -> 39 us with 2 splits, B=1 x
-    4096 best at 16). Static inputs only, so a captured graph's split count never changes
+    and keep >= 256 tokens of capacity each (`benchmarks/kernels.py attention --sweep` picks
+    these). Static inputs only, so a captured graph's split count never changes
     (short actual contexts leave the tail splits empty)."""
     if max_ctx < 1024 or programs >= 2 * sms:
         return 1

@@ -3,10 +3,9 @@
 Between two kernels of a stream the GPU idles about a microsecond (the second one launches only
 once the first has drained). With PDL the second kernel may launch while the first still runs;
 it then waits in `griddepcontrol.wait` until the first has finished and flushed its writes,
-before it touches memory. benchmarks/pdl_probe.py priced it on an H100 inside a CUDA graph
-(docs/benchmarks.md, session 13): 0.6 us saved a kernel boundary, 0.85 us when a W-streaming
-GEMM first asks L2 for the start of its weight rows (which no earlier kernel writes), with
-outputs bit-equal to plain launches.
+before it touches memory: inside a CUDA graph it saves part of every kernel boundary, more when
+a W-streaming GEMM first asks L2 for the start of its weight rows (which no earlier kernel
+writes), with outputs bit-equal to plain launches (docs/benchmarks.md's decision log).
 
 Every kernel here that takes a `PDL` constexpr calls `pdl_enter(PDL)` before its first load or
 store, and its launcher passes `**pdl_kwargs(t)`, which sets PDL and triton's `launch_pdl`

@@ -118,9 +118,9 @@ def _blocks(D: int, max_query_len: int, block_size: int) -> tuple[int, int, int,
     # (BLOCK_M, BLOCK_N, num_warps, num_stages). Short prompts get short query tiles (a step of
     # 32-token prompts would waste half of a 64-row tile); tiles never narrower than a page.
     block_m = max(16, min(64 if D > 64 else 128, triton.next_power_of_2(max_query_len)))
-    # H200 sweep, 256 x 256 tokens, D 128: BLOCK_N 32 / 4 warps / 2 stages 952 us, 64: 1092 us
+    # BLOCK_N 32 beat 64 at D 128 in the sweep of `benchmarks/kernels.py attention --sweep`
     block_n = max(triton.next_power_of_2(block_size), 32 if D > 64 else 64)
-    warps = 8 if block_m >= 128 else 4  # 8 warps at BLOCK_M 64, D 128 ran 1.5x slower
+    warps = 8 if block_m >= 128 else 4  # 8 warps only pay at 128-row tiles
     return block_m, block_n, warps, 2
 
 

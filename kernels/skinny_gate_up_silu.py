@@ -29,7 +29,7 @@ from batchrun.kernels.pdl import PREFETCH_COLS, pdl_enter, pdl_kwargs, prefetch_
 from batchrun.kernels.utils import check, check_gemm_operands, gemm_output
 
 # (BLOCK_N, BLOCK_K, num_stages, num_warps): BLOCK_N columns of gate and of up per program; the
-# best of those timed on the H100 (benchmarks/skinny_gemm.py; (16, 256, 4, 4) was 28 % slower)
+# fastest of the configurations `benchmarks/kernels.py gemm --sweep` times
 CONFIG = (32, 256, 3, 4)
 
 

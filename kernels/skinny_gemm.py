@@ -23,8 +23,8 @@ from batchrun.kernels.pdl import PREFETCH_COLS, pdl_enter, pdl_kwargs, prefetch_
 from batchrun.kernels.utils import check, check_gemm_operands, gemm_output
 
 MAX_ROWS = 16  # x's rows: one tl.dot tile (its minimum M)
-# (BLOCK_N, BLOCK_K, num_stages, num_warps): the best of the configurations timed on the H100
-# for the Llama-2-7b / 3-8b decode shapes at M = 1, 8, 16 (benchmarks/skinny_gemm.py)
+# (BLOCK_N, BLOCK_K, num_stages, num_warps): the fastest of the configurations
+# `benchmarks/kernels.py gemm --sweep` times for the 7b / 8b decode shapes at M = 1, 8, 16
 CONFIG = (32, 128, 6, 4)
 
 

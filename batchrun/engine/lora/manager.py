@@ -67,9 +67,8 @@ class LoRAManager:
         self.max_loras = max_loras = max(1, min(max_loras, len(self.infos)))  # GPU slots
         # the slot bounds a step can have, one decode graph set each: 1 (the common case with
         # active adapters kept low: one adapter at a time, as a job's shards run) and max_loras.
-        # Every power of two up to max_loras (1, 2, 4, 8) took a 256-row engine with 8 slots
-        # 12.2 s to capture instead of 4.8 s for the two sets before bounds (H200); 1 and 8:
-        # three sets
+        # Every set more costs capture time and graph memory for little (decision log:
+        # docs/benchmarks.md); 1 and 8: three sets with the no-LoRA one
         self.slot_bounds = tuple(sorted({1, max_loras}))
         targeted = {m for info in self.infos.values() for m in info.modules}
 
