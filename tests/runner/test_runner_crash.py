@@ -50,7 +50,7 @@ def commits(out):
     ("after_commit:4", {}, 4),  # between units (in the middle of a shard's generate call)
     ("after_commit:3", {}, 3),  # between shards (base done, nothing of reverse yet)
     # mid-unit, inside the engine's stream: unit 0 finished 3 results earlier and went to the
-    # writer thread, which may or may not have committed it before the kill
+    # writer thread, which may have renamed and committed it, renamed it only, or neither
     ("", {"FAKE_ENGINE_EXIT_AFTER": "7"}, (0, 1)),
 ])
 def test_kill_at_any_point_then_rerun_gives_every_row_once(make_job, tmp_path, crash_at, env, committed):
@@ -64,7 +64,12 @@ def test_kill_at_any_point_then_rerun_gives_every_row_once(make_job, tmp_path, c
     before = check_dataset(out, complete=False)
     committed_rows = sum(json.loads((out / "_batchrun" / "commits" / c).read_text())["rows"] for c in commits(out))
     visible_uncommitted = 4 if crash_at.startswith("after_rename") else 0  # whole, and rewritten later
-    assert len(before) == committed_rows + visible_uncommitted
+    if not crash_at:
+        # killed from the engine thread: the writer thread may have been between unit 0's rename
+        # and its commit marker, leaving it visible but uncommitted (the rerun rewrites it)
+        assert len(before) - committed_rows in (0, 4)
+    else:
+        assert len(before) == committed_rows + visible_uncommitted
     tmp = out / "_batchrun" / "tmp" / "task-0"
     if crash_at.startswith("before_rename"):
         assert os.listdir(tmp) == ["part-000001.parquet.tmp"]  # left behind, but invisible
