@@ -26,6 +26,11 @@ SHAPES = {
         "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
         "original_max_position_embeddings": 64}, rope_theta=500000.0, **_SCALED),
     "llama_tied": dict(arch="llama", **_PARITY, num_key_value_heads=2, tie_word_embeddings=True, **_SCALED),
+    # rope scalings whose pretraining length (64) the parity prompts (up to 200 + 40) run past
+    "llama_linear_rope": dict(arch="llama", **_PARITY, num_key_value_heads=2,
+                              rope_scaling={"rope_type": "linear", "factor": 4.0}, **_SCALED),
+    "qwen2_yarn": dict(arch="qwen2", **_PARITY, num_key_value_heads=2, rope_scaling={
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}, **_SCALED),
     "qwen2_bias": dict(arch="qwen2", **_PARITY, num_key_value_heads=2, **_SCALED),
     "mistral": dict(arch="mistral", **_PARITY, num_key_value_heads=2, sliding_window=None, head_dim=16,
                     **_SCALED),
@@ -40,7 +45,8 @@ SHAPES = {
                        init_std=None),
 }
 # the shapes every engine-vs-transformers parity test runs over
-VARIANTS = {name: SHAPES[name] for name in ("llama_mha", "llama3_gqa", "llama_tied", "qwen2_bias", "mistral")}
+VARIANTS = {name: SHAPES[name] for name in ("llama_mha", "llama3_gqa", "llama_tied", "qwen2_bias", "mistral",
+                                             "llama_linear_rope", "qwen2_yarn")}
 
 
 def _split(variant: str, over: dict) -> tuple[str, dict, dict]:

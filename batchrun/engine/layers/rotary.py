@@ -1,7 +1,10 @@
-"""Rotary position embedding (HF "rotate_half" layout), with llama3 frequency scaling.
+"""Rotary position embedding (HF "rotate_half" layout), with the frequency scalings of
+transformers' rope types: llama3, linear and yarn.
 
 cos/sin are precomputed in fp32 for all positions up to max_position and indexed by the
-step's position ids, so the op has static shapes for graph capture.
+step's position ids, so the op has static shapes for graph capture. YaRN's attention factor
+multiplies the table itself (as transformers multiplies cos and sin), so the kernels are the
+same for every rope type.
 """
 from __future__ import annotations
 
@@ -20,6 +23,12 @@ def inv_frequencies(head_dim: int, theta: float, scaling: dict | None) -> torch.
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     if scaling is None:
         return inv_freq
+    kind = scaling["rope_type"]
+    if kind == "linear":  # positions divided by factor = frequencies divided by it
+        return inv_freq / scaling["factor"]
+    if kind == "yarn":
+        return _yarn_frequencies(head_dim, theta, scaling)
+    assert kind == "llama3", kind
     # llama3: long wavelengths are divided by `factor`, short ones kept, smooth blend between
     factor = scaling["factor"]
     low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
@@ -31,6 +40,43 @@ def inv_frequencies(head_dim: int, theta: float, scaling: dict | None) -> torch.
     blended = (1 - smooth) * scaled / factor + smooth * scaled
     medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
     return torch.where(medium, blended, scaled)
+
+
+def _yarn_frequencies(dim: int, theta: float, s: dict) -> torch.Tensor:
+    # YaRN (arXiv 2309.00071), as transformers computes it: dimensions that rotate fewer than
+    # beta_slow times over the pretraining length are interpolated (divided by factor), those
+    # that rotate more than beta_fast times kept, a linear ramp between
+    factor, original = s["factor"], s["original_max_position_embeddings"]
+    beta_fast, beta_slow = s.get("beta_fast") or 32, s.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if s.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    pos_freqs = theta ** (torch.arange(0, dim, 2).float() / dim)
+    extrapolate = 1 - ramp
+    return (1.0 / (factor * pos_freqs)) * (1 - extrapolate) + (1.0 / pos_freqs) * extrapolate
+
+
+def attention_factor(scaling: dict | None) -> float:
+    """The factor cos and sin are multiplied by: 1, or YaRN's (given, or from mscale)."""
+    if scaling is None or scaling["rope_type"] != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+    factor, m, m_all = scaling["factor"], scaling.get("mscale"), scaling.get("mscale_all_dim")
+    if m and m_all:
+        return float(mscale(factor, m) / mscale(factor, m_all))
+    return mscale(factor)
 
 
 class RotaryEmbedding(nn.Module):
@@ -48,7 +94,8 @@ class RotaryEmbedding(nn.Module):
         inv_freq = inv_frequencies(self.head_dim, self.theta, self.scaling).to(device)
         t = torch.arange(self.max_position, device=device, dtype=torch.int64).float()
         freqs = torch.outer(t, inv_freq)  # [P, D/2]
-        self.cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1)  # [P, D] fp32
+        scale = attention_factor(self.scaling)
+        self.cos_sin = torch.cat([freqs.cos() * scale, freqs.sin() * scale], dim=-1)  # [P, D] fp32
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 lora: LoRADelta | None = None, cache: KVWrite | None = None):

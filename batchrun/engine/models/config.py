@@ -120,8 +120,25 @@ def _rope(raw: dict, where: str) -> tuple[float, dict | None]:
             if k not in params:
                 raise ModelLoadError(f"{where}: rope_scaling type llama3 needs {k!r}")
         return theta, {"rope_type": "llama3", **params}
+    if rope_type == "linear":
+        if not isinstance(params.get("factor"), (int, float)) or params["factor"] <= 0:
+            raise ModelLoadError(f"{where}: rope_scaling type linear needs a positive 'factor', "
+                                 f"got {params.get('factor')!r}")
+        return theta, {"rope_type": "linear", "factor": float(params["factor"])}
+    if rope_type == "yarn":
+        # as transformers: the pretraining length from the top-level field when the checkpoint
+        # has one (Phi-3 style), else rope_scaling's, else max_position_embeddings; factor
+        # defaults to the ratio of the two lengths
+        max_pos = raw.get("max_position_embeddings", 2048)
+        original = raw.get("original_max_position_embeddings",
+                           params.get("original_max_position_embeddings", max_pos))
+        factor = params.get("factor") or max_pos / original
+        return theta, {"rope_type": "yarn", "factor": float(factor),
+                       "original_max_position_embeddings": int(original),
+                       **{k: params[k] for k in ("attention_factor", "mscale", "mscale_all_dim",
+                                                 "beta_fast", "beta_slow", "truncate") if k in params}}
     raise ModelLoadError(f"{where}: rope scaling type {rope_type!r} is not supported "
-                         f"(supported: default, llama3)")
+                         f"(supported: default, llama3, linear, yarn)")
 
 
 def check_context_length(cfg: ModelConfig, max_model_len: int, model_dir: str) -> None:

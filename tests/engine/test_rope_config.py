@@ -1,0 +1,61 @@
+"""Rope scaling read from config.json in both layouts (transformers 4.x `rope_scaling` +
+`rope_theta`, 5.x `rope_parameters`), and the cos/sin tables it gives, against transformers'
+own rope functions. Greedy parity of whole models: tests/engine/test_parity_hf.py."""
+import pytest
+import torch
+
+from batchrun.engine.layers.rotary import RotaryEmbedding
+from batchrun.engine.models.config import ModelConfig
+from batchrun.errors import ModelLoadError
+
+BASE = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": 100,
+        "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 4096}
+
+
+def _cfg(**raw) -> ModelConfig:
+    return ModelConfig.from_dict({**BASE, **raw})
+
+
+@pytest.mark.parametrize("scaling", [
+    {"rope_type": "linear", "factor": 2.0},
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024},
+    {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 512, "beta_fast": 16,
+     "beta_slow": 2, "mscale": 0.707, "mscale_all_dim": 0.707},
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024,
+     "attention_factor": 1.3, "truncate": False},
+])
+def test_both_layouts_give_transformers_tables(scaling):
+    from transformers import Qwen2Config
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    old = _cfg(rope_theta=20000.0, rope_scaling=dict(scaling))
+    new = _cfg(rope_parameters={**scaling, "rope_theta": 20000.0})
+    assert (old.rope_theta, old.rope_scaling) == (new.rope_theta, new.rope_scaling)
+    rope = RotaryEmbedding(old.head_dim, 3000, old.rope_theta, old.rope_scaling)
+    rope.init_cache("cpu")
+    hf = Qwen2Config(**{k: v for k, v in BASE.items() if k not in ("architectures", "model_type")},
+                     rope_parameters={**scaling, "rope_theta": 20000.0})
+    inv_freq, factor = ROPE_INIT_FUNCTIONS[scaling["rope_type"]](hf, "cpu")
+    freqs = torch.outer(torch.arange(3000).float(), inv_freq)
+    want = torch.cat([freqs.cos() * factor, freqs.sin() * factor], dim=-1)
+    torch.testing.assert_close(rope.cos_sin, want, rtol=0, atol=2e-5)
+
+
+def test_yarn_defaults_follow_transformers():
+    # no original length in rope_scaling: the top-level field (Phi-3 style), else the context;
+    # no factor: the ratio of the two
+    c = _cfg(rope_scaling={"rope_type": "yarn"}, original_max_position_embeddings=1024)
+    assert c.rope_scaling["original_max_position_embeddings"] == 1024
+    assert c.rope_scaling["factor"] == 4.0
+    c = _cfg(rope_scaling={"rope_type": "yarn", "factor": 2.0})
+    assert c.rope_scaling["original_max_position_embeddings"] == 4096
+
+
+@pytest.mark.parametrize("scaling, match", [
+    ({"rope_type": "dynamic", "factor": 2.0}, "'dynamic' is not supported .*linear, yarn"),
+    ({"rope_type": "linear"}, "linear needs a positive 'factor'"),
+    ({"rope_type": "linear", "factor": -1}, "linear needs a positive 'factor'"),
+])
+def test_unsupported_or_incomplete_scaling_is_refused(scaling, match):
+    with pytest.raises(ModelLoadError, match=match):
+        _cfg(rope_scaling=scaling)
