@@ -67,7 +67,7 @@ def test_odd_head_dim_and_many_heads(dtype):
 def test_int32_positions_and_matches_layer():
     # the kernel matches what RotaryEmbedding computes (the CPU engine path), incl. llama3 scaling
     gen = torch.Generator().manual_seed(9)
-    scaling = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 64}
     rope = RotaryEmbedding(64, 512, 500000.0, scaling)
     rope.init_cache(DEVICE)
