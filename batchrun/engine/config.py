@@ -74,6 +74,17 @@ REMOVED_ENGINE_KEYS = {"async_scheduling": "async_scheduling", "enable_mixed_ste
 # engine: keys that became a kernel's variable, read when kernels/ imports (envs.py lists them)
 _KERNEL_VARIABLES = {"pdl": "BATCHRUN_PDL"}
 
+def dtype_name(name: str, config_dtype: str | None, device_type: str) -> str:
+    """engine.dtype resolved to a dtype name: auto -> float32 on the CPU, else the checkpoint's
+    torch_dtype (bfloat16 when it names none). The loader turns it into a torch dtype; the job
+    side records it (torch-free) so a resume on another kind of node is caught."""
+    if name != "auto":
+        return name
+    if device_type == "cpu":
+        return "float32"
+    return config_dtype or "bfloat16"
+
+
 # max_num_seqs "auto": at most this many (engine/kv_sizing.py says why; fewer when the KV cache
 # holds fewer max_model_len sequences)
 AUTO_MAX_NUM_SEQS = {"cuda": 256, "cpu": 16}

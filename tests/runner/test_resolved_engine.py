@@ -100,7 +100,7 @@ def test_dtype_rule_is_the_loaders(device):
         for config_dtype in (None, "float32", "float16", "bfloat16"):
             cfg = SimpleNamespace(torch_dtype=config_dtype)
             want = names[resolve_dtype(written, cfg, torch.device(device))]
-            assert resolve_engine.resolve_dtype(written, config_dtype, device) == want, (written, config_dtype)
+            assert resolve_engine.dtype_name(written, config_dtype, device) == want, (written, config_dtype)
 
 
 def test_device_rule_is_the_engines(monkeypatch):

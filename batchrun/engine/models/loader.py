@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from batchrun.engine.config import dtype_name
 from batchrun.errors import ModelLoadError
 from batchrun.engine.models.checkpoint import IGNORED, check_checkpoint, inspect_model  # noqa: F401 (re-exported)
 from batchrun.engine.models.config import ModelConfig
@@ -35,12 +36,7 @@ _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
 
 
 def resolve_dtype(name: str, cfg: ModelConfig, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        if device.type == "cpu":
-            return torch.float32
-        name = cfg.torch_dtype or "bfloat16"
-        if name == "float32":
-            return torch.float32
+    name = dtype_name(name, cfg.torch_dtype, device.type)
     table = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
     if name not in table:
         raise ModelLoadError(f"unsupported dtype {name!r} (float32, float16, bfloat16)")

@@ -6,7 +6,7 @@ therefore also records what they resolved to when the output was started, and a 
 resolve them differently is refused (JobChanged, exit 5): one output, one numerics.
 
 Resolution reads only the model's config and ``torch.cuda.is_available()`` (no weights). The
-dtype rule is the loader's (engine/models/loader.py resolve_dtype); tests/runner/test_resolved_engine.py
+dtype rule is the loader's own (engine/config.py dtype_name); tests/runner/test_resolved_engine.py
 checks the two agree for every device and setting.
 """
 from __future__ import annotations
@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 
+from batchrun.engine.config import dtype_name
 from batchrun.job.jobfile.spec import JobSpec
 
 # Keys of the manifest's "engine_resolved" record, in the order messages name them.
@@ -33,16 +34,6 @@ def resolve_device(name: str) -> str:
     return "cuda" if cuda_available() else "cpu"
 
 
-def resolve_dtype(name: str, config_dtype: str | None, device: str) -> str:
-    """engine.dtype as the loader resolves it: auto -> float32 on CPU, else the config's
-    torch_dtype (bfloat16 when it names none)."""
-    if name != "auto":
-        return name
-    if device == "cpu":
-        return "float32"
-    return config_dtype or "bfloat16"
-
-
 def weight_quantization(model_dir: str) -> str:
     """The checkpoint's quantization_config.quant_method ("none" without one): the weights' format
     decides numerics as the dtype does."""
@@ -57,7 +48,7 @@ def resolve_engine(spec: JobSpec, model_config) -> dict[str, str]:
     """{"device", "dtype", "quantization"} as this node would run the job."""
     device = resolve_device(spec.engine.device)
     return {"device": device,
-            "dtype": resolve_dtype(spec.engine.dtype, getattr(model_config, "torch_dtype", None), device),
+            "dtype": dtype_name(spec.engine.dtype, getattr(model_config, "torch_dtype", None), device),
             "quantization": weight_quantization(spec.model)}
 
 
