@@ -10,6 +10,7 @@ import sys
 
 import click
 
+from batchrun.bench.presets import PRESET_MODELS
 from batchrun.engine.config import DEVICES, DTYPES, removed_key_message
 from batchrun.errors import ConfigError
 
@@ -66,8 +67,9 @@ def _common(f):
     """Flags shared by latency and lora-matrix (vllm bench latency names and defaults)."""
     opts = [
         click.option("--model", default="llama-2-7b", show_default=True,
-                     help="Local Hugging Face model directory, or a preset (llama-2-7b, "
-                          "llama-3-8b, tiny) that builds RANDOM bf16 weights of that shape."),
+                     help="Local Hugging Face model directory, or a preset ("
+                          + ", ".join(n for n in dict.fromkeys(PRESET_MODELS.values()) if n != "tiny")
+                          + ", tiny) that builds RANDOM bf16 weights of that shape."),
         click.option("--batch-size", type=int, default=8, show_default=True),
         click.option("--input-len", type=int, default=32, show_default=True,
                      help="Prompt tokens per request (random ids in [100, vocab))."),
@@ -165,9 +167,9 @@ def lora_matrix(**kw):
 
 
 @bench.command()
-@click.option("--preset", type=click.Choice(["tiny", "7b"]), default="7b", show_default=True,
+@click.option("--preset", type=click.Choice(list(PRESET_MODELS)), default="7b", show_default=True,
               help="Model shape of the RANDOM weights written as a model directory "
-                   "(7b = Llama-2-7b, bf16; tiny = a CPU test model).")
+                   "(7b = Llama-2-7b, bf16; tiny = a CPU test model; or a model preset).")
 @click.option("--input-len", type=int, default=256, show_default=True,
               help="Prompt length: words of the word-level tokenizer, one token each.")
 @click.option("--prefix-len", type=int, default=0, show_default=True,

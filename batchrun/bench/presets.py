@@ -22,12 +22,47 @@ PRESETS: dict[str, dict] = {
                                      "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                      "original_max_position_embeddings": 8192},
                        bos_token_id=128000, eos_token_id=128001),
+    "qwen3-8b": dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_act="silu",
+                     torch_dtype="bfloat16", tie_word_embeddings=False, vocab_size=151936,
+                     hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                     num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                     max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1000000.0,
+                     bos_token_id=151643, eos_token_id=151645),
+    "gemma-2-9b": dict(architectures=["Gemma2ForCausalLM"], model_type="gemma2",
+                       hidden_activation="gelu_pytorch_tanh", torch_dtype="bfloat16",
+                       tie_word_embeddings=True, vocab_size=256000, hidden_size=3584,
+                       intermediate_size=14336, num_hidden_layers=42, num_attention_heads=16,
+                       num_key_value_heads=8, head_dim=256, query_pre_attn_scalar=256,
+                       sliding_window=4096, attn_logit_softcapping=50.0,
+                       final_logit_softcapping=30.0, max_position_embeddings=8192,
+                       rms_norm_eps=1e-6, rope_theta=10000.0, bos_token_id=2, eos_token_id=1),
+    "gemma-3-12b": dict(architectures=["Gemma3ForCausalLM"], model_type="gemma3_text",
+                        hidden_activation="gelu_pytorch_tanh", torch_dtype="bfloat16",
+                        tie_word_embeddings=True, vocab_size=262208, hidden_size=3840,
+                        intermediate_size=15360, num_hidden_layers=48, num_attention_heads=16,
+                        num_key_value_heads=8, head_dim=256, query_pre_attn_scalar=256,
+                        sliding_window=1024, sliding_window_pattern=6,
+                        max_position_embeddings=131072, rms_norm_eps=1e-6, rope_theta=1000000.0,
+                        rope_local_base_freq=10000.0,
+                        rope_scaling={"rope_type": "linear", "factor": 8.0},
+                        bos_token_id=2, eos_token_id=1),
+    "phi-4": dict(architectures=["Phi3ForCausalLM"], model_type="phi3", hidden_act="silu",
+                  torch_dtype="bfloat16", tie_word_embeddings=False, vocab_size=100352,
+                  hidden_size=5120, intermediate_size=17920, num_hidden_layers=40,
+                  num_attention_heads=40, num_key_value_heads=10, max_position_embeddings=16384,
+                  rms_norm_eps=1e-5, rope_theta=250000.0, sliding_window=None,
+                  bos_token_id=100257, eos_token_id=100265),
     # CPU tests: GQA like llama-3, vocab large enough for prompt ids in [100, vocab)
     "tiny": dict(_LLAMA, vocab_size=512, hidden_size=64, intermediate_size=128,
                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                  max_position_embeddings=512, rms_norm_eps=1e-5, rope_theta=10000.0,
                  torch_dtype="float32", bos_token_id=1, eos_token_id=2),
 }
+
+
+# `bench throughput --preset`: a short name, or any model preset above
+PRESET_MODELS = {"tiny": "tiny", "7b": "llama-2-7b",
+                 **{name: name for name in PRESETS if name != "tiny"}}
 
 
 def is_preset(name: str) -> bool:
@@ -44,6 +79,8 @@ def preset_config(name: str) -> ModelConfig:
 def num_params(cfg: ModelConfig) -> int:
     h, i, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     q, kv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
-    layer = h * (q + 2 * kv) + q * h + 3 * h * i + 2 * h
+    layer = h * (q + 2 * kv) + q * h + 3 * h * i + (4 if cfg.sandwich_norms else 2) * h
+    layer += (q + 2 * kv if cfg.attention_bias else 0) + (h if cfg.o_proj_bias else 0)
+    layer += 2 * d if cfg.qk_norm else 0
     head = 0 if cfg.tie_word_embeddings else cfg.vocab_size * h
     return cfg.vocab_size * h + cfg.num_hidden_layers * layer + h + head

@@ -43,6 +43,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from batchrun.bench import workload
+from batchrun.bench.presets import PRESET_MODELS
 from batchrun.bench.throughput_report import outputs_digest, summarize
 from batchrun.bench.flags import engine_config
 from batchrun.engine.envs import Experiments
@@ -50,7 +51,6 @@ from batchrun.engine.envs import Experiments
 RANDOM_NOTE = ("RANDOM WEIGHTS: {preset}-shaped model with weights ~ N(0, 0.02) and random "
                "adapters (nothing can be downloaded here); the timings are real, the generated "
                "tokens are noise")
-PRESET_MODELS = {"tiny": "tiny", "7b": "llama-2-7b"}
 STAMP = "bench-model.json"  # in a kept --workdir: which model the directory holds
 
 

@@ -55,8 +55,8 @@ def write_random_model(path: Path, preset: str, device: torch.device, seed: int 
     size, total = 0, 0
     for name, shape in expected_shapes(cfg).items():
         t = torch.empty(shape, device=device, dtype=dtype)
-        if len(shape) == 1:
-            t.fill_(1.0)  # norms (Llama has no biases)
+        if len(shape) == 1:  # norms scaling by 1 (weight 1, or 0 for Gemma's 1 + w); biases 0
+            t.fill_(1.0 - cfg.norm_offset if name.endswith("norm.weight") else 0.0)
         else:
             t.normal_(0.0, 0.02, generator=gen)
         nbytes = t.numel() * t.element_size()

@@ -60,11 +60,6 @@ class Engine:
         self.config, self.model, self.tokenizer = config, model, tokenizer
         self.device, self.dtype, self.lora = device, dtype, lora
         mcfg: ModelConfig = model.config
-        if mcfg.sliding_window is not None and mcfg.sliding_window < config.max_model_len:
-            raise ConfigError(
-                f"{config.model}: config.json sets sliding_window={mcfg.sliding_window}, shorter "
-                f"than engine.max_model_len={config.max_model_len}; batchrun has no sliding-window "
-                f"attention, so set engine.max_model_len <= {mcfg.sliding_window}")
         self.max_model_len = config.max_model_len
         self.eos_ids = set(mcfg.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:

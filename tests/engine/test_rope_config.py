@@ -51,8 +51,58 @@ def test_yarn_defaults_follow_transformers():
     assert c.rope_scaling["original_max_position_embeddings"] == 4096
 
 
+@pytest.mark.parametrize("layout", ["4.x", "5.x"])
+@pytest.mark.parametrize("partial", [1.0, 0.75])
+def test_longrope_short_and_long_tables_are_transformers(layout, partial):
+    # Phi-3 style: the pretraining length top-level, factor from the two lengths
+    from transformers import Phi3Config
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    half = int(16 * partial) // 2
+    scaling = {"rope_type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(half)],
+               "long_factor": [1.0 + 0.7 * i for i in range(half)]}
+    raw = {**BASE, "architectures": ["Phi3ForCausalLM"], "model_type": "phi3",
+           "original_max_position_embeddings": 512}
+    if layout == "4.x":
+        c = ModelConfig.from_dict({**raw, "rope_scaling": scaling, "partial_rotary_factor": partial})
+    else:
+        c = ModelConfig.from_dict({**raw, "rope_parameters": {**scaling, "rope_theta": 10000.0,
+                                                              "partial_rotary_factor": partial}})
+    assert c.rotary_dim == 2 * half and c.rope_scaling["factor"] == 8.0
+    rope = RotaryEmbedding(c.rotary_dim, 4096, c.rope_theta, c.rope_scaling)
+    rope.init_cache("cpu")
+    hf = Phi3Config(**{k: v for k, v in raw.items() if k not in ("architectures", "model_type")},
+                    rope_parameters={**scaling, "rope_theta": 10000.0, "partial_rotary_factor": partial})
+    t = torch.arange(4096).float()
+    for rows, seq_len in ((slice(0, 4096), None), (slice(4096, 8192), 513)):
+        inv_freq, factor = ROPE_INIT_FUNCTIONS["longrope"](hf, "cpu", seq_len=seq_len)
+        freqs = torch.outer(t, inv_freq)
+        want = torch.cat([freqs.cos() * factor, freqs.sin() * factor], dim=-1)
+        torch.testing.assert_close(rope.cos_sin[rows], want, rtol=0, atol=2e-5)
+    # transformers switches a sequence to the long table once it is longer than 512
+    assert (rope.row_offset(512), rope.row_offset(513)) == (0, 4096)
+
+
+def test_dynamic_is_the_default_table_within_the_context():
+    # transformers rescales dynamic rope only past max_position_embeddings, which
+    # engine.max_model_len never allows
+    from transformers import Qwen2Config
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    c = _cfg(rope_scaling={"rope_type": "dynamic", "factor": 2.0})
+    assert c.rope_scaling is None
+    hf = Qwen2Config(**{k: v for k, v in BASE.items() if k not in ("architectures", "model_type")},
+                     rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0})
+    default = 1.0 / 10000.0 ** (torch.arange(0, 16, 2).float() / 16)
+    for seq_len in (None, 100, 4096):
+        inv_freq, _ = ROPE_INIT_FUNCTIONS["dynamic"](hf, "cpu", seq_len=seq_len)
+        torch.testing.assert_close(inv_freq, default, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("scaling, match", [
-    ({"rope_type": "dynamic", "factor": 2.0}, "'dynamic' is not supported .*linear, yarn"),
+    ({"rope_type": "su", "factor": 2.0}, "'su' is not supported .*linear, dynamic, yarn, longrope"),
+    ({"rope_type": "dynamic"}, "dynamic needs a positive 'factor'"),
+    ({"rope_type": "longrope", "short_factor": [1.0] * 8}, "longrope needs 'long_factor', a list of 8"),
+    ({"rope_type": "longrope", "short_factor": [1.0] * 3, "long_factor": [1.0] * 8},
+     "longrope needs 'short_factor', a list of 8"),
     ({"rope_type": "linear"}, "linear needs a positive 'factor'"),
     ({"rope_type": "linear", "factor": -1}, "linear needs a positive 'factor'"),
 ])

@@ -14,9 +14,9 @@ for name in ("tiny", "llama-2-7b"):
     if name == "tiny":
         _materialise(cfg, torch.device("cpu"), torch.float32, 64)
     else:  # the 7b's shapes on the meta device only (no storage)
-        from batchrun.engine.models.llama import LlamaForCausalLM
+        from batchrun.engine.models.decoder import CausalLM
         with torch.device("meta"):
-            LlamaForCausalLM(cfg, 64)
+            CausalLM(cfg, 64)
 print("torch._dynamo" in sys.modules)
 """
 

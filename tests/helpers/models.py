@@ -19,6 +19,10 @@ _PARITY = dict(vocab_size=211, hidden_size=64, intermediate_size=160, num_hidden
                num_attention_heads=4, max_position_embeddings=512, rms_norm_eps=1e-5,
                bos_token_id=1, eos_token_id=2, pad_token_id=0)
 _SCALED = dict(init_std=0.08, bias_std=0.05)
+# the families with norms beyond Llama's (q/k norms, Gemma's four): every norm weight perturbed too,
+# so a norm applied wrongly (offset, order, missing) changes the greedy tokens
+_NORMS = dict(_SCALED, norm_std=0.2)
+_WINDOW = 48  # shorter than the longer parity prompts (200 + 40), not a multiple of 16
 
 SHAPES = {
     "llama_mha": dict(arch="llama", **_PARITY, num_key_value_heads=4, **_SCALED),
@@ -34,6 +38,40 @@ SHAPES = {
     "qwen2_bias": dict(arch="qwen2", **_PARITY, num_key_value_heads=2, **_SCALED),
     "mistral": dict(arch="mistral", **_PARITY, num_key_value_heads=2, sliding_window=None, head_dim=16,
                     **_SCALED),
+    "mistral_window": dict(arch="mistral", **_PARITY, num_key_value_heads=2, sliding_window=_WINDOW,
+                           **_SCALED),
+    # Qwen2's window on the layers from max_window_layers on (here the second)
+    "qwen2_window": dict(arch="qwen2", **_PARITY, num_key_value_heads=2, use_sliding_window=True,
+                         sliding_window=_WINDOW, max_window_layers=1, **_SCALED),
+    "llama_dynamic_rope": dict(arch="llama", **_PARITY, num_key_value_heads=2,
+                               rope_scaling={"rope_type": "dynamic", "factor": 2.0}, **_SCALED),
+    # Qwen3: q/k norms, head_dim 32 != hidden / heads
+    "qwen3": dict(arch="qwen3", **_PARITY, num_key_value_heads=2, head_dim=32, **_NORMS),
+    "qwen3_tied_window": dict(arch="qwen3", **_PARITY, num_key_value_heads=1, head_dim=16,
+                              tie_word_embeddings=True, use_sliding_window=True,
+                              sliding_window=_WINDOW, max_window_layers=1, **_NORMS),
+    # Gemma 2: (1 + w) norms, four per layer, GeGLU, scaled embeddings, query_pre_attn_scalar,
+    # both soft-caps (small enough to bite), a window on the first layer
+    "gemma2": dict(arch="gemma2", **_PARITY, num_key_value_heads=2, head_dim=32,
+                   query_pre_attn_scalar=24, sliding_window=_WINDOW, attn_logit_softcapping=4.0,
+                   final_logit_softcapping=6.0, tie_word_embeddings=True, **_NORMS),
+    # Gemma 3: q/k norms, local/global layers, local rope base, linear rope on global layers
+    "gemma3": dict(arch="gemma3_text", **_PARITY, num_key_value_heads=1, head_dim=32,
+                   query_pre_attn_scalar=32, sliding_window=_WINDOW,
+                   layer_types=["sliding_attention", "full_attention"],
+                   rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                    "full_attention": {"rope_type": "linear", "factor": 4.0,
+                                                       "rope_theta": 1000000.0}},
+                   tie_word_embeddings=False, **_NORMS),
+    # Phi-3: fused qkv/gate_up in the checkpoint; partial rotary with LongRoPE (Phi-4-mini), and
+    # full rotary with a window (Phi-3-mini-4k)
+    "phi3_longrope": dict(arch="phi3", **_PARITY, num_key_value_heads=2, partial_rotary_factor=0.75,
+                          original_max_position_embeddings=64, rope_scaling={
+                              "rope_type": "longrope", "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5],
+                              "long_factor": [1.0, 1.5, 2.5, 4.0, 6.0, 9.0]},
+                          tie_word_embeddings=True, **_SCALED),
+    "phi3_window": dict(arch="phi3", **_PARITY, num_key_value_heads=4, sliding_window=_WINDOW,
+                        **_SCALED),
     # the job-side tests' model: one layer over the character vocabulary of tests.helpers.tokenizer
     # (one id per special and character), transformers' init
     "char_llama": dict(arch="llama", vocab_size=len(SPECIALS) + len(CHARS), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
@@ -45,30 +83,48 @@ SHAPES = {
                        init_std=None),
 }
 # the shapes every engine-vs-transformers parity test runs over
-VARIANTS = {name: SHAPES[name] for name in ("llama_mha", "llama3_gqa", "llama_tied", "qwen2_bias", "mistral",
-                                             "llama_linear_rope", "qwen2_yarn")}
+VARIANTS = {name: SHAPES[name] for name in (
+    "llama_mha", "llama3_gqa", "llama_tied", "qwen2_bias", "mistral", "llama_linear_rope", "qwen2_yarn",
+    "mistral_window", "qwen2_window", "llama_dynamic_rope", "qwen3", "qwen3_tied_window", "gemma2", "gemma3",
+    "phi3_longrope", "phi3_window")}
+# transformers class names of each family (config class, model class, architecture)
+FAMILIES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "mistral": ("MistralConfig", "MistralForCausalLM"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
+    "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM"),
+}
+
+
+_INIT_KEYS = ("init_std", "bias_std", "norm_std")
 
 
 def _split(variant: str, over: dict) -> tuple[str, dict, dict]:
     kw = {**SHAPES[variant], **over}
-    init = {"init_std": kw.pop("init_std", None), "bias_std": kw.pop("bias_std", 0.0)}
+    init = {"init_std": kw.pop("init_std", None), "bias_std": kw.pop("bias_std", 0.0),
+            "norm_std": kw.pop("norm_std", 0.0)}
     return kw.pop("arch"), kw, init
 
 
 def hf_config(variant: str, **over):
     """The transformers config of shape ``variant`` with ``over`` applied."""
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config
-    over = {k: v for k, v in over.items() if k not in ("init_std", "bias_std")}
+    import transformers
+    over = {k: v for k, v in over.items() if k not in _INIT_KEYS}
     arch, kw, _ = _split(variant, over)
-    return {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig}[arch](**kw)
+    cfg = getattr(transformers, FAMILIES[arch][0])(**kw)
+    cfg._attn_implementation = "eager"  # the reference math (soft-caps need it)
+    return cfg
 
 
 def make_hf_model(variant: str, seed: int = 0, **over):
     """A random transformers model of shape ``variant`` (eval, fp32). ``over``: config fields, or
-    ``init_std``/``bias_std`` (None: transformers' init)."""
-    from transformers import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
+    ``init_std``/``bias_std``/``norm_std`` (None/0: transformers' init)."""
+    import transformers
     arch, _, init = _split(variant, over)
-    cls = {"llama": LlamaForCausalLM, "qwen2": Qwen2ForCausalLM, "mistral": MistralForCausalLM}[arch]
+    cls = getattr(transformers, FAMILIES[arch][1])
     torch.manual_seed(seed)
     model = cls(hf_config(variant, **over)).float().eval()
     if init["init_std"] is not None:
@@ -78,6 +134,8 @@ def make_hf_model(variant: str, seed: int = 0, **over):
                     p.normal_(0.0, init["init_std"])
                 elif "bias" in name:
                     p.normal_(0.0, init["bias_std"])
+                elif name.endswith("norm.weight") and init["norm_std"]:
+                    p.add_(torch.randn_like(p) * init["norm_std"])
     return model
 
 
@@ -95,8 +153,7 @@ def model_config(variant: str = "lora_llama", **over):
     """batchrun's ModelConfig of shape ``variant`` (as the loader reads config.json)."""
     from batchrun.engine.models.config import ModelConfig
     raw = hf_config(variant, **over).to_dict()
-    raw["architectures"] = [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                             "mistral": "MistralForCausalLM"}[SHAPES[variant]["arch"]]]
+    raw["architectures"] = [FAMILIES[SHAPES[variant]["arch"]][1]]
     return ModelConfig.from_dict(raw)
 
 

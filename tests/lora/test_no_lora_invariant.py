@@ -26,12 +26,15 @@ def _forbidden(*a, **k):
     raise AssertionError("a LoRA op ran in a step without adapter rows")
 
 
+# every family: Qwen3 (q/k norms: qkv's delta is added in the projection), Gemma 2 (its norms
+# take the deltas), Phi-3 (fused adapters)
+@pytest.mark.parametrize("variant", ["llama3_gqa", "qwen3", "gemma2", "phi3_longrope"])
 @pytest.mark.parametrize("path", ["unfused", "fused_ref"])  # CPU path; GPU decode plumbing
-def test_base_rows_never_touch_lora(tmp_path, path, monkeypatch):
+def test_base_rows_never_touch_lora(tmp_path, path, variant, monkeypatch):
     if path == "fused_ref":
         monkeypatch.setattr(model_runner, "use_triton", lambda t: True)
-    base = save_hf_model("llama3_gqa", tmp_path / "base")
-    parity_adapter("llama3_gqa", tmp_path / "all", 7, dict(r=8, lora_alpha=16, target_modules="all-linear"))
+    base = save_hf_model(variant, tmp_path / "base")
+    parity_adapter(variant, tmp_path / "all", 7, dict(r=8, lora_alpha=16, target_modules="all-linear"))
     prompts = random_prompts(6, [5, 17, 40, 3, 29, 11], base.config.vocab_size, seed=5)
     sp = SamplingParams(max_tokens=6, ignore_eos=True)
     kw = dict(model=str(tmp_path / "base"), device="cpu", max_model_len=128, max_num_batched_tokens=32)

@@ -1,10 +1,18 @@
 """Rotary position embedding (HF "rotate_half" layout), with the frequency scalings of
-transformers' rope types: llama3, linear and yarn.
+transformers' rope types: llama3, linear, yarn and longrope (dynamic is the default table
+within a model's context: models/config.py).
 
 cos/sin are precomputed in fp32 for all positions up to max_position and indexed by the
-step's position ids, so the op has static shapes for graph capture. YaRN's attention factor
-multiplies the table itself (as transformers multiplies cos and sin), so the kernels are the
-same for every rope type.
+step's position ids, so the op has static shapes for graph capture. YaRN's and LongRoPE's
+attention factor multiplies the table itself (as transformers multiplies cos and sin), so the
+kernels are the same for every rope type. The table has rotary_dim columns: with a partial
+rotary (Phi-4-mini) only the first rotary_dim dims of each head rotate.
+
+LongRoPE has two tables, short and long factors: transformers rotates a forward with the long
+one when the sequence is longer than the pretraining length (`original_max_position_embeddings`).
+Both sit in one table, long rows after the short ones: the model runner adds `long_offset`
+to the positions of a sequence whose length after the step exceeds `long_from`
+(`row_offset`), which is transformers' choice per sequence.
 """
 from __future__ import annotations
 
@@ -19,11 +27,18 @@ from batchrun.engine.layers.backend import use_triton
 from batchrun.engine.layers.attention import KVWrite
 
 
-def inv_frequencies(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+def inv_frequencies(head_dim: int, theta: float, scaling: dict | None,
+                    long: bool = False) -> torch.Tensor:
+    """The rotary_dim / 2 inverse frequencies (head_dim here: the rotated dims); long: LongRoPE's
+    long factors instead of its short ones."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    inv_freq = 1.0 / (theta ** exponents)
     if scaling is None:
         return inv_freq
     kind = scaling["rope_type"]
+    if kind == "longrope":
+        ext = torch.tensor(scaling["long_factor" if long else "short_factor"], dtype=torch.float32)
+        return 1.0 / (ext * theta ** exponents)
     if kind == "linear":  # positions divided by factor = frequencies divided by it
         return inv_freq / scaling["factor"]
     if kind == "yarn":
@@ -65,11 +80,17 @@ def _yarn_frequencies(dim: int, theta: float, s: dict) -> torch.Tensor:
 
 
 def attention_factor(scaling: dict | None) -> float:
-    """The factor cos and sin are multiplied by: 1, or YaRN's (given, or from mscale)."""
-    if scaling is None or scaling["rope_type"] != "yarn":
+    """The factor cos and sin are multiplied by: 1, or YaRN's or LongRoPE's (given, or derived
+    from the scaling factor as transformers derives it)."""
+    if scaling is None or scaling["rope_type"] not in ("yarn", "longrope"):
         return 1.0
     if scaling.get("attention_factor") is not None:
         return float(scaling["attention_factor"])
+    if scaling["rope_type"] == "longrope":
+        factor = scaling["factor"]
+        if factor <= 1.0:
+            return 1.0
+        return math.sqrt(1 + math.log(factor) / math.log(scaling["original_max_position_embeddings"]))
 
     def mscale(scale: float, m: float = 1.0) -> float:
         return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
@@ -80,22 +101,35 @@ def attention_factor(scaling: dict | None) -> float:
 
 
 class RotaryEmbedding(nn.Module):
-    def __init__(self, head_dim: int, max_position: int, theta: float, scaling: dict | None):
+    def __init__(self, rotary_dim: int, max_position: int, theta: float, scaling: dict | None):
         super().__init__()
-        self.head_dim = head_dim
+        self.rotary_dim = rotary_dim  # the rotated dims of a head (head_dim unless partial)
         self.max_position = max_position
         self.theta = theta
         self.scaling = scaling
-        self.register_buffer("cos_sin", torch.empty(max_position, head_dim), persistent=False)
+        longrope = scaling is not None and scaling["rope_type"] == "longrope"
+        # LongRoPE: rows [P, 2P) hold the long-factor table (row_offset)
+        self.long_from = scaling["original_max_position_embeddings"] if longrope else None
+        self.long_offset = max_position if longrope else 0
+        rows = max_position * (2 if longrope else 1)
+        self.register_buffer("cos_sin", torch.empty(rows, rotary_dim), persistent=False)
+
+    def row_offset(self, seq_len: int) -> int:
+        """What to add to the positions of a sequence `seq_len` long after this forward: the
+        long table's offset when LongRoPE switches to it, else 0."""
+        return self.long_offset if self.long_from is not None and seq_len > self.long_from else 0
 
     @torch.no_grad()
     def init_cache(self, device) -> None:
         """Fill cos/sin (called after the module is materialised from the meta device)."""
-        inv_freq = inv_frequencies(self.head_dim, self.theta, self.scaling).to(device)
         t = torch.arange(self.max_position, device=device, dtype=torch.int64).float()
-        freqs = torch.outer(t, inv_freq)  # [P, D/2]
         scale = attention_factor(self.scaling)
-        self.cos_sin = torch.cat([freqs.cos() * scale, freqs.sin() * scale], dim=-1)  # [P, D] fp32
+        tables = []
+        for long in ((False, True) if self.long_from is not None else (False,)):
+            inv_freq = inv_frequencies(self.rotary_dim, self.theta, self.scaling, long).to(device)
+            freqs = torch.outer(t, inv_freq)  # [P, R/2]
+            tables.append(torch.cat([freqs.cos() * scale, freqs.sin() * scale], dim=-1))  # [P, R]
+        self.cos_sin = torch.cat(tables)  # fp32
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 lora: LoRADelta | None = None, cache: KVWrite | None = None):

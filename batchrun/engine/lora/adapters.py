@@ -17,8 +17,10 @@ from typing import TYPE_CHECKING
 
 from safetensors import safe_open
 
-from batchrun.engine.lora.peft_config import (EMBEDDING_MODULES, PEFT_MODULES, PeftLoraConfig,
-                                       adapter_error, module_key)
+from batchrun.engine.lora.peft_config import (EMBEDDING_MODULES, PeftLoraConfig, adapter_error,
+                                              module_key, peft_modules)
+from batchrun.engine.models.checkpoint import VISION
+from batchrun.engine.models.config import SUPPORTED
 from batchrun.engine.safetensors_header import HeaderError, read_header
 
 if TYPE_CHECKING:  # torch is needed only to load weights (safetensors imports it then)
@@ -31,7 +33,8 @@ _LAYER_MODULE = re.compile(r"^model\.layers\.(?P<layer>\d+)\.(?P<parent>self_att
 
 @dataclass(frozen=True)
 class LoRATarget:
-    """One PEFT module of one layer, e.g. layer 3 k_proj = slice 1 of qkv_proj."""
+    """One slice of our fused Linear that one PEFT module of one layer fills, e.g. layer 3
+    k_proj = slice 1 of qkv_proj; Phi-3's whole qkv_proj gives three, each of B's rows `rows`."""
     layer: int
     peft_module: str  # "k_proj"
     module: str       # "qkv_proj"
@@ -40,6 +43,7 @@ class LoRATarget:
     scaling: float    # alpha / r, or alpha / sqrt(r) with use_rslora
     key_a: str        # tensor names in adapter_model.safetensors
     key_b: str
+    rows: tuple[int, int] | None = None  # the slice's rows of B (a PEFT module over all slices)
 
 
 @dataclass(frozen=True)
@@ -62,13 +66,23 @@ class LoRAWeights:
     weights: dict[tuple[int, str, int], tuple[torch.Tensor, torch.Tensor]]
 
 
-def _shapes(cfg) -> dict[str, tuple[int, int]]:
+def _slice_sizes(cfg) -> dict[str, list[int]]:
+    """Our fused Linear -> the out_features of its slices."""
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    q, kv = cfg.num_attention_heads * head_dim, cfg.num_key_value_heads * head_dim
+    i = cfg.intermediate_size
+    return {"qkv_proj": [q, kv, kv], "o_proj": [cfg.hidden_size],
+            "gate_up_proj": [i, i], "down_proj": [cfg.hidden_size]}
+
+
+def module_shapes(cfg) -> dict[str, tuple[int, int]]:
     """peft module -> (in_features, out_features) of the base model's Linear."""
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     h, i = cfg.hidden_size, cfg.intermediate_size
     q, kv = cfg.num_attention_heads * head_dim, cfg.num_key_value_heads * head_dim
     return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
-            "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+            "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h),
+            "qkv_proj": (h, q + 2 * kv), "gate_up_proj": (h, 2 * i)}
 
 
 def _base_desc(cfg) -> str:
@@ -92,9 +106,22 @@ def _read_header(name: str, path: Path) -> dict[str, list[int]]:
         raise adapter_error(name, path, f"cannot read {_WEIGHTS}: {e}") from None
 
 
+def _text_tower_key(key: str, cfg) -> str:
+    """An image-text model's adapter key for its text tower, as a causal LM's key."""
+    if getattr(cfg, "weight_prefix", "model.") == "model.":
+        return key
+    for old in ("base_model.model.model.language_model.", "base_model.model.language_model.model."):
+        if key.startswith(old):
+            return "base_model.model.model." + key[len(old):]
+    return key
+
+
 def _refuse_key(name: str, path: Path, key: str, cfg) -> None:
     """Explain a tensor name that is not a Linear LoRA A/B weight of a decoder layer."""
-    if "lora_magnitude_vector" in key:
+    if VISION.match(key.removeprefix("base_model.model.")):
+        why = ("is LoRA on the vision tower or projector; batchrun runs the text tower of an "
+               "image-text model only (retrain with target_modules limited to the language model)")
+    elif "lora_magnitude_vector" in key:
         why = "is a DoRA magnitude vector; DoRA is not supported (merge the adapter into the base)"
     elif "lora_" in key and any(f".{m}." in key for m in EMBEDDING_MODULES):
         why = ("is LoRA on the embedding or lm_head, which is not supported; retrain without "
@@ -105,7 +132,7 @@ def _refuse_key(name: str, path: Path, key: str, cfg) -> None:
         why = "is a modules_to_save weight, which is not supported (merge the adapter)"
     else:
         why = (f"is not a LoRA weight batchrun knows (expected base_model.model.model.layers.N."
-               f"<self_attn|mlp>.<{'|'.join(PEFT_MODULES)}>.lora_<A|B>.weight for a "
+               f"<self_attn|mlp>.<{'|'.join(peft_modules(cfg))}>.lora_<A|B>.weight for a "
                f"{getattr(cfg, 'model_type', 'llama')}-family model)")
     raise adapter_error(name, path, f"tensor {key!r} {why}")
 
@@ -118,15 +145,19 @@ def inspect_adapter(name: str, path, model_config, max_lora_rank: int) -> Adapte
     cfg = model_config
     pc = PeftLoraConfig.read(name, path)
     if pc.base_model_class:
-        family = pc.base_model_class.removesuffix("ForCausalLM").lower()
         model_type = getattr(cfg, "model_type", None)
-        if model_type and family != model_type.replace("_", ""):
+        family = SUPPORTED.get(pc.base_model_class,
+                               pc.base_model_class.removesuffix("ForCausalLM").lower())
+        if family == "gemma3":  # the image-text class: its text tower is what runs
+            family = "gemma3_text"
+        if model_type and family != model_type:
             raise adapter_error(name, path, f"adapter_config.json says it was trained on a "
                                 f"{pc.base_model_class}, but the base model is {model_type!r}; "
                                 "use an adapter trained for this base model")
-    header = {k: v for k, v in _read_header(name, path).items() if not pc.ignores(k)}
+    header = {_text_tower_key(k, cfg): v for k, v in _read_header(name, path).items()
+              if not pc.ignores(k)}
     n_layers = cfg.num_hidden_layers
-    shapes = _shapes(cfg)
+    shapes, modules = module_shapes(cfg), peft_modules(cfg)
 
     # Group tensors by module: (layer, peft module) -> {"A": key, "B": key}
     found: dict[tuple[int, str], dict[str, str]] = {}
@@ -134,7 +165,7 @@ def inspect_adapter(name: str, path, model_config, max_lora_rank: int) -> Adapte
     for key in header:
         m = _LORA_KEY.match(key)
         lm = _LAYER_MODULE.match(m.group("module")) if m else None
-        if lm is not None and PEFT_MODULES.get(lm.group("proj"), ("",))[0] == lm.group("parent"):
+        if lm is not None and modules.get(lm.group("proj"), ("",))[0] == lm.group("parent"):
             parsed[key] = (m, lm)
     bad = [k for k in header if k not in parsed]
     if bad:  # explain a LoRA-looking key first (e.g. embedding LoRA, not its saved base weight)
@@ -156,7 +187,7 @@ def inspect_adapter(name: str, path, model_config, max_lora_rank: int) -> Adapte
         if set(ab) != {"A", "B"}:
             raise adapter_error(name, path, f"{mkey} has lora_{''.join(ab)} but not both A and "
                                 "B; the weights file is incomplete")
-        if pc.target_modules is not None and not pc.is_target(mkey, n_layers):
+        if pc.target_modules is not None and not pc.is_target(mkey, n_layers, modules):
             raise adapter_error(name, path, f"{_WEIGHTS} has weights for {mkey}, which "
                                 "adapter_config.json target_modules/layers_to_transform do not "
                                 "select; the config does not belong to these weights")
@@ -177,13 +208,21 @@ def inspect_adapter(name: str, path, model_config, max_lora_rank: int) -> Adapte
         if ra > max_lora_rank:
             raise adapter_error(name, path, f"{mkey} has rank {ra}, above max_lora_rank="
                                 f"{max_lora_rank}; raise engine.max_lora_rank to at least {ra}")
-        parent, module, sl = PEFT_MODULES[proj]
-        targets.append(LoRATarget(layer, proj, module, sl, ra, pc.scaling_for(mkey, ra),
-                                  ab["A"], ab["B"]))
+        parent, module, sl = modules[proj]
+        scaling = pc.scaling_for(mkey, ra)
+        if sl is not None:
+            targets.append(LoRATarget(layer, proj, module, sl, ra, scaling, ab["A"], ab["B"]))
+            continue
+        start = 0  # one PEFT module over all slices of ours: one target per slice
+        for k, size in enumerate(_slice_sizes(cfg)[module]):
+            targets.append(LoRATarget(layer, proj, module, k, ra, scaling, ab["A"], ab["B"],
+                                      (start, start + size)))
+            start += size
     if pc.target_modules is not None:  # a selected module without weights: file incomplete
         for layer in range(n_layers):
-            for proj in PEFT_MODULES:
-                if (layer, proj) not in found and pc.is_target(module_key(layer, proj), n_layers):
+            for proj in modules:
+                if (layer, proj) not in found and pc.is_target(module_key(layer, proj), n_layers,
+                                                               modules):
                     raise adapter_error(name, path, f"adapter_config.json selects "
                                         f"{module_key(layer, proj)} but {_WEIGHTS} has no "
                                         "weights for it; the weights file is incomplete")
@@ -200,6 +239,8 @@ def load_adapter(name: str, path, model_config, max_lora_rank: int,
     with safe_open(str(info.path / _WEIGHTS), framework="pt") as f:
         for t in info.targets:
             a, b = f.get_tensor(t.key_a), f.get_tensor(t.key_b)
+            if t.rows is not None:
+                b = b[t.rows[0]:t.rows[1]]
             out_dtype = dtype or b.dtype
             b = (b.float() * t.scaling).to(out_dtype).contiguous()
             weights[(t.layer, t.module, t.slice)] = (a.to(out_dtype).contiguous(), b)

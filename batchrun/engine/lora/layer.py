@@ -23,7 +23,7 @@ cases:
 gate_up on a fused step whose plan runs it in the fused GEMM + SiLU kernel
 (`GemmPlan.gate_up_silu`) does not call the hook: that kernel streams only W, the norm before
 it computes the shrink (`shrink_for`, kernels/rms_norm_shrink.py) and the kernel's epilogue
-adds the delta (`delta_from`) before the SiLU (models/llama.py's MLP).
+adds the delta (`delta_from`) before the SiLU (models/decoder.py's MLP).
 """
 from __future__ import annotations
 
@@ -96,7 +96,7 @@ class LoRALinear:
 
     def shrink_for(self, x: Tensor, step: LoRAStep) -> LoRAShrink:
         """What the norm before this projection computes on a fused step whose GEMM streams
-        only W (gate_up's fused GEMM + SiLU, models/llama.py): x . A of each row's own slot,
+        only W (gate_up's fused GEMM + SiLU, models/decoder.py): x . A of each row's own slot,
         into a new [T, k*S*R] buffer laid out as the stacked GEMM's extra columns (x: the
         norm's input, for its row count and dtype)."""
         out = torch.empty(x.shape[0], self._shrunk_cols(step), dtype=x.dtype, device=x.device)

@@ -15,7 +15,7 @@ from pathlib import Path
 from batchrun.errors import AdapterError
 
 # peft module name -> (parent in the decoder layer, our fused Linear, slice index)
-PEFT_MODULES: dict[str, tuple[str, str, int]] = {
+PEFT_MODULES: dict[str, tuple[str, str, int | None]] = {
     "q_proj": ("self_attn", "qkv_proj", 0),
     "k_proj": ("self_attn", "qkv_proj", 1),
     "v_proj": ("self_attn", "qkv_proj", 2),
@@ -24,11 +24,25 @@ PEFT_MODULES: dict[str, tuple[str, str, int]] = {
     "up_proj": ("mlp", "gate_up_proj", 1),
     "down_proj": ("mlp", "down_proj", 0),
 }
+# Phi-3's Linears are fused in the model itself, so its adapters target qkv_proj and
+# gate_up_proj whole (slice None: one A for all slices, B's rows split by slice)
+FUSED_PEFT_MODULES: dict[str, tuple[str, str, int | None]] = {
+    "qkv_proj": ("self_attn", "qkv_proj", None),
+    "o_proj": ("self_attn", "o_proj", 0),
+    "gate_up_proj": ("mlp", "gate_up_proj", None),
+    "down_proj": ("mlp", "down_proj", 0),
+}
 EMBEDDING_MODULES = ("model.embed_tokens", "lm_head")
 
 
+def peft_modules(model_config) -> dict[str, tuple[str, str, int | None]]:
+    """The Linear modules of the base model's transformers class, as peft names them."""
+    return FUSED_PEFT_MODULES if getattr(model_config, "fused_checkpoint", False) else PEFT_MODULES
+
+
 def module_key(layer: int, peft_module: str) -> str:
-    return f"model.layers.{layer}.{PEFT_MODULES[peft_module][0]}.{peft_module}"
+    parent = (PEFT_MODULES.get(peft_module) or FUSED_PEFT_MODULES[peft_module])[0]
+    return f"model.layers.{layer}.{parent}.{peft_module}"
 
 
 def adapter_error(name: str, path, msg: str) -> AdapterError:
@@ -146,15 +160,16 @@ class PeftLoraConfig:
                                 for part in parts),
         )
 
-    def resolved_targets(self, num_layers: int):
-        """target_modules with "all-linear" expanded the way peft does it (every Linear but the
-        output head, as full module names). None means "not recorded": trust the weights."""
+    def resolved_targets(self, num_layers: int, modules=PEFT_MODULES):
+        """target_modules with "all-linear" expanded the way peft does it (every Linear of the
+        decoder layers, `modules`, as full module names; not the output head). None means
+        "not recorded": trust the weights."""
         tm = self.target_modules
         if isinstance(tm, str) and tm.lower() == "all-linear":
-            return [module_key(i, m) for i in range(num_layers) for m in PEFT_MODULES]
+            return [module_key(i, m) for i in range(num_layers) for m in modules]
         return tm
 
-    def is_target(self, key: str, num_layers: int) -> bool:
+    def is_target(self, key: str, num_layers: int, modules=PEFT_MODULES) -> bool:
         """peft's check_target_module_exists for one module name."""
         ex = self.exclude_modules
         if ex:
@@ -163,7 +178,7 @@ class PeftLoraConfig:
                     return False
             elif key in ex or any(key.endswith(f".{e}") for e in ex):
                 return False
-        tm = self.resolved_targets(num_layers)
+        tm = self.resolved_targets(num_layers, modules)
         if tm is None:
             return False
         if isinstance(tm, str):

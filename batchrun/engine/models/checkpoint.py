@@ -16,6 +16,29 @@ PICKLE_NAMES = ("pytorch_model.bin", "pytorch_model.bin.index.json", "model.pt",
                 "model.ckpt", "tf_model.h5", "flax_model.msgpack")
 # checkpoint tensors that are recomputed, not loaded
 IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
+# an image-text checkpoint's vision tower and projector (Gemma 3): prompts are text, never loaded
+VISION = re.compile(r"^(model\.)?(vision_tower|vision_model|multi_modal_projector)\.")
+# where an image-text checkpoint keeps its text tower: transformers 5.x saves
+# model.language_model.*, the published 4.x checkpoints language_model.model.* (and
+# language_model.lm_head)
+_TEXT_TOWER = (("model.language_model.", "model."), ("language_model.model.", "model."),
+               ("language_model.lm_head.", "lm_head."))
+
+
+def canonical_name(name: str, cfg: ModelConfig) -> str | None:
+    """A checkpoint tensor's name as a causal LM's (model.layers.N...., lm_head.weight), or
+    None for tensors that are not loaded (recomputed rotary tables, a vision tower)."""
+    if IGNORED.match(name):
+        return None
+    if cfg.weight_prefix != "model.":
+        if VISION.match(name):
+            return None
+        for old, new in _TEXT_TOWER:
+            if name.startswith(old):
+                return new + name[len(old):]
+    return name
+
+
 def safetensors_files(model_dir: Path) -> list[Path]:
     """The checkpoint's safetensors files; refuses pickle-only checkpoints with a clear message."""
     index = model_dir / "model.safetensors.index.json"
@@ -44,22 +67,31 @@ def safetensors_files(model_dir: Path) -> list[Path]:
 
 
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """HF tensor name -> shape, for every tensor the checkpoint must hold."""
+    """Tensor name (canonical_name) -> shape, for every tensor the checkpoint must hold."""
     h, i, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     q, kv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
     shapes = {"model.embed_tokens.weight": (cfg.vocab_size, h), "model.norm.weight": (h,)}
     if not cfg.tie_word_embeddings:
         shapes["lm_head.weight"] = (cfg.vocab_size, h)
-    per_layer = {
-        "self_attn.q_proj.weight": (q, h), "self_attn.k_proj.weight": (kv, h),
-        "self_attn.v_proj.weight": (kv, h), "self_attn.o_proj.weight": (h, q),
-        "mlp.gate_proj.weight": (i, h), "mlp.up_proj.weight": (i, h),
-        "mlp.down_proj.weight": (h, i),
-        "input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
-    }
+    per_layer = {"self_attn.o_proj.weight": (h, q), "mlp.down_proj.weight": (h, i),
+                 "input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,)}
+    if cfg.fused_checkpoint:  # Phi-3 saves the projections we fuse already fused
+        per_layer.update({"self_attn.qkv_proj.weight": (q + 2 * kv, h),
+                          "mlp.gate_up_proj.weight": (2 * i, h)})
+    else:
+        per_layer.update({"self_attn.q_proj.weight": (q, h), "self_attn.k_proj.weight": (kv, h),
+                          "self_attn.v_proj.weight": (kv, h), "mlp.gate_proj.weight": (i, h),
+                          "mlp.up_proj.weight": (i, h)})
     if cfg.attention_bias:
         per_layer.update({"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,),
                           "self_attn.v_proj.bias": (kv,)})
+    if cfg.o_proj_bias:
+        per_layer["self_attn.o_proj.bias"] = (h,)
+    if cfg.qk_norm:
+        per_layer.update({"self_attn.q_norm.weight": (d,), "self_attn.k_norm.weight": (d,)})
+    if cfg.sandwich_norms:
+        per_layer.update({"pre_feedforward_layernorm.weight": (h,),
+                          "post_feedforward_layernorm.weight": (h,)})
     for n in range(cfg.num_hidden_layers):
         for k, s in per_layer.items():
             shapes[f"model.layers.{n}.{k}"] = s
@@ -77,13 +109,16 @@ def _index_headers(files: list[Path]) -> dict[str, tuple[Path, tuple[int, ...]]]
     return found
 
 
-def check_checkpoint(model_dir: Path, cfg: ModelConfig) -> dict[str, tuple[Path, tuple]]:
-    """Compare the checkpoint's tensor names and shapes (headers only) with the config."""
-    found = _index_headers(safetensors_files(model_dir))
+def check_checkpoint(model_dir: Path, cfg: ModelConfig) -> dict[str, tuple[Path, tuple, str]]:
+    """Compare the checkpoint's tensor names and shapes (headers only) with the config.
+    Returns canonical name -> (file, shape, the name in the file) of every tensor to load."""
+    found = {}
+    for stored, (f, shape) in _index_headers(safetensors_files(model_dir)).items():
+        name = canonical_name(stored, cfg)
+        if name is not None:
+            found[name] = (f, shape, stored)
     want = expected_shapes(cfg)
-    for name, (f, shape) in found.items():
-        if IGNORED.match(name):
-            continue
+    for name, (f, shape, _) in found.items():
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue  # tied: we use embed_tokens, an explicit copy is harmless
         if name not in want:

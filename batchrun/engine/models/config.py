@@ -1,6 +1,10 @@
-"""ModelConfig: the subset of a Hugging Face config.json that our Llama-family model needs.
+"""ModelConfig: what the shared decoder (models/decoder.py) needs from a Hugging Face config.json.
 
-Reads both transformers 4.x (`rope_theta` + `rope_scaling`) and 5.x (`rope_parameters`) layouts.
+One decoder runs every family; a family is a handful of fields here (norm offset, activation,
+q/k norms, the extra Gemma norms, embedding scale, attention scale and soft-caps, per-layer
+attention windows, local rope, partial rotary, fused checkpoint names), never a copy of the
+model. Reads both transformers 4.x (`rope_theta` + `rope_scaling`) and 5.x (`rope_parameters`)
+layouts.
 """
 from __future__ import annotations
 
@@ -10,17 +14,34 @@ from pathlib import Path
 
 from batchrun.errors import ModelLoadError
 
-# architectures we implement -> model_type
+# architecture -> model_type (the family)
 SUPPORTED = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3_text",
+    "Gemma3ForConditionalGeneration": "gemma3",  # its text tower (text_config)
+    "Phi3ForCausalLM": "phi3",
 }
+ROPE_TYPES = ("default", "llama3", "linear", "dynamic", "yarn", "longrope")
+_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
+_GEMMA = ("gemma2", "gemma3_text")
+FULL, SLIDING = "full_attention", "sliding_attention"
+
+
+@dataclass(frozen=True)
+class Rope:
+    """One rotary table's parameters: base, scaling (None = default rope) and rotated dims."""
+    theta: float
+    scaling: dict | None  # {"rope_type": "llama3" | "linear" | "yarn" | "longrope", ...}
+    rotary_dim: int
 
 
 @dataclass
 class ModelConfig:
-    model_type: str
+    model_type: str  # the family: llama, mistral, qwen2, qwen3, gemma2, gemma3_text, phi3
     architectures: list[str]
     vocab_size: int
     hidden_size: int
@@ -34,11 +55,50 @@ class ModelConfig:
     rope_scaling: dict | None  # None = default rope; {"rope_type": "llama3", ...}
     max_position_embeddings: int
     tie_word_embeddings: bool
-    attention_bias: bool  # q/k/v bias (Qwen2 always)
-    sliding_window: int | None
+    attention_bias: bool  # q/k/v bias (Qwen2 always; others per attention_bias)
+    sliding_window: int | None  # the window of the layers whose layer_types entry is sliding
     torch_dtype: str | None
     eos_token_ids: list[int] = field(default_factory=list)
     bos_token_id: int | None = None
+    # --- what distinguishes the families (defaults: Llama) ---
+    hidden_act: str = "silu"  # "silu" | "gelu_tanh": the gated MLP's act(gate) * up
+    norm_offset: float = 0.0  # 1.0: Gemma's RMSNorm scales by (1 + weight)
+    qk_norm: bool = False  # RMSNorm over each q and k head before the rotary (Qwen3, Gemma 3)
+    sandwich_norms: bool = False  # Gemma: norms after attention and MLP, before the residual add
+    o_proj_bias: bool = False
+    embed_scale: float | None = None  # Gemma: embeddings times sqrt(hidden_size)
+    attn_scale: float | None = None  # None: head_dim ** -0.5 (Gemma: query_pre_attn_scalar ** -0.5)
+    attn_logit_softcap: float | None = None  # Gemma 2
+    final_logit_softcap: float | None = None  # Gemma 2
+    layer_types: list[str] = field(default_factory=list)  # FULL or SLIDING per layer
+    local_rope: Rope | None = None  # the sliding layers' rope when it differs (Gemma 3)
+    partial_rotary_factor: float = 1.0  # Phi-4-mini: rotary on the first 75 % of head_dim
+    fused_checkpoint: bool = False  # Phi-3: the checkpoint holds qkv_proj and gate_up_proj
+    weight_prefix: str = "model."  # where the decoder's tensors sit in the checkpoint
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def rope(self) -> Rope:
+        """The rope of full-attention layers (and of every layer without local_rope)."""
+        return Rope(self.rope_theta, self.rope_scaling, self.rotary_dim)
+
+    def layer_rope(self, layer: int) -> Rope:
+        if self.local_rope is not None and self.layer_types[layer] == SLIDING:
+            return self.local_rope
+        return self.rope
+
+    def layer_window(self, layer: int) -> int | None:
+        """The attention window of layer `layer` (None: full causal attention)."""
+        return self.sliding_window if self.layer_types[layer] == SLIDING else None
+
+    @property
+    def max_window(self) -> int | None:
+        """The widest window over all layers, None when any layer attends to everything."""
+        windows = [self.layer_window(i) for i in range(self.num_hidden_layers)]
+        return None if any(w is None for w in windows) else max(windows)
 
     @classmethod
     def from_dir(cls, path: str | Path) -> "ModelConfig":
@@ -60,85 +120,193 @@ class ModelConfig:
         if not known and model_type not in SUPPORTED.values():
             raise ModelLoadError(
                 f"{where}: unsupported architecture {archs or model_type!r}; batchrun runs "
-                f"{', '.join(SUPPORTED)} (decoder-only Llama family)")
+                f"{', '.join(SUPPORTED)}")
         if known:
             model_type = SUPPORTED[known[0]]
         if raw.get("auto_map"):
             # we never execute repository code; a config that needs it describes a custom model
             raise ModelLoadError(f"{where}: 'auto_map' asks for custom model code, which batchrun "
                                  f"never executes; use a standard {', '.join(SUPPORTED)} checkpoint")
-        if raw.get("hidden_act", "silu") != "silu":
-            raise ModelLoadError(f"{where}: hidden_act {raw['hidden_act']!r} is not supported (silu only)")
+        prefix = "model."
+        if model_type == "gemma3":  # image-text checkpoint: run its text tower on text prompts
+            text = raw.get("text_config")
+            if not isinstance(text, dict):
+                raise ModelLoadError(f"{where}: Gemma3ForConditionalGeneration without a "
+                                     f"text_config object")
+            raw = {**{k: raw[k] for k in ("eos_token_id", "bos_token_id", "torch_dtype", "dtype",
+                                          "tie_word_embeddings") if k in raw}, **text}
+            model_type, prefix = "gemma3_text", "model.language_model."
+        act = raw.get("hidden_activation") or raw.get("hidden_act") or "silu"
+        if act not in _ACTIVATIONS:
+            raise ModelLoadError(f"{where}: activation {act!r} is not supported "
+                                 f"({', '.join(_ACTIVATIONS)})")
         if raw.get("mlp_bias"):
             raise ModelLoadError(f"{where}: mlp_bias=true is not supported")
-        if raw.get("num_attention_heads") is None or raw.get("hidden_size") is None:
-            raise ModelLoadError(f"{where}: missing hidden_size or num_attention_heads")
-        heads = raw["num_attention_heads"]
-        rope_theta, rope_scaling = _rope(raw, where)
+        if raw.get("use_bidirectional_attention"):
+            raise ModelLoadError(f"{where}: use_bidirectional_attention=true describes an encoder "
+                                 f"(embedding model), not a causal language model")
+        for k in ("num_attention_heads", "hidden_size", "vocab_size", "intermediate_size",
+                  "num_hidden_layers"):
+            if raw.get(k) is None:
+                raise ModelLoadError(f"{where}: missing {k}")
+        heads, layers = raw["num_attention_heads"], raw["num_hidden_layers"]
+        head_dim = raw.get("head_dim") or raw["hidden_size"] // heads
+        gemma = model_type in _GEMMA
+        rope, local_rope = _ropes(raw, model_type, head_dim, where)
         eos = raw.get("eos_token_id")
         eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
-        window = None
-        if model_type == "mistral":
-            window = raw.get("sliding_window")
-        elif model_type == "qwen2" and raw.get("use_sliding_window"):
-            window = raw.get("sliding_window")
+        window, layer_types = _windows(raw, model_type, layers, where)
+        bias = bool(raw.get("attention_bias", False))
+        scalar = raw.get("query_pre_attn_scalar") if gemma else None
         return cls(
             model_type=model_type,
             architectures=list(archs),
             vocab_size=raw["vocab_size"],
             hidden_size=raw["hidden_size"],
             intermediate_size=raw["intermediate_size"],
-            num_hidden_layers=raw["num_hidden_layers"],
+            num_hidden_layers=layers,
             num_attention_heads=heads,
             num_key_value_heads=raw.get("num_key_value_heads") or heads,
-            head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
+            head_dim=head_dim,
             rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
-            rope_theta=rope_theta,
-            rope_scaling=rope_scaling,
+            rope_theta=rope.theta,
+            rope_scaling=rope.scaling,
             max_position_embeddings=raw.get("max_position_embeddings", 2048),
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            attention_bias=model_type == "qwen2" or bool(raw.get("attention_bias", False)),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", gemma)),
+            attention_bias=model_type == "qwen2" or bias,
             sliding_window=window,
             torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
             eos_token_ids=eos_ids,
             bos_token_id=raw.get("bos_token_id"),
+            hidden_act=_ACTIVATIONS[act],
+            norm_offset=1.0 if gemma else 0.0,
+            qk_norm=model_type in ("qwen3", "gemma3_text"),
+            sandwich_norms=gemma,
+            o_proj_bias=bias and model_type != "qwen2",
+            embed_scale=raw["hidden_size"] ** 0.5 if gemma else None,
+            attn_scale=None if scalar is None else float(scalar) ** -0.5,
+            attn_logit_softcap=raw.get("attn_logit_softcapping") if gemma else None,
+            final_logit_softcap=raw.get("final_logit_softcapping") if gemma else None,
+            layer_types=layer_types,
+            local_rope=local_rope,
+            partial_rotary_factor=rope.rotary_dim / head_dim,
+            fused_checkpoint=model_type == "phi3",
+            weight_prefix=prefix,
         )
 
 
-def _rope(raw: dict, where: str) -> tuple[float, dict | None]:
+def _windows(raw: dict, model_type: str, layers: int, where: str) -> tuple[int | None, list[str]]:
+    """(window, per-layer FULL/SLIDING) as transformers derives them for each family."""
+    window = raw.get("sliding_window")
+    if model_type in ("qwen2", "qwen3") and not raw.get("use_sliding_window"):
+        window = None  # transformers sets it to None too
+    if window is not None and (not isinstance(window, int) or window < 1):
+        raise ModelLoadError(f"{where}: sliding_window must be a positive integer, got {window!r}")
+    types = raw.get("layer_types")
+    if types is None:
+        if model_type in ("qwen2", "qwen3"):
+            first = raw.get("max_window_layers", 28)
+            types = [SLIDING if window is not None and i >= first else FULL for i in range(layers)]
+        elif model_type == "gemma2":
+            types = [SLIDING if (i + 1) % 2 else FULL for i in range(layers)]
+        elif model_type == "gemma3_text":
+            pattern = raw.get("sliding_window_pattern", 6)
+            types = [SLIDING if (i + 1) % pattern else FULL for i in range(layers)]
+        else:  # Mistral, Phi-3 (and Llama, which has no window): one window for every layer
+            types = [SLIDING if window is not None else FULL] * layers
+    if len(types) != layers or any(t not in (FULL, SLIDING) for t in types):
+        raise ModelLoadError(f"{where}: layer_types must list {layers} entries of "
+                             f"{FULL!r} or {SLIDING!r}, got {types!r}")
+    if model_type == "llama" and SLIDING in types:
+        raise ModelLoadError(f"{where}: a Llama config with sliding-window layers is not a "
+                             f"model transformers runs as LlamaForCausalLM")
+    if window is None:
+        types = [FULL] * layers
+    return window, list(types)
+
+
+def _ropes(raw: dict, model_type: str, head_dim: int, where: str) -> tuple[Rope, Rope | None]:
+    """The rope of full-attention layers, and Gemma 3's separate one for sliding layers."""
     params = raw.get("rope_parameters")
-    if params is None:  # transformers 4.x layout
-        params = dict(raw.get("rope_scaling") or {})
-        params.setdefault("rope_theta", raw.get("rope_theta", 10000.0))
+    if model_type == "gemma3_text":
+        if isinstance(params, dict) and FULL in params:  # 5.x: one entry per layer type
+            full = _rope(raw, params[FULL], head_dim, where)
+            local = _rope(raw, params.get(SLIDING) or {"rope_theta": 10000.0}, head_dim, where)
+        else:  # 4.x: rope_theta (+ rope_scaling) global, rope_local_base_freq local
+            full = _rope(raw, _params_4x(raw), head_dim, where)
+            local = _rope(raw, {"rope_theta": raw.get("rope_local_base_freq", 10000.0)},
+                          head_dim, where)
+        return full, local
+    return _rope(raw, params if params is not None else _params_4x(raw), head_dim, where), None
+
+
+def _params_4x(raw: dict) -> dict:
+    params = dict(raw.get("rope_scaling") or {})
+    params.setdefault("rope_theta", raw.get("rope_theta", 10000.0))
+    if "partial_rotary_factor" in raw:
+        params.setdefault("partial_rotary_factor", raw["partial_rotary_factor"])
+    return params
+
+
+def _rope(raw: dict, params: dict, head_dim: int, where: str) -> Rope:
     params = dict(params)
     theta = float(params.pop("rope_theta", raw.get("rope_theta", 10000.0)))
+    partial = params.pop("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0)) or 1.0
+    rotary_dim = int(head_dim * partial)
+    if rotary_dim % 2 or not 0 < rotary_dim <= head_dim:
+        raise ModelLoadError(f"{where}: partial_rotary_factor {partial} gives {rotary_dim} rotary "
+                             f"dimensions of head_dim {head_dim}; it must be even and > 0")
     rope_type = params.get("rope_type") or params.get("type") or "default"
+    max_pos = raw.get("max_position_embeddings", 2048)
+    # the pretraining length: the top-level field when the checkpoint has one (Phi-3), else
+    # the scaling's, else max_position_embeddings (as transformers reads it)
+    original = raw.get("original_max_position_embeddings",
+                       params.get("original_max_position_embeddings", max_pos))
+
+    def factor(required: bool = True) -> float:
+        f = params.get("factor")
+        if f is None and not required:
+            return max_pos / original
+        if not isinstance(f, (int, float)) or isinstance(f, bool) or f <= 0:
+            raise ModelLoadError(f"{where}: rope scaling type {rope_type} needs a positive "
+                                 f"'factor', got {f!r}")
+        return float(f)
+
     if rope_type == "default":
-        return theta, None
+        return Rope(theta, None, rotary_dim)
+    if rope_type == "dynamic":
+        # transformers rescales only once a sequence is longer than max_position_embeddings,
+        # which engine.max_model_len never allows: the frequencies are the default ones
+        factor()
+        return Rope(theta, None, rotary_dim)
     if rope_type == "llama3":
         for k in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
             if k not in params:
                 raise ModelLoadError(f"{where}: rope_scaling type llama3 needs {k!r}")
-        return theta, {"rope_type": "llama3", **params}
+        return Rope(theta, {"rope_type": "llama3", **params}, rotary_dim)
     if rope_type == "linear":
-        if not isinstance(params.get("factor"), (int, float)) or params["factor"] <= 0:
-            raise ModelLoadError(f"{where}: rope_scaling type linear needs a positive 'factor', "
-                                 f"got {params.get('factor')!r}")
-        return theta, {"rope_type": "linear", "factor": float(params["factor"])}
+        return Rope(theta, {"rope_type": "linear", "factor": factor()}, rotary_dim)
     if rope_type == "yarn":
-        # as transformers: the pretraining length from the top-level field when the checkpoint
-        # has one (Phi-3 style), else rope_scaling's, else max_position_embeddings; factor
-        # defaults to the ratio of the two lengths
-        max_pos = raw.get("max_position_embeddings", 2048)
-        original = raw.get("original_max_position_embeddings",
-                           params.get("original_max_position_embeddings", max_pos))
-        factor = params.get("factor") or max_pos / original
-        return theta, {"rope_type": "yarn", "factor": float(factor),
-                       "original_max_position_embeddings": int(original),
-                       **{k: params[k] for k in ("attention_factor", "mscale", "mscale_all_dim",
-                                                 "beta_fast", "beta_slow", "truncate") if k in params}}
+        # factor defaults to the ratio of the two lengths
+        return Rope(theta, {"rope_type": "yarn", "factor": factor(required=False),
+                            "original_max_position_embeddings": int(original),
+                            **{k: params[k] for k in ("attention_factor", "mscale", "mscale_all_dim",
+                                                      "beta_fast", "beta_slow", "truncate")
+                               if k in params}}, rotary_dim)
+    if rope_type == "longrope":
+        for k in ("short_factor", "long_factor"):
+            f = params.get(k)
+            if not isinstance(f, list) or len(f) != rotary_dim // 2:
+                raise ModelLoadError(f"{where}: rope scaling longrope needs {k!r}, a list of "
+                                     f"{rotary_dim // 2} numbers (rotary_dim / 2)")
+        return Rope(theta, {"rope_type": "longrope", "factor": factor(required=False),
+                            "original_max_position_embeddings": int(original),
+                            "short_factor": [float(x) for x in params["short_factor"]],
+                            "long_factor": [float(x) for x in params["long_factor"]],
+                            **({"attention_factor": params["attention_factor"]}
+                               if params.get("attention_factor") is not None else {})}, rotary_dim)
     raise ModelLoadError(f"{where}: rope scaling type {rope_type!r} is not supported "
-                         f"(supported: default, llama3, linear, yarn)")
+                         f"(supported: {', '.join(ROPE_TYPES)})")
 
 
 def check_context_length(cfg: ModelConfig, max_model_len: int, model_dir: str) -> None:

@@ -1,4 +1,4 @@
-"""Load a local Hugging Face model directory into our LlamaForCausalLM.
+"""Load a local Hugging Face model directory into our CausalLM (models/decoder.py).
 
 safetensors only (single file or sharded with model.safetensors.index.json), read through mmap;
 pickled checkpoints are refused, never unpickled; no code from the model directory is run.
@@ -19,9 +19,10 @@ from safetensors import safe_open
 
 from batchrun.engine.config import dtype_name
 from batchrun.errors import ModelLoadError
-from batchrun.engine.models.checkpoint import IGNORED, check_checkpoint, inspect_model  # noqa: F401 (re-exported)
+from batchrun.engine.models.checkpoint import (canonical_name, check_checkpoint,  # noqa: F401
+                                              inspect_model)  # (inspect_model re-exported)
 from batchrun.engine.models.config import ModelConfig
-from batchrun.engine.models.llama import LlamaForCausalLM
+from batchrun.engine.models.decoder import CausalLM
 from batchrun.engine.models.stage import StagedCopier
 
 # HF name suffix -> (our module suffix, slice index within the fused weight)
@@ -55,29 +56,31 @@ def our_name(hf_name: str) -> tuple[str, int | None]:
 
 
 def _materialise(cfg: ModelConfig, device: torch.device, dtype: torch.dtype,
-                 max_position: int) -> LlamaForCausalLM:
+                 max_position: int) -> CausalLM:
     """Build on the meta device in ``dtype``, then allocate (uninitialised) storage on the target
     device once."""
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg, max_position)
+        model = CausalLM(cfg, max_position)
     model.to(dtype)  # on meta: no memory, no copy
     model.to_empty(device=device)
     if cfg.tie_word_embeddings:  # to_empty breaks the tie; restore it
         model.lm_head.weight = model.model.embed_tokens.weight
-    model.model.rotary.init_cache(device)
+    for rotary in model.model.rotaries():
+        rotary.init_cache(device)
     return model
 
 
 @torch.no_grad()
 def random_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, max_position: int,
-                 seed: int = 0) -> LlamaForCausalLM:
+                 seed: int = 0) -> CausalLM:
     """Random weights of a real model's shape, built directly on the device (benchmarks: no
-    weights can be downloaded). Matrices ~ N(0, 0.02), norms 1, like HF's initialisation."""
+    weights can be downloaded). Matrices ~ N(0, 0.02), norms scaling by 1 (weight 1, or 0 where
+    the norm scales by 1 + weight), like HF's initialisation."""
     model = _materialise(cfg, device, dtype, max_position)
     gen = torch.Generator(device=device).manual_seed(seed)
     for name, p in model.named_parameters():
         if p.dim() == 1 and name.endswith("norm.weight"):
-            p.fill_(1.0)
+            p.fill_(1.0 - cfg.norm_offset)
         else:
             p.normal_(0.0, 0.02, generator=gen)
     return model.eval()
@@ -85,7 +88,7 @@ def random_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, max
 
 @torch.no_grad()
 def load_model(path: str | Path, device: torch.device, dtype: torch.dtype,
-               max_position: int) -> LlamaForCausalLM:
+               max_position: int) -> CausalLM:
     model_dir = Path(path)
     if not model_dir.is_dir():
         raise ModelLoadError(f"{model_dir}: model directory not found")
@@ -93,15 +96,16 @@ def load_model(path: str | Path, device: torch.device, dtype: torch.dtype,
     found = check_checkpoint(model_dir, cfg)
     model = _materialise(cfg, device, dtype, max_position)
     params = dict(model.named_parameters(remove_duplicate=False))
-    by_file: dict[Path, list[str]] = {}
-    for name, (f, _) in found.items():
-        if not IGNORED.match(name) and not (name == "lm_head.weight" and cfg.tie_word_embeddings):
-            by_file.setdefault(f, []).append(name)
+    by_file: dict[Path, list[tuple[str, str]]] = {}
+    for name, (f, _, stored) in found.items():
+        if not (name == "lm_head.weight" and cfg.tie_word_embeddings):
+            by_file.setdefault(f, []).append((name, stored))
     with ExitStack() as files, StagedCopier(device, dtype) as copier:  # files stay open until copied
         for f, names in by_file.items():
             sf = files.enter_context(safe_open(str(f), framework="pt"))  # mmap
-            for name in names:
-                copier.copy(hf_target(model, params, name), lambda sf=sf, name=name: sf.get_tensor(name))
+            for name, stored in names:
+                copier.copy(hf_target(model, params, name),
+                            lambda sf=sf, stored=stored: sf.get_tensor(stored))
     return model.eval()
 
 
@@ -126,8 +130,9 @@ def model_from_hf_state(cfg: ModelConfig, state: dict, device, dtype, max_positi
     """Our model holding the weights of an in-memory HF model (GPU parity tests)."""
     model = _materialise(cfg, device, dtype, max_position)
     params = dict(model.named_parameters(remove_duplicate=False))
-    for name, t in state.items():
-        if IGNORED.match(name) or (name == "lm_head.weight" and cfg.tie_word_embeddings):
+    for stored, t in state.items():
+        name = canonical_name(stored, cfg)
+        if name is None or (name == "lm_head.weight" and cfg.tie_word_embeddings):
             continue
         copy_hf_tensor(model, params, name, t)
     return model.eval()

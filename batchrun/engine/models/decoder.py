@@ -1,4 +1,12 @@
-"""Llama-family decoder (Llama 2/3.x, Mistral, Qwen2) with fused projections and paged KV.
+"""The decoder every supported family runs (Llama 2/3.x, Mistral, Qwen2, Qwen3, Gemma 2/3,
+Phi-3/4), with fused projections and paged KV; the family is config (models/config.py).
+
+The block is two lines of math, as in every family:
+    h = x + attention(norm(x));  out = h + mlp(norm(h))
+Gemma adds a norm after each sublayer before its residual add (`sandwich_norms`); Qwen3 and
+Gemma 3 normalise each q and k head before the rotary (`qk_norm`). Everything else a family
+changes is a constant of a layer (norm offset, activation, attention scale, soft-caps, window,
+rope table).
 
 Our own module tree (not HF's) so that graph capture, paged KV and LoRA hooks are under our
 control. Weight names map from HF checkpoints in loader.py. The layers choose no kernel: the
@@ -10,19 +18,19 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from batchrun.engine.layers.activation import silu_and_mul
+from batchrun.engine.layers.activation import act_and_mul
 from batchrun.engine.layers.attention import PagedAttention
 from batchrun.engine.layers.gemm import gate_up_silu, linear
 from batchrun.engine.layers.linear import Linear
 from batchrun.engine.layers.norm import RMSNorm
 from batchrun.engine.layers.rotary import RotaryEmbedding
 from batchrun.engine.layers.step import Step
-from batchrun.engine.models.config import ModelConfig
+from batchrun.engine.models.config import ModelConfig, Rope
 from batchrun.kernels.lora_meta import LoRAShrink
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding):
+    def __init__(self, cfg: ModelConfig, layer: int, rotary: RotaryEmbedding):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = (
             cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
@@ -30,17 +38,29 @@ class Attention(nn.Module):
         self.kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = Linear(cfg.hidden_size, [self.q_size, self.kv_size, self.kv_size],
                                bias=cfg.attention_bias, name="qkv_proj")
-        self.o_proj = Linear(self.q_size, [cfg.hidden_size], name="o_proj")
-        self.rotary = rotary  # shared by all layers
-        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim)
+        self.o_proj = Linear(self.q_size, [cfg.hidden_size], bias=cfg.o_proj_bias, name="o_proj")
+        if cfg.qk_norm:  # per head, over head_dim
+            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, cfg.norm_offset)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, cfg.norm_offset)
+        else:
+            self.q_norm = self.k_norm = None
+        self.rotary = rotary  # shared by the layers of one rope
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim,
+                                   scale=cfg.attn_scale, sliding_window=cfg.layer_window(layer),
+                                   logit_softcap=cfg.attn_logit_softcap)
 
     def forward(self, positions, x, step: Step):
         # x: [T, H] -> (o_proj output [T, H], its pending LoRA delta or None)
-        qkv, delta = self.qkv_proj(x, step, defer=True)  # [T, q + 2*kv]
+        if self.q_norm is None:
+            qkv, delta = self.qkv_proj(x, step, defer=True)  # [T, q + 2*kv]
+        else:  # the norms come between the projection and the rotary: no delta rides past them
+            qkv, delta = self.qkv_proj(x, step), None
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)  # [T, Hq, D]
         k = k.view(-1, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         # on CUDA the rotary kernel also writes k, v into the paged cache (then k = v = None)
         q, k, v = self.rotary(positions, q, k, v, lora=delta, cache=self.attn.kv_write(step.attn))
         o = self.attn(q, k, v, step.attn)  # [T, Hq, D]
@@ -51,12 +71,13 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         i = cfg.intermediate_size
+        self.activation = cfg.hidden_act
         self.gate_up_proj = Linear(cfg.hidden_size, [i, i], name="gate_up_proj")
         self.down_proj = Linear(i, [cfg.hidden_size], name="down_proj")
 
     def _fused_gate_up(self, step: Step) -> bool:
-        # the plan runs gate_up in the fused GEMM + SiLU kernel, which takes this layer's LoRA
-        # delta only from a fused step (the norm before computes its shrink)
+        # the plan runs gate_up in the fused GEMM + activation kernel, which takes this layer's
+        # LoRA delta only from a fused step (the norm before computes its shrink)
         lora, hook = step.lora, self.gate_up_proj.lora
         return step.gemm.gate_up_silu and (lora is None or hook is None or lora.fuse)
 
@@ -74,40 +95,59 @@ class MLP(nn.Module):
         # self.shrink returned, filled in by the norm
         gu = self.gate_up_proj
         if self._fused_gate_up(step):
-            # SiLU (and the LoRA delta, from the norm's shrink) in the GEMM's epilogue
+            # the activation (and the LoRA delta, from the norm's shrink) in the GEMM's epilogue
             delta = None if shrink is None else gu.lora.delta_from(shrink, step.lora)
-            h = gate_up_silu(x, gu.weight, delta)
+            h = gate_up_silu(x, gu.weight, delta, activation=self.activation)
         else:
             gate_up, delta = gu(x, step, defer=True)
-            h = silu_and_mul(gate_up, lora=delta)
+            h = act_and_mul(gate_up, self.activation, lora=delta)
         return self.down_proj(h, step, defer=True)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding):
+    def __init__(self, cfg: ModelConfig, layer: int, rotary: RotaryEmbedding):
         super().__init__()
-        self.self_attn = Attention(cfg, rotary)
+        h, eps, offset = cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset
+        self.self_attn = Attention(cfg, layer, rotary)
         self.mlp = MLP(cfg)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_layernorm = RMSNorm(h, eps, offset)
+        # Llama: the norm before the MLP. Gemma: the norm of the attention output, and two more
+        # norms around the MLP (HF's names)
+        self.post_attention_layernorm = RMSNorm(h, eps, offset)
+        if cfg.sandwich_norms:
+            self.pre_feedforward_layernorm = RMSNorm(h, eps, offset)
+            self.post_feedforward_layernorm = RMSNorm(h, eps, offset)
+        else:
+            self.pre_feedforward_layernorm = self.post_feedforward_layernorm = None
 
     def forward(self, positions, x, residual, delta, step: Step):
         # h = x + attention(norm(x)); out = h + mlp(norm(h)), with each residual add fused into
         # the norm after it (vLLM pattern): a layer returns its MLP output and the residual
         # stream separately, (x, residual), both [T, H]; the first layer gets residual=None
-        # and LlamaModel fuses the last add into the final norm. A projection's pending LoRA
+        # and DecoderModel fuses the last add into the final norm. A projection's pending LoRA
         # delta (fused steps) rides to the kernel after it: `delta` is the previous layer's
         # down_proj delta, the layer returns its own; on steps whose plan runs gate_up fused,
-        # the norm before the MLP also computes gate_up's LoRA shrink (`shrink`).
+        # the norm before the MLP also computes gate_up's LoRA shrink (`shrink`). Gemma's
+        # sublayer norms take their sublayer's delta, and the residual adds move one norm on.
         x, residual = self.input_layernorm.add_norm(x, residual, lora=delta)
         x, delta = self.self_attn(positions, x, step)
         shrink = self.mlp.shrink(x, step)
-        x, residual = self.post_attention_layernorm.add_norm(x, residual, lora=delta, shrink=shrink)
+        if self.pre_feedforward_layernorm is None:
+            x, residual = self.post_attention_layernorm.add_norm(x, residual, lora=delta,
+                                                                 shrink=shrink)
+            x, delta = self.mlp(x, step, shrink)
+            return x, residual, delta
+        x = self.post_attention_layernorm(x, lora=delta)
+        x, residual = self.pre_feedforward_layernorm.add_norm(x, residual, shrink=shrink)
         x, delta = self.mlp(x, step, shrink)
-        return x, residual, delta
+        return self.post_feedforward_layernorm(x, lora=delta), residual, None
 
 
-class LlamaModel(nn.Module):
+def _rotary(rope: Rope, max_position: int) -> RotaryEmbedding:
+    return RotaryEmbedding(rope.rotary_dim, max_position, rope.theta, rope.scaling)
+
+
+class DecoderModel(nn.Module):
     def __init__(self, cfg: ModelConfig, max_position: int):
         super().__init__()
         # _weight: no random init (the loader fills it); on the meta device nn.Embedding's own
@@ -115,24 +155,36 @@ class LlamaModel(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
                                          _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.embed_tokens.weight.requires_grad_(False)
-        self.rotary = RotaryEmbedding(cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, self.rotary)
-                                    for _ in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.embed_scale = cfg.embed_scale
+        self.rotary = _rotary(cfg.rope, max_position)
+        # Gemma 3's sliding layers rotate with their own base
+        self.local_rotary = None if cfg.local_rope is None else _rotary(cfg.local_rope, max_position)
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, i, self.rotary if cfg.layer_rope(i) is not cfg.local_rope
+                         else self.local_rotary)
+            for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset)
+
+    def rotaries(self) -> list[RotaryEmbedding]:
+        return [self.rotary] + ([] if self.local_rotary is None else [self.local_rotary])
 
     def forward(self, input_ids, positions, step: Step):
         x = self.embed_tokens(input_ids)  # [T, H]
+        if self.embed_scale is not None:
+            # HF multiplies by the scale as a tensor of the weights' dtype: the rounded value
+            x = x * torch.tensor(self.embed_scale, dtype=x.dtype).item()
         residual, delta = None, None
         for layer in self.layers:
             x, residual, delta = layer(positions, x, residual, delta, step)
         return self.norm.add_norm(x, residual, lora=delta)[0]
 
 
-class LlamaForCausalLM(nn.Module):
+class CausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, max_position: int):
         super().__init__()
         self.config = cfg
-        self.model = LlamaModel(cfg, max_position)
+        self.model = DecoderModel(cfg, max_position)
+        self.final_logit_softcap = cfg.final_logit_softcap
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.lm_head.weight.requires_grad_(False)
         if cfg.tie_word_embeddings:
@@ -149,9 +201,11 @@ class LlamaForCausalLM(nn.Module):
         # hidden: [N, H] -> fp32 logits [N, V] (written into `out` when given); kernel: the
         # step plan's lm_head GEMM for N rows (None: cuBLAS)
         logits = linear(hidden, self.lm_head.weight, None, kernel)
-        if out is None:
-            return logits.float()
-        return out.copy_(logits)
+        out = logits.float() if out is None else out.copy_(logits)
+        cap = self.final_logit_softcap
+        if cap is not None:  # Gemma 2: cap * tanh(logits / cap), in fp32
+            out.div_(cap).tanh_().mul_(cap)
+        return out
 
     def attention_layers(self) -> list[PagedAttention]:
         return [layer.self_attn.attn for layer in self.model.layers]
