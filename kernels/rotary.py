@@ -28,9 +28,8 @@ the plain one.
 
 With `kv_cache` (apply_rotary_into_cache) both kernels also write this step's K/V into the
 paged cache: rotated k (its pass-through dims copied) and v (plus their deltas) go straight
-to their cache slots, flat slot
-`slot_mapping[t]` of k_cache / v_cache [num_blocks, block_size, Hkv, D], instead of back into
-the qkv output. This replaces the two index_copy launches per layer that wrote the cache
+to their cache slots, flat slot `slot_mapping[t]` of k_cache / v_cache [num_blocks, block_size,
+Hkv, D], instead of back into the qkv output. This replaces the two index_copy launches per layer that wrote the cache
 after the rotary (64 launches of a Llama-2-7b decode step); q is still rotated in place.
 """
 from __future__ import annotations
