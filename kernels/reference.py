@@ -147,12 +147,21 @@ def ref_fused_add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: flo
 
 
 def ref_rotary(x: Tensor, cos_sin: Tensor, positions: Tensor) -> Tensor:
-    # x: [T, H, D], cos_sin: fp32 [P, D] = cat(cos, sin) of the D/2 frequencies, positions: [T]
-    # -> new [T, H, D]. HF order in x's dtype: (x * cos) + (rotate_half(x) * sin), cos/sin cast
-    # to x's dtype first (three roundings per element: two products and the sum).
-    cos, sin = cos_sin[positions.long()].chunk(2, dim=-1)           # [T, D/2] each
-    cos = torch.cat([cos, cos], -1).unsqueeze(1).to(x.dtype)       # [T, 1, D]
+    # x: [T, H, D], cos_sin: fp32 [P, R] = cat(cos, sin) of the R/2 frequencies, R (the rotary
+    # dim, even) <= D, positions: [T] -> new [T, H, D]. HF order in x's dtype on the first R
+    # dims: (x * cos) + (rotate_half(x) * sin), cos/sin cast to x's dtype first (three
+    # roundings per element: two products and the sum); dims R.. pass through unchanged
+    # (partial rotary, as transformers' apply_rotary_pos_emb).
+    R = cos_sin.shape[-1]
+    cos, sin = cos_sin[positions.long()].chunk(2, dim=-1)           # [T, R/2] each
+    cos = torch.cat([cos, cos], -1).unsqueeze(1).to(x.dtype)       # [T, 1, R]
     sin = torch.cat([sin, sin], -1).unsqueeze(1).to(x.dtype)
+    if R < x.shape[-1]:
+        return torch.cat([_rotate(x[..., :R], cos, sin), x[..., R:]], dim=-1)
+    return _rotate(x, cos, sin)
+
+
+def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos + rotated * sin

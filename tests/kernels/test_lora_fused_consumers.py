@@ -150,7 +150,9 @@ def _check_silu(T, I, L, R, dtype, pattern, k=None):
     _same_where_no_lora(out, silu_and_mul(gate_up), slots)
 
 
-def _check_rotary(T, Hq, Hkv, D, L, R, dtype, seed, pattern="mixed", k=None):
+def _check_rotary(T, Hq, Hkv, D, L, R, dtype, seed, pattern="mixed", k=None, rot=None):
+    # R: the LoRA rank; rot: the rotary dim (the table's width, D unless given): the delta
+    # reaches all D dims, only the first rot rotate
     qkv, delta, slots = _fused_output(T, [Hq * D, Hkv * D, Hkv * D], L, R, dtype, seed, pattern,
                                       k=k)
     plain_qkv = qkv.clone()
@@ -159,12 +161,14 @@ def _check_rotary(T, Hq, Hkv, D, L, R, dtype, seed, pattern="mixed", k=None):
     fq, fk, fv = (t.view(T, -1, D) for t in fixed.split([Hq * D, Hkv * D, Hkv * D], dim=-1))
     gen = torch.Generator().manual_seed(seed)
     positions = torch.randint(0, 256, (T,), generator=gen).to(DEVICE)
-    cs = cos_sin_cache(D, 256)
+    rot = D if rot is None else rot
+    cs = cos_sin_cache(rot, 256)
     apply_rotary(q, k, cs, positions, v=v, lora=delta)
     for got, ref in ((q, ref_rotary(fq, cs, positions)), (k, ref_rotary(fk, cs, positions)),
                      (v, fv)):
-        # a rotated element mixes both halves: bound by the pair's magnitude
-        pair = ref.float().abs() + ref.float().abs().roll(D // 2, dims=-1)
+        # a rotated element mixes both halves of the rotary dims: bound by the pair's magnitude
+        pair = ref.float().abs()
+        pair[..., :rot] += pair[..., :rot].roll(rot // 2, dims=-1)
         assert (got.float() - ref.float()).abs().le(_tol(ref, dtype, pair)).all()
     pq, pk, _ = (t.view(T, -1, D) for t in plain_qkv.split([Hq * D, Hkv * D, Hkv * D], dim=-1))
     apply_rotary(pq, pk, cs, positions)
@@ -176,6 +180,15 @@ def _check_rotary(T, Hq, Hkv, D, L, R, dtype, seed, pattern="mixed", k=None):
                                             (5, 6, 1, 80, 2, 8)])
 def test_rotary(T, Hq, Hkv, D, L, R, dtype):
     _check_rotary(T, Hq, Hkv, D, L, R, dtype, seed=T + Hq + D)
+
+
+# Partial rotary (T, Hq, Hkv, D, rotary dim, L, R): Phi-4-mini's 96 of 128 over two row tiles,
+# half of 96, and R/2 = 15 (odd) of 80
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+@pytest.mark.parametrize("T,Hq,Hkv,D,rot,L,R", [(20, 6, 2, 128, 96, 3, 5), (6, 8, 2, 96, 48, 2, 16),
+                                                (5, 6, 1, 80, 30, 2, 8)])
+def test_rotary_partial(T, Hq, Hkv, D, rot, L, R, dtype):
+    _check_rotary(T, Hq, Hkv, D, L, R, dtype, seed=T + Hq + D + rot, rot=rot)
 
 
 # (T, Hq, Hkv, D, L, R, slot pattern): GQA and MHA over several row tiles; D = 80 pads the
@@ -262,3 +275,4 @@ def test_bf16_gpu_llama7b_shapes(T, L, R):
     test_silu_and_mul(T, 11008, L, R, dt)
     _check_rotary(T, 32, 32, 128, L, R, dt, seed=T + L)
     _check_rotary(T, 32, 8, 128, L, R, dt, seed=T + L + 1)  # GQA (Llama-3 shape)
+    _check_rotary(T, 24, 8, 128, L, R, dt, seed=T + L + 2, rot=96)  # Phi-4-mini: partial rotary

@@ -2,7 +2,8 @@
 against the in-place form (apply_rotary, itself tested against the torch reference): q is the
 same bit for bit, each token's cache slot holds exactly the in-place k and v (plus their LoRA
 delta), the qkv output's k and v are left as they were, and every other cache slot keeps its
-poison. Plain and LoRA kernels (both delta forms), MHA/GQA/MQA, odd head dims, scattered slots
+poison. Plain and LoRA kernels (both delta forms), MHA/GQA/MQA, odd head dims, partial rotary
+(a table of R < D columns: k's pass-through dims reach the cache unchanged), scattered slots
 over several blocks, and padding rows that all write the scratch slot 0."""
 import pytest
 import torch
@@ -36,7 +37,8 @@ def _split(qkv, Hq, Hkv, D):
     return q.view(T, Hq, D), k.view(T, Hkv, D), v.view(T, Hkv, D)
 
 
-def _check(T, Hq, Hkv, D, dtype, seed, L=0, R=0, padding=0):
+def _check(T, Hq, Hkv, D, dtype, seed, L=0, R=0, padding=0, rot=None):
+    # R: the LoRA rank; rot: the rotary dim (the table's width), D unless given
     qkv, delta, positions, gen = _inputs(T, Hq, Hkv, D, dtype, seed, L, R)
     num_blocks = 3 + 2 * T // BLOCK_SIZE
     # distinct slots scattered over blocks 1.. (block 0 is the scratch block); the last
@@ -47,7 +49,7 @@ def _check(T, Hq, Hkv, D, dtype, seed, L=0, R=0, padding=0):
     slots = perm.to(device=DEVICE, dtype=torch.long)
     kc = torch.full((num_blocks, BLOCK_SIZE, Hkv, D), POISON, dtype=dtype, device=DEVICE)
     vc = kc.clone()
-    cs = cos_sin_cache(D, 512)
+    cs = cos_sin_cache(D if rot is None else rot, 512)
 
     want = qkv.clone()
     wq, wk, wv = _split(want, Hq, Hkv, D)
@@ -90,6 +92,28 @@ def test_lora(T, Hq, Hkv, D, L, R, dtype, gather_max_rows, monkeypatch):
     _check(T, Hq, Hkv, D, dtype, seed=T + Hq + D, L=L, R=R)
 
 
+# (T, heads, D, rotary dim): Phi-4-mini's 0.75 and 0.5 of 128, 0.75 of 96 and 64, Phi-2's
+# 32 of 80, and R/2 = 15 (odd) of 80
+PARTIAL = [(5, (8, 2), 128, 96), (3, (6, 1), 128, 64), (19, (4, 4), 96, 72),
+           (5, (8, 2), 64, 48), (7, (8, 2), 80, 32), (4, (6, 2), 80, 30)]
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+@pytest.mark.parametrize("T,heads,D,rot", PARTIAL)
+def test_plain_partial_rotary(T, heads, D, rot, dtype):
+    _check(T, *heads, D, dtype, seed=T + D + rot, rot=rot)
+
+
+@pytest.mark.parametrize("gather_max_rows", [0, 10 ** 6], ids=["slot-loop", "gather"])
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+@pytest.mark.parametrize("T,Hq,Hkv,D,rot,L,R", [(6, 8, 2, 128, 96, 3, 5), (37, 6, 1, 80, 30, 4, 8),
+                                                (5, 4, 4, 96, 48, 2, 16)])
+def test_lora_partial_rotary(T, Hq, Hkv, D, rot, L, R, dtype, gather_max_rows, monkeypatch):
+    from batchrun.kernels import lora_delta
+    monkeypatch.setattr(lora_delta, "GATHER_MAX_ROWS", gather_max_rows)
+    _check(T, Hq, Hkv, D, dtype, seed=T + Hq + D + rot, L=L, R=R, rot=rot)
+
+
 def test_lora_with_padding_rows():
     _check(10, 4, 2, 32, torch.float16, seed=4, L=2, R=8, padding=3)
 
@@ -115,3 +139,13 @@ def test_refuses_a_cache_of_another_shape():
 def test_bf16_gpu(T, heads, lora):
     _check(T, *heads, 128, torch.bfloat16, seed=T + heads[1], L=lora[0], R=lora[1],
            padding=min(3, T - 1))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("T", [1, 8, 77, 256])
+@pytest.mark.parametrize("lora", [(0, 0), (1, 16), (8, 16)], ids=["plain", "lora1", "lora8"])
+def test_bf16_gpu_partial_rotary(T, lora):
+    # Phi-4-mini: 24 q heads, 8 kv heads of 128 dims, rotary dim 96
+    _check(T, 24, 8, 128, torch.bfloat16, seed=T + 7, L=lora[0], R=lora[1],
+           padding=min(3, T - 1), rot=96)

@@ -135,6 +135,8 @@ class RotaryEmbedding(nn.Module):
                 lora: LoRADelta | None = None, cache: KVWrite | None = None):
         # positions: [T]; q: [T, Hq, D]; k, v: [T, Hkv, D] -> (rotated q, rotated k, v).
         # lora: the qkv projection's pending LoRA delta, added to q, k, v first.
+        # self.cos_sin [P, R] may be narrower than the head (partial rotary, R < D): the kernels
+        # and ref_rotary take the rotary dim from its width and pass dims R.. through.
         # cache: where this step's K/V go (PagedAttention.kv_write). On CUDA one Triton kernel
         # works in place (q, k, v may be strided views of the qkv output) and, given `cache`,
         # writes rotated k and v into the paged cache itself and returns (q, None, None): the
