@@ -194,7 +194,8 @@ class LLM:
             if key not in parsed:
                 try:
                     smp = parse_sampling(raw, self.spec.model)
-                    check_max_tokens(smp, self.spec.engine)
+                    check_max_tokens(smp, self.engine.config.max_model_len,  # as the engine resolved it
+                                     auto=self.spec.engine.max_model_len == "auto")
                 except ConfigError as e:
                     raise ConfigError(f"{label}: {e}") from None
                 self._tell_generation_config(smp)

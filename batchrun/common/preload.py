@@ -20,9 +20,9 @@ import queue
 import threading
 import time
 
-# "transformers", not its AutoTokenizer module: a tokenizer.json that names its class loads
-# without transformers' auto machinery (common/tokenizer.load_tokenizer), which imports torch._dynamo
-# and torch.distributed (~2-3 s); when it is needed, the queued tokenizer step imports it.
+# "transformers", not its AutoTokenizer module: that module imports torch._dynamo and
+# torch.distributed (~2-3 s), which a job of token-id prompts never needs; the queued tokenizer
+# step (common/tokenizer.load_tokenizer, always through AutoTokenizer) imports it on this thread.
 ENGINE_MODULES = ("torch", "transformers", "batchrun.engine.engine", "batchrun.engine.models.loader")
 
 _steps: queue.Queue | None = None

@@ -52,23 +52,18 @@ def load_tokenizer(model_dir: str):
     preload.wait()  # transformers may be importing on the preload thread (or loading this tokenizer)
 
     def load():
-        if _config_class(model_dir) in _FAST_CLASS_NAMES:
-            # the class AutoTokenizer would resolve that name to, without importing its auto
-            # machinery (torch._dynamo, torch.distributed: 2-3 s of a run's start-up)
-            from transformers import PreTrainedTokenizerFast as cls
-        else:
-            from transformers import AutoTokenizer as cls
+        # AutoTokenizer itself, never a class picked here from tokenizer_config.json: which class
+        # it returns depends on config.json's model_type and on tables that change between
+        # transformers releases (5.x maps a qwen2 checkpoint whose tokenizer_config.json says
+        # TokenizersBackend or PreTrainedTokenizerFast to Qwen2Tokenizer, which encodes
+        # differently), so the engine tokenizes as transformers does with the installed version.
+        from transformers import AutoTokenizer
         try:
-            return cls.from_pretrained(model_dir, trust_remote_code=False)
+            return AutoTokenizer.from_pretrained(model_dir, trust_remote_code=False)
         except Exception as e:  # transformers raises many types for a broken/missing tokenizer
             raise ConfigError(f"model: cannot load the tokenizer from {model_dir}: {e}") from None
 
     return _cached("hf", model_dir, load)
-
-
-# tokenizer_config.json classes that AutoTokenizer maps to transformers' generic fast tokenizer
-# (PreTrainedTokenizerFast; TokenizersBackend is its 5.x name) as it is, in 4.x and 5.x alike
-_FAST_CLASS_NAMES = {"PreTrainedTokenizerFast", "TokenizersBackend"}
 
 
 def _tokenizer_config(model_dir: str) -> dict | None:
@@ -82,8 +77,3 @@ def _tokenizer_config(model_dir: str) -> dict | None:
     except (OSError, ValueError):
         return None
     return cfg if isinstance(cfg, dict) else None
-
-
-def _config_class(model_dir: str) -> str | None:
-    """tokenizer_config.json's tokenizer_class, or None (absent, unreadable: AutoTokenizer decides)."""
-    return (_tokenizer_config(model_dir) or {}).get("tokenizer_class")

@@ -85,6 +85,19 @@ def dtype_name(name: str, config_dtype: str | None, device_type: str) -> str:
     return config_dtype or "bfloat16"
 
 
+def model_context(mcfg) -> int:
+    """What ``max_model_len: auto`` is before KV sizing: the model's context (config.json
+    max_position_embeddings). ``mcfg``: a ModelConfig."""
+    return mcfg.max_position_embeddings
+
+
+def context_max_model_len(max_model_len: int | str, mcfg) -> int:
+    """engine.max_model_len as far as config.json decides it (torch-free: the job side's checks,
+    `plan`, the fingerprint): an integer as given, auto -> model_context. The engine may lower
+    auto further when it starts (kv_sizing.resolve_max_model_len)."""
+    return model_context(mcfg) if max_model_len == "auto" else max_model_len
+
+
 # max_num_seqs "auto": at most this many (engine/kv_sizing.py says why; fewer when the KV cache
 # holds fewer max_model_len sequences)
 AUTO_MAX_NUM_SEQS = {"cuda": 256, "cpu": 16}
@@ -99,7 +112,9 @@ class EngineConfig:
     device: str = "auto"  # auto | cpu | cuda
     dtype: str = "auto"  # auto (config torch_dtype on GPU, float32 on CPU) | float32 | float16 | bfloat16
     max_num_seqs: int | str = 64  # "auto": sized from the KV cache when the engine starts (kv_sizing.py)
-    max_model_len: int = 2048
+    # "auto": the model's context (config.json max_position_embeddings), lowered when the engine
+    # starts to what its KV cache holds for one sequence
+    max_model_len: int | str = "auto"
     max_loras: int = 4  # GPU slots
     max_lora_rank: int = 64
     enforce_eager: bool = False
@@ -197,6 +212,12 @@ def engine_problems(cfg: EngineConfig):
             continue
         if name == "max_num_seqs" and v == "auto":
             continue  # resolved from the KV cache when the engine starts (kv_sizing.py)
+        if name == "max_model_len" and v == "auto":
+            continue  # the model's context, lowered to the KV cache when the engine starts (kv_sizing.py)
+        if name == "max_model_len" and not type_ok(v, int):
+            yield name, (f"expected an integer, got {show(v)}; or auto (the model's context, lowered "
+                         "to what the KV cache holds for one sequence when the engine starts)")
+            return
         if name == "max_num_seqs" and not type_ok(v, int):
             yield name, (f"expected an integer, got {show(v)}; or auto (as many sequences as the KV "
                          "cache holds at max_model_len, up to 256 on a GPU and 16 on CPU)")

@@ -21,7 +21,8 @@ import torch
 from batchrun.engine.config import EngineConfig
 from batchrun.engine.block_manager import BlockManager
 from batchrun.engine.cpu_threads import limit_cpu_threads
-from batchrun.engine.kv_sizing import check_one_sequence_fits, num_kv_blocks, resolve_max_num_seqs
+from batchrun.engine.kv_sizing import (check_one_sequence_fits, num_kv_blocks, resolve_max_model_len,
+                                       resolve_max_num_seqs)
 from batchrun.engine.model_runner import ModelRunner
 from batchrun.engine.request import Request, Result
 from batchrun.engine.stop import finished_result
@@ -46,7 +47,10 @@ def resolve_device(name: str) -> torch.device:
 
 
 def max_position(config: EngineConfig, mcfg: ModelConfig) -> int:
-    """Rotary table length: enough for max_model_len even past the trained context."""
+    """Rotary table length: enough for max_model_len even past the trained context (auto never
+    goes past it)."""
+    if config.max_model_len == "auto":
+        return mcfg.max_position_embeddings
     return max(config.max_model_len, mcfg.max_position_embeddings)
 
 
@@ -56,6 +60,7 @@ EMPTY_STEP = ("scheduler produced an empty step with work pending "
 
 class Engine:
     def __init__(self, config: EngineConfig, model, tokenizer, device, dtype, lora=None):
+        config = resolve_max_model_len(model.config, config, device, dtype)
         config = resolve_max_num_seqs(model.config, config, device, dtype)
         self.config, self.model, self.tokenizer = config, model, tokenizer
         self.device, self.dtype, self.lora = device, dtype, lora
@@ -91,8 +96,9 @@ class Engine:
             limit_cpu_threads()
         mcfg = ModelConfig.from_dir(config.model)
         dtype = resolve_dtype(config.dtype, mcfg, device)
-        check_context_length(mcfg, config.max_model_len, config.model)
-        check_one_sequence_fits(mcfg, config, device, dtype)  # before the rotary table and weights
+        if config.max_model_len != "auto":  # auto is at most the context, sized after the weights
+            check_context_length(mcfg, config.max_model_len, config.model)
+            check_one_sequence_fits(mcfg, config, device, dtype)  # before the rotary table and weights
         tokenizer = load_tokenizer(config.model)
         model = load_model(config.model, device, dtype, max_position(config, mcfg))
         return cls.from_model(config, model, tokenizer, adapters)
@@ -103,8 +109,10 @@ class Engine:
         """Wrap an already built model (e.g. random weights for benchmarks)."""
         device = next(model.parameters()).device
         dtype = next(model.parameters()).dtype
-        # before the LoRA buffers and the runner, which are sized by it (the weights are loaded,
-        # so the free memory it is sized from is what the KV cache will get)
+        # before the LoRA buffers and the runner, which are sized by them (the weights are loaded,
+        # so the free memory they are sized from is what the KV cache will get); max_model_len
+        # first: max_num_seqs auto counts sequences of that length
+        config = resolve_max_model_len(model.config, config, device, dtype)
         config = resolve_max_num_seqs(model.config, config, device, dtype)
         lora = None
         if adapters and not config.enable_lora:

@@ -7,16 +7,24 @@ max_model_len each (so a full batch never has to preempt), at least 1, at most
 batches only add latency and graph memory; 16 on CPU, where a step's cost grows with the batch
 and the cores are few). The budget is computed with the activation reserve of the cap, so the
 resolved value never starves the blocks it was sized from.
+
+``max_model_len: auto`` (``resolve_max_model_len``, before max_num_seqs): the model's context
+(config.model_context), lowered to the longest sequence whose blocks the budget holds (a whole
+number of blocks, one warning line saying so). That is resolved first because max_num_seqs auto
+is counted in sequences of that length.
 """
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import torch
 
-from batchrun.engine.config import AUTO_MAX_NUM_SEQS, EngineConfig
+from batchrun.engine.config import AUTO_MAX_NUM_SEQS, EngineConfig, model_context
 from batchrun.errors import ConfigError
 from batchrun.engine.models.config import ModelConfig
+
+logger = logging.getLogger("batchrun.engine")
 
 
 def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -46,6 +54,38 @@ def _budget_blocks(cfg: ModelConfig, config: EngineConfig, device: torch.device,
             - activation_reserve(cfg, config, dtype)
         return int(budget // per_block)
     return int(config.cpu_kv_cache_gb * (1 << 30) // per_block)
+
+
+def resolve_max_model_len(cfg: ModelConfig, config: EngineConfig, device: torch.device,
+                          dtype: torch.dtype) -> EngineConfig:
+    """``config`` with an integer max_model_len: auto -> the model's context, or the longest
+    multiple of block_size whose blocks the KV budget holds (besides the scratch block) when
+    that is shorter; an integer stays as it is (num_kv_blocks refuses one that does not fit).
+    Sized with the activation reserve max_num_seqs will have (auto: its cap), as
+    resolve_max_num_seqs sizes it, so the two agree on the blocks."""
+    if config.max_model_len != "auto":
+        return config
+    context = model_context(cfg)
+    seqs = config.max_num_seqs
+    if seqs == "auto":
+        seqs = AUTO_MAX_NUM_SEQS["cuda" if device.type == "cuda" else "cpu"]
+    usable = _budget_blocks(cfg, dataclasses.replace(config, max_num_seqs=seqs), device, dtype) - 1
+    fit = usable * config.block_size
+    if fit >= context:
+        return dataclasses.replace(config, max_model_len=context)
+    budget = ("BATCHRUN_NUM_KV_BLOCKS" if config.experiments.num_kv_blocks is not None else
+              "engine.gpu_memory_utilization" if device.type == "cuda" else "engine.cpu_kv_cache_gb")
+    if usable < 1:
+        raise ConfigError(
+            f"engine: the KV cache holds no block of {config.block_size} tokens besides its scratch "
+            f"block, so no sequence fits (engine.max_model_len auto: the model's context is "
+            f"{context}); give the cache more memory ({budget})")
+    logger.warning(
+        "batchrun: engine.max_model_len auto is %d, not the model's context %d: the KV cache "
+        "(%s) holds %d tokens, one sequence of that length. Prompt + max_tokens longer than %d "
+        "become error rows; raise %s for more, or set engine.max_model_len lower for more "
+        "sequences at once", fit, context, budget, fit, fit, budget)
+    return dataclasses.replace(config, max_model_len=fit)
 
 
 def resolve_max_num_seqs(cfg: ModelConfig, config: EngineConfig, device: torch.device,

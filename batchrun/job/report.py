@@ -31,6 +31,7 @@ from batchrun.job.inputs.rows import _sampling
 from batchrun.job.run.progress_files import HEADER, worker_rows
 from batchrun.job.inputs.token_estimate import Estimate
 from batchrun.engine.request_check import too_long
+from batchrun.engine.config import context_max_model_len
 
 
 def _shard_name(adapter: str | None, known: bool) -> str:
@@ -64,9 +65,12 @@ def plan_report(spec: JobSpec, num_tasks: int, count_tokens: bool = True, estima
     e = spec.engine
     seqs = ("auto (sized from the KV cache when the engine starts)" if e.max_num_seqs == "auto"
             else e.max_num_seqs)
-    lines += [f"engine:   device={e.device}, dtype={e.dtype}, max_num_seqs={seqs}, max_model_len={e.max_model_len}, "
+    max_model_len = context_max_model_len(e.max_model_len, model_config)
+    shown_len = (f"auto ({max_model_len}: the model's context; lowered when the engine starts if its "
+                 "KV cache holds less for one sequence)" if e.max_model_len == "auto" else max_model_len)
+    lines += [f"engine:   device={e.device}, dtype={e.dtype}, max_num_seqs={seqs}, max_model_len={shown_len}, "
               f"{loras_line(spec)}", ""]
-    tokens, bad, note = (_prompt_tokens(spec, plan, estimate_tokens, model_config) if count_tokens
+    tokens, bad, note = (_prompt_tokens(spec, plan, estimate_tokens, model_config, max_model_len) if count_tokens
                          else ({}, {}, None))
     shards = plan.shards()
     n = spec.sampling.n  # the run writes n output rows per input row, an error row per sample too
@@ -157,12 +161,14 @@ def _batches(plan: Plan, spec: JobSpec) -> list[list]:
 
 
 def _prompt_tokens(spec: JobSpec, plan: Plan, estimate: bool = False,
-                   model_config=None) -> tuple[dict, dict, str | None]:
+                   model_config=None, max_model_len: int | None = None) -> tuple[dict, dict, str | None]:
     """Prompt tokens and predictable error rows per shard (tokenizer only, file by file, in
     column batches: token_count.py's counts, numpy for the checks, no Python object kept per row),
     and a note for the table when the totals are estimated. ``model_config``: validate()'s, for
-    compiling per-row response_format values (plan_formats.py)."""
+    compiling per-row response_format values (plan_formats.py). ``max_model_len``: the limit as
+    config.json resolves it (auto: the model's context); default: the job's integer."""
     inp = spec.input
+    max_model_len = spec.engine.max_model_len if max_model_len is None else max_model_len
     tok = None if inp.prompt_token_ids_column else token_counter(spec)
     shard_keys = list(dict.fromkeys((u.adapter, u.known) for u in plan.units))
     code_of = {k: i for i, k in enumerate(shard_keys)}
@@ -206,13 +212,13 @@ def _prompt_tokens(spec: JobSpec, plan: Plan, estimate: bool = False,
                         mt[i] = np.inf  # the engine refuses a format that does not compile
             if est is not None:
                 is_bad = _estimated_batch(est, tok, inp, batch.column(col), codes, mt,
-                                          spec.engine.max_model_len, first_row)
+                                          max_model_len, first_row)
                 bad += np.bincount(codes, weights=is_bad, minlength=len(shard_keys)).astype(np.int64)
                 first_row += n
                 continue
             lens = row_lengths(tok, inp, batch.column(col))
             # lens -1: refused before tokenizing; 0: "empty prompt" (request_check's first test)
-            is_bad = (lens <= 0) | too_long(lens, mt, spec.engine.max_model_len)
+            is_bad = (lens <= 0) | too_long(lens, mt, max_model_len)
             bad += np.bincount(codes, weights=is_bad, minlength=len(shard_keys)).astype(np.int64)
             tokens += np.bincount(codes, weights=np.maximum(lens, 0), minlength=len(shard_keys)).astype(np.int64)
     bad_of = {k: int(bad[i]) for k, i in code_of.items()}

@@ -62,8 +62,9 @@ def test_a_job_without_max_num_seqs_keeps_its_fingerprint():
     is counted per (seed, position, token), so which rows share a step does not choose tokens;
     a job file from before the auto default (64) resumes its output directory."""
     names, digests = ["x.parquet"], ["d0"]
-    auto = job_fingerprint(parse_job(_job(), base_dir="/jobs"), ["/jobs/x.parquet"], names, [], digests)
-    old = job_fingerprint(parse_job(_job(max_num_seqs=64), base_dir="/jobs"), ["/jobs/x.parquet"], names, [], digests)
+    auto = job_fingerprint(parse_job(_job(max_model_len=128), base_dir="/jobs"), ["/jobs/x.parquet"], names, [], digests)
+    old = job_fingerprint(parse_job(_job(max_model_len=128, max_num_seqs=64), base_dir="/jobs"),
+                          ["/jobs/x.parquet"], names, [], digests)
     assert auto == old
 
 

@@ -36,7 +36,10 @@ class FakeEngine:
     def __init__(self, spec):
         from transformers import AutoTokenizer
         self.tokenizer = AutoTokenizer.from_pretrained(spec.model)
-        self.max_model_len = spec.engine.max_model_len
+        from batchrun.engine.config import context_max_model_len
+        from batchrun.engine.models.config import ModelConfig
+        # auto: the model's context (the fake has no KV cache to lower it to)
+        self.max_model_len = context_max_model_len(spec.engine.max_model_len, ModelConfig.from_dir(spec.model))
         self.adapters = set(spec.adapters)
         self.request_limits = RequestLimits(self.max_model_len, adapters=self.adapters)
 

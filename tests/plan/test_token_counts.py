@@ -101,73 +101,19 @@ def test_one_tokenizer_per_process(tiny_model, monkeypatch):
     from batchrun.engine import engine
     assert engine.load_tokenizer is load_tokenizer
     calls = []
-    # the tiny model's tokenizer_config names PreTrainedTokenizerFast, which load_tokenizer
-    # loads directly (no AutoTokenizer); either loader counts
-    for cls in (transformers.AutoTokenizer, transformers.PreTrainedTokenizerFast):
-        real = cls.from_pretrained
+    real = transformers.AutoTokenizer.from_pretrained
 
-        def counting(*a, real=real, **k):
-            calls.append(a)
-            return real(*a, **k)
+    def counting(*a, **k):
+        calls.append(a)
+        return real(*a, **k)
 
-        monkeypatch.setattr(cls, "from_pretrained", counting)
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", counting)
     monkeypatch.setattr(tokenizer, "_loaded", {})
     model = tiny_model["model"]
     run_counter = load_counter(model, messages=False, use_transformers=True)
     assert run_counter.hf is load_tokenizer(model) is engine.load_tokenizer(model)
     assert load_counter(model, messages=True).hf is run_counter.hf
     assert len(calls) == 1
-
-
-def _tokenizer_parity(a, b):
-    assert type(a) is type(b)
-    assert a(TEXTS)["input_ids"] == b(TEXTS)["input_ids"]
-    assert a(TEXTS, add_special_tokens=False)["input_ids"] == b(TEXTS, add_special_tokens=False)["input_ids"]
-    assert (a.eos_token_id, a.bos_token_id, a.all_special_ids) == (b.eos_token_id, b.bos_token_id, b.all_special_ids)
-    for ids in a(TEXTS)["input_ids"]:
-        for skip in (True, False):
-            assert a.decode(ids, skip_special_tokens=skip) == b.decode(ids, skip_special_tokens=skip)
-    assert a.chat_template == b.chat_template
-
-
-@pytest.mark.slow
-def test_a_named_fast_tokenizer_loads_without_the_auto_machinery(tiny_model, monkeypatch):
-    """tokenizer_class PreTrainedTokenizerFast (5.x saves it as TokenizersBackend): load_tokenizer
-    builds that class directly, the tokenizer AutoTokenizer gives (same encodes, decodes, special
-    ids, template), in a process that never imports transformers' auto modules (they pull in
-    torch._dynamo: seconds)."""
-    import subprocess
-    import sys
-
-    from transformers import AutoTokenizer
-    for model in _models(tiny_model):
-        assert token_count._config_class(model) in ("PreTrainedTokenizerFast", "TokenizersBackend")
-        monkeypatch.setattr(tokenizer, "_loaded", {})
-        _tokenizer_parity(load_tokenizer(model), AutoTokenizer.from_pretrained(model))
-        code = ("import sys; from batchrun.common.tokenizer import load_tokenizer; "
-                f"t = load_tokenizer({model!r}); print(type(t).__name__, "
-                "'transformers.models.auto.tokenization_auto' in sys.modules)")
-        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,
-                             env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=120)
-        assert out.returncode == 0, out.stderr
-        assert out.stdout.split()[-1] == "False", out.stdout
-
-
-def test_other_tokenizer_classes_go_through_auto_tokenizer(tiny_model, tmp_path, monkeypatch):
-    import transformers
-    model = tmp_path / "m"
-    shutil.copytree(tiny_model["model"], model)
-    cfg_path = model / "tokenizer_config.json"
-    cfg = json.loads(cfg_path.read_text())
-    cfg["tokenizer_class"] = "LlamaTokenizerFast"
-    cfg_path.write_text(json.dumps(cfg))
-    used = []
-    real = transformers.AutoTokenizer.from_pretrained
-    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained",
-                        lambda *a, **k: used.append(a) or real(*a, **k))
-    monkeypatch.setattr(tokenizer, "_loaded", {})
-    tok = load_tokenizer(str(model))
-    assert len(used) == 1 and tok is not None
 
 
 def test_counts_are_numpy_not_python_lists(tiny_model):

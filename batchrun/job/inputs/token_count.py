@@ -5,8 +5,9 @@ object per row: a column chunk's distinct strings are encoded in one batch by th
 
 ``plan`` on plain-text prompts does not import transformers (nor torch) when the directory's
 tokenizer is a plain ``tokenizer.json`` that transformers wraps unchanged (``TEXT_SAFE_CLASSES``,
-none of the options in ``_REWRITING_OPTIONS``): those tokenizers encode through the same Rust
-object, so the counts are the engine's. Any other tokenizer is loaded through transformers and
+none of the options in ``_REWRITING_OPTIONS``, a config.json model_type in
+``TEXT_SAFE_MODEL_TYPES``): those tokenizers encode through the same Rust object, so the counts
+are the engine's. Any other tokenizer is loaded through transformers and
 counted with its own backend tokenizer. Chat messages are rendered with the tokenizer's chat
 template (``apply_chat_template(tokenize=False)``, one string per row) and the rendered strings
 encoded in one batch without special tokens, which is what ``apply_chat_template(tokenize=True)``
@@ -14,16 +15,24 @@ does for the engine.
 """
 from __future__ import annotations
 
+import json
 import os
 
 import numpy as np
 import pyarrow as pa
 
-from batchrun.common.tokenizer import _cached, _config_class, _tokenizer_config, load_tokenizer
+from batchrun.common.tokenizer import _cached, _tokenizer_config, load_tokenizer
 from batchrun.errors import ConfigError
 
 # transformers' generic fast-tokenizer classes: they use tokenizer.json's pipeline as it is.
 TEXT_SAFE_CLASSES = {None, "PreTrainedTokenizerFast", "TokenizersBackend"}
+# config.json model_types for which AutoTokenizer keeps a generic tokenizer_class as it is. For
+# others it may build the model's own tokenizer class, which encodes differently (transformers
+# 5.17 turns a qwen2 checkpoint's TokenizersBackend into Qwen2Tokenizer, and the list of such
+# types grows between releases), so they are counted with transformers' tokenizer.
+# tests/plan/test_tokenizer_auto.py checks these against AutoTokenizer, in the latest-releases
+# CI lane too.
+TEXT_SAFE_MODEL_TYPES = {"llama", "mistral"}
 # tokenizer_config.json options with which transformers rebuilds parts of that pipeline
 _REWRITING_OPTIONS = ("add_bos_token", "add_eos_token", "add_prefix_space", "legacy", "from_slow",
                       "split_special_tokens", "do_lower_case")
@@ -112,7 +121,12 @@ def _text_safe(model_dir: str) -> str | None:
         return None
     if any(k in cfg for k in _REWRITING_OPTIONS):
         return None
-    return path
+    try:
+        with open(os.path.join(model_dir, "config.json")) as f:
+            model_type = json.load(f).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return path if model_type in TEXT_SAFE_MODEL_TYPES else None
 
 
 def load_counter(model_dir: str, messages: bool, use_transformers: bool = False) -> Counter:

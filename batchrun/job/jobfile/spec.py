@@ -294,7 +294,7 @@ def parse_job(raw: Any, base_dir: str | os.PathLike, job_file: str = "") -> JobS
     smp = parse_sampling(top["sampling"], model)
 
     eng = parse_engine(top["engine"], model, bool(adapters), smp.seed)
-    check_max_tokens(smp, eng)
+    check_max_tokens(smp, eng.max_model_len)
 
     _check(top["on_error"] in ON_ERROR, "on_error",
            f"expected skip (bad rows become error rows) or fail (stop the job), got {_short(top['on_error'])}")
@@ -327,11 +327,15 @@ def parse_engine(raw: Any, model: str, enable_lora: bool, seed: int) -> EngineCo
     return EngineConfig(model=model, enable_lora=enable_lora, seed=seed, **raw)
 
 
-def check_max_tokens(smp: SamplingSpec, engine: EngineConfig) -> None:
-    """A job's max_tokens must leave room for a prompt in max_model_len."""
-    _check(smp.max_tokens < engine.max_model_len, "sampling.max_tokens",
+def check_max_tokens(smp: SamplingSpec, max_model_len: int | str, auto: bool = False) -> None:
+    """A job's max_tokens must leave room for a prompt in max_model_len. "auto" is checked once
+    the model's context is known (prepare.check_model_and_adapters passes it, ``auto`` True)."""
+    if max_model_len == "auto":
+        return
+    shown = f"{max_model_len}, auto: the model's context" if auto else max_model_len
+    _check(smp.max_tokens < max_model_len, "sampling.max_tokens",
            ("(from the model's generation_config.json max_new_tokens) " if "max_tokens" in smp.from_generation_config else "") +
-           f"must be smaller than engine.max_model_len ({engine.max_model_len}) to leave room for the prompt")
+           f"must be smaller than engine.max_model_len ({shown}) to leave room for the prompt")
 
 
 # ---- input.passthrough_columns and the sampling section ---------------------------------------

@@ -21,7 +21,8 @@ from batchrun.job.store.fingerprint import PART_NAMES, combine, job_fingerprint
 from batchrun.common import preload
 from batchrun.job.inputs.files import check_schemas, find_input_files
 from batchrun.job.run.interrupt import start_up_over
-from batchrun.job.jobfile.spec import JobSpec
+from batchrun.job.jobfile.spec import JobSpec, check_max_tokens
+from batchrun.engine.config import context_max_model_len
 from batchrun.job.store.lock import LockBusy, TaskLock, acquire_waiting
 from batchrun.engine.lora.adapters import inspect_adapter
 from batchrun.engine.models.checkpoint import inspect_model
@@ -56,7 +57,10 @@ def check_model_and_adapters(spec: JobSpec) -> object:
         model_config = inspect_model(spec.model)
     except ConfigError as e:
         raise type(e)(f"model: {e}") from None
-    check_context_length(model_config, spec.engine.max_model_len, spec.model)
+    if spec.engine.max_model_len != "auto":
+        check_context_length(model_config, spec.engine.max_model_len, spec.model)
+    check_max_tokens(spec.sampling, context_max_model_len(spec.engine.max_model_len, model_config),
+                     auto=spec.engine.max_model_len == "auto")
     for name, path in spec.adapters.items():
         if not os.path.isdir(path):
             raise ConfigError(f"adapters.{name}: {path} is not a directory (expected a PEFT adapter directory)")
@@ -145,7 +149,9 @@ def prepare(spec: JobSpec, restart: bool = False, log=None, restart_token: str |
     out = OutputDir(spec.output.path)
     names = [os.path.relpath(f, root) for f in files]
     pins = _pins(out, files)  # each input read at most once: its digest serves the fingerprint too
-    parts = job_fingerprint(spec, files, names, list(schema.override_columns), digests=[p.digest for p in pins])
+    max_model_len = context_max_model_len(spec.engine.max_model_len, model_config)
+    parts = job_fingerprint(spec, files, names, list(schema.override_columns), digests=[p.digest for p in pins],
+                            max_model_len=max_model_len)
     fp = combine(parts)
     check_tokenizer(spec, for_run=True)  # waits for the preload thread's imports and tokenizer
     preload.wait()  # (token-id prompts load no tokenizer) the preload thread is idle from here on,
@@ -162,7 +168,7 @@ def prepare(spec: JobSpec, restart: bool = False, log=None, restart_token: str |
     try:
         file_ids = [[p.size, p.mtime_ns, p.digest] for p in pins]
         plan = _job_state(spec, out, restart, parts, fp, token, files, root, schema, file_ids,
-                          log or (lambda m: None), resolved)
+                          log or (lambda m: None), resolved, max_model_len)
     except OSError as e:
         raise OutputIOError(io_message(e, "output.path")) from None
     finally:
@@ -196,7 +202,8 @@ def _pins(out: OutputDir, files: list[str]) -> list[Pin]:
     return pins
 
 
-def _job_state(spec, out, restart, parts, fp, token, files, root, schema, file_ids, log, resolved) -> Plan:
+def _job_state(spec, out, restart, parts, fp, token, files, root, schema, file_ids, log, resolved,
+               max_model_len: int) -> Plan:
     """Under the manifest lock: finish an interrupted restart, then resume, refuse, or restart."""
     wiped = pending_wipe(out)
     if wiped:
@@ -212,8 +219,9 @@ def _job_state(spec, out, restart, parts, fp, token, files, root, schema, file_i
         changed = [PART_NAMES[k] for k, v in parts.items() if manifest.get("parts", {}).get(k) != v]
         raise JobChanged(
             f"output.path: {out.path} holds results of a different job (changed: "
-            f"{'; '.join(changed) or 'batchrun version'}). Rerun with --restart to discard them, "
-            "or choose another output.path.")
+            f"{'; '.join(changed) or 'batchrun version'}). "
+            + max_model_len_hint(manifest, spec, max_model_len)
+            + "Rerun with --restart to discard them, or choose another output.path.")
     if restart and not (manifest is not None and token and manifest.get("restart_token") == token):
         begin_wipe(out, manifest)
         manifest, wiped = None, True
@@ -249,6 +257,25 @@ def _job_state(spec, out, restart, parts, fp, token, files, root, schema, file_i
     if wiped:
         end_wipe(out)
     return plan
+
+
+def max_model_len_hint(manifest: dict, spec: JobSpec, max_model_len: int) -> str:
+    """When the output was started with another engine.max_model_len than this job resolves to,
+    a sentence naming both and the value that resumes it ("" otherwise). The case it is for: an
+    output started with the old default 2048, rerun by a job file that leaves max_model_len out
+    (auto now) on a model whose context is not 2048: rows between the two limits would be error
+    rows in one part and answers in another, so the run is refused rather than mixed."""
+    try:
+        old = manifest["job"]["engine"]["max_model_len"]
+    except (KeyError, TypeError):
+        return ""
+    if not isinstance(old, int) or isinstance(old, bool) or old == max_model_len:
+        return ""  # old "auto": a changed config.json, which the model part already names
+    now = (f"auto, which is the model's context {max_model_len}" if spec.engine.max_model_len == "auto"
+           else str(max_model_len))
+    default = " (2048 was the default before auto)" if old == 2048 else ""
+    return (f"It was started with engine.max_model_len {old}{default}; this job's is {now}. Set "
+            f"engine.max_model_len: {old} to resume it. ")
 
 
 def _check_resolved(out: OutputDir, manifest: dict, resolved: dict, log) -> None:

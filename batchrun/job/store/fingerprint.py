@@ -7,6 +7,10 @@ can be tuned between a crash and the rerun.
 The engine settings are hashed as written; what ``auto`` resolves to on the node (device, dtype,
 the checkpoint's quantization) is recorded beside the fingerprint in the manifest and checked on
 every resume (resolve_engine.py), which keeps the fingerprints of existing outputs unchanged.
+max_model_len is hashed as config.json resolves it (auto -> the model's context): an output
+started with the old default 2048 resumes under auto when the model's context is 2048 (same
+limit, same error rows) and is refused, naming the old value to set, when it is not
+(prepare.py max_model_len_hint).
 
 Files are identified by content, not mtime, so a model copied to node-local scratch by each Slurm
 task still matches: small files (<= 64 MiB: configs, tokenizers, adapters) are hashed whole;
@@ -77,19 +81,25 @@ def _digest(obj) -> str:
 
 
 def job_fingerprint(spec: JobSpec, files: list[str], file_names: list[str],
-                    override_columns: list[str], digests: list[str] | None = None) -> dict[str, str]:
+                    override_columns: list[str], digests: list[str] | None = None,
+                    max_model_len: int | None = None) -> dict[str, str]:
     """{part: digest}; the manifest stores it, so a mismatch can say which part changed.
 
     ``digests``: the input files' file_digest, when the caller already has them (prepare pins them).
+    ``max_model_len``: engine.max_model_len as the model's config.json resolves it
+    (engine/config.py context_max_model_len); required when the job says auto.
     """
     inp, eng = spec.input, spec.engine
+    max_model_len = eng.max_model_len if max_model_len is None else max_model_len
+    if not isinstance(max_model_len, int):
+        raise ValueError("job_fingerprint: max_model_len auto needs the resolved value")
     digests = digests if digests is not None else [file_digest(f) for f in files]
     return {
         "model": dir_digest(spec.model),
         "adapters": _digest({name: dir_digest(p) for name, p in spec.adapters.items()}),
         "inputs": _digest([[n, d] for n, d in zip(file_names, digests)]),
         "sampling": _digest({**_sampling_part(spec.sampling), "override_columns": list(override_columns)}),
-        "engine": _digest({"device": eng.device, "dtype": eng.dtype, "max_model_len": eng.max_model_len}),
+        "engine": _digest({"device": eng.device, "dtype": eng.dtype, "max_model_len": max_model_len}),
         "layout": _digest({k: getattr(inp, k) for k in
                            ("id_column", "prompt_column", "messages_column", "adapter_column", "rows_per_unit")}
                           | {k: getattr(inp, k) for k in _NEW_INPUT if getattr(inp, k) != _NEW_INPUT[k]}),
