@@ -1,4 +1,4 @@
-"""The LoRA delta fused into the kernels after each projection (RMSNorm, SiLU-and-mul, rotary)
+"""The LoRA delta fused into the kernels after each projection (RMSNorm, act-and-mul, rotary)
 against the torch reference: op(apply_reference(x)). Inputs are laid out like a fused decode
 step: y and `shrunk` are column ranges of one GEMM output (strided rows), slots mix -1 with
 every slot, ranks are odd and small. Rows with slot -1 must equal the plain kernel bit for bit.
@@ -12,12 +12,12 @@ above the 16-rank dot minimum.
 import pytest
 import torch
 
+from batchrun.kernels.act_and_mul import ACTIVATIONS, act_and_mul
 from batchrun.kernels.fused_add_rms_norm import fused_add_rms_norm, rms_norm
 from batchrun.kernels.lora_meta import LoRADelta
-from batchrun.kernels.reference import (ref_fused_add_rms_norm, ref_rms_norm, ref_rotary,
-                                        ref_silu_and_mul)
+from batchrun.kernels.reference import (ref_act_and_mul, ref_fused_add_rms_norm, ref_rms_norm,
+                                        ref_rotary)
 from batchrun.kernels.rotary import apply_rotary
-from batchrun.kernels.silu_and_mul import silu_and_mul
 from kernel_testutils import CPU_DTYPES, DEVICE, mixed_slots, randn
 from test_rotary import cos_sin_cache
 
@@ -122,32 +122,34 @@ def _check_norm(T, H, L, R, dtype, fused_add, pattern, k=None):
     _same_where_no_lora(out, plain, slots)
 
 
+@pytest.mark.parametrize("activation", ACTIVATIONS)
 @pytest.mark.parametrize("dtype", CPU_DTYPES)
 @pytest.mark.parametrize("T,I,L,R", [(1, 64, 1, 16), (6, 130, 3, 7), (4, 600, 2, 4)])
-def test_silu_and_mul(T, I, L, R, dtype, pattern="mixed"):
-    _check_silu(T, I, L, R, dtype, pattern)
+def test_act_and_mul(T, I, L, R, dtype, activation, pattern="mixed"):
+    _check_act(T, I, L, R, dtype, pattern, activation=activation)
 
 
 # (T, I, L, R, slot pattern): several row tiles of 32, the last one short; column tiles of
 # 64, the last one short; 12 slots
+@pytest.mark.parametrize("activation", ACTIVATIONS)
 @pytest.mark.parametrize("dtype", CPU_DTYPES)
 @pytest.mark.parametrize("T,I,L,R,pattern", [(70, 100, 8, 16, "mixed"), (29, 72, 3, 5, "one"),
                                              (66, 40, 4, 20, "sorted"), (20, 64, 2, 1, "mixed"),
                                              (40, 48, 12, 4, "mixed"), (50, 70, 5, 8, "gaps")])
-def test_silu_and_mul_tiles(T, I, L, R, pattern, dtype):
-    _check_silu(T, I, L, R, dtype, pattern)
+def test_act_and_mul_tiles(T, I, L, R, pattern, dtype, activation):
+    _check_act(T, I, L, R, dtype, pattern, activation=activation)
 
 
-def _check_silu(T, I, L, R, dtype, pattern, k=None):
+def _check_act(T, I, L, R, dtype, pattern, k=None, activation="silu"):
     gate_up, delta, slots = _fused_output(T, [I, I], L, R, dtype, seed=T + I + R, pattern=pattern,
                                           k=k)
     before = gate_up.clone()
-    out = silu_and_mul(gate_up, lora=delta)
-    ref = ref_silu_and_mul(delta.apply_reference(gate_up))
+    out = act_and_mul(gate_up, activation, lora=delta)
+    ref = ref_act_and_mul(delta.apply_reference(gate_up), activation)
     assert torch.equal(gate_up, before)
     scale = ref.float().abs().mean(-1, keepdim=True)
     assert (out.float() - ref.float()).abs().le(_tol(ref, dtype, scale)).all()
-    _same_where_no_lora(out, silu_and_mul(gate_up), slots)
+    _same_where_no_lora(out, act_and_mul(gate_up, activation), slots)
 
 
 def _check_rotary(T, Hq, Hkv, D, L, R, dtype, seed, pattern="mixed", k=None):
@@ -203,7 +205,8 @@ def test_both_delta_forms(T, pattern, R, gather_max_rows, monkeypatch):
     monkeypatch.setattr(lora_delta, "GATHER_MAX_ROWS", gather_max_rows)
     dtype = CPU_DTYPES[0]
     _check_norm(T, 96, 8, R, dtype, fused_add=True, pattern=pattern)
-    _check_silu(T, 72, 8, R, dtype, pattern)
+    _check_act(T, 72, 8, R, dtype, pattern)
+    _check_act(T, 40, 8, R, dtype, pattern, activation="gelu_tanh")
     _check_rotary(T, 4, 2, 32, 8, R, dtype, seed=T + R, pattern=pattern)
 
 
@@ -217,7 +220,8 @@ def test_slot_bound_below_the_slot_count(T, k, pattern, gather_max_rows, monkeyp
     monkeypatch.setattr(lora_delta, "GATHER_MAX_ROWS", gather_max_rows)
     dtype = CPU_DTYPES[0]
     _check_norm(T, 96, 8, 16, dtype, fused_add=True, pattern=pattern, k=k)
-    _check_silu(T, 72, 8, 5, dtype, pattern, k=k)
+    _check_act(T, 72, 8, 5, dtype, pattern, k=k)
+    _check_act(T, 40, 8, 5, dtype, pattern, k=k, activation="gelu_tanh")
     _check_rotary(T, 4, 2, 32, 8, 8, dtype, seed=T + k, pattern=pattern, k=k)
 
 
@@ -226,11 +230,11 @@ def test_shrunk_and_b_of_different_dtypes_dot_in_fp32():
     T, I, L, R = 20, 48, 3, 6
     gate_up, delta, slots = _fused_output(T, [I, I], L, R, torch.float16, seed=5)
     wide = LoRADelta(delta.shrunk.float(), delta.lora_b, delta.token_slots, delta.slice_offsets)
-    out = silu_and_mul(gate_up, lora=wide)
-    ref = ref_silu_and_mul(wide.apply_reference(gate_up))
+    out = act_and_mul(gate_up, lora=wide)
+    ref = ref_act_and_mul(wide.apply_reference(gate_up))
     scale = ref.float().abs().mean(-1, keepdim=True)
     assert (out.float() - ref.float()).abs().le(_tol(ref, torch.float16, scale)).all()
-    _same_where_no_lora(out, silu_and_mul(gate_up), slots)
+    _same_where_no_lora(out, act_and_mul(gate_up), slots)
 
 
 def test_rotary_refuses_a_delta_of_another_layout():
@@ -259,6 +263,7 @@ def test_norm_refuses_a_delta_of_another_size():
 def test_bf16_gpu_llama7b_shapes(T, L, R):
     dt = torch.bfloat16
     test_norm(T, 4096, L, R, dt, fused_add=True)
-    test_silu_and_mul(T, 11008, L, R, dt)
+    test_act_and_mul(T, 11008, L, R, dt, "silu")
+    test_act_and_mul(T, 15360, L, R, dt, "gelu_tanh")  # Gemma-3-12b's gate_up
     _check_rotary(T, 32, 32, 128, L, R, dt, seed=T + L)
     _check_rotary(T, 32, 8, 128, L, R, dt, seed=T + L + 1)  # GQA (Llama-3 shape)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from batchrun.engine.layers.activation import silu_and_mul
+from batchrun.engine.layers.activation import act_and_mul
 from batchrun.engine.layers.attention import PagedAttention
 from batchrun.engine.layers.gemm import gate_up_silu, linear
 from batchrun.engine.layers.linear import Linear
@@ -79,7 +79,7 @@ class MLP(nn.Module):
             h = gate_up_silu(x, gu.weight, delta)
         else:
             gate_up, delta = gu(x, step, defer=True)
-            h = silu_and_mul(gate_up, lora=delta)
+            h = act_and_mul(gate_up, lora=delta)
         return self.down_proj(h, step, defer=True)
 
 
