@@ -130,20 +130,26 @@ def ref_prefill_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tab
 
 # --- elementwise ops (RMSNorm, rotary, act-and-mul): HF op order, also the engine's CPU path ---
 
-def ref_rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    # x: [T, H], weight: [H] -> [T, H]. HF LlamaRMSNorm: fp32 normalise, cast to x's dtype,
-    # THEN multiply by weight (in the promoted dtype, i.e. the model dtype).
+def ref_rms_norm(x: Tensor, weight: Tensor, eps: float, offset: float = 0.0) -> Tensor:
+    # x: [..., H], weight: [H] -> [..., H], normed over the last dim.
+    # offset 0: HF LlamaRMSNorm: fp32 normalise, cast to x's dtype, THEN multiply by weight (in
+    # the promoted dtype, i.e. the model dtype).
+    # offset != 0: HF GemmaRMSNorm (offset 1): fp32 normalise, multiply by (offset + weight) in
+    # fp32, THEN cast to x's dtype.
     dtype = x.dtype
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(dtype)
+    if offset == 0.0:
+        return weight * xf.to(dtype)
+    return (xf * (offset + weight.float())).to(dtype)
 
 
-def ref_fused_add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float):
+def ref_fused_add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float,
+                           offset: float = 0.0):
     # x, residual: [T, H] -> (normed [T, H], new residual [T, H]); new tensors, inputs untouched.
     # The add is in the model dtype, like HF's `hidden_states = residual + hidden_states`.
     residual = residual + x
-    return ref_rms_norm(residual, weight, eps), residual
+    return ref_rms_norm(residual, weight, eps, offset), residual
 
 
 def ref_rotary(x: Tensor, cos_sin: Tensor, positions: Tensor) -> Tensor:
