@@ -83,8 +83,8 @@ def cold_copies(n: int, k: int) -> list[torch.Tensor]:
 
 
 def run_gemm(a) -> list[dict]:
-    from batchrun.kernels.reference import ref_silu_and_mul
-    from batchrun.kernels.silu_and_mul import silu_and_mul
+    from batchrun.kernels.act_and_mul import act_and_mul
+    from batchrun.kernels.reference import ref_act_and_mul
     from batchrun.kernels.skinny_gate_up_silu import skinny_gate_up_silu
     from batchrun.kernels.skinny_gemm import skinny_gemm
     peak, rows = hbm(), []
@@ -98,8 +98,8 @@ def run_gemm(a) -> list[dict]:
             nbytes = (n * k + m * k + m * n) * DT.itemsize
             gate_up = "gate_up" in name
             ref = F.linear(x.float(), ws[0].float())
-            ref = ref_silu_and_mul(ref) if gate_up else ref
-            cases = {"cublas": (lambda w: silu_and_mul(F.linear(x, w))) if gate_up
+            ref = ref_act_and_mul(ref) if gate_up else ref
+            cases = {"cublas": (lambda w: act_and_mul(F.linear(x, w))) if gate_up
                      else (lambda w: F.linear(x, w))}
             kernel = skinny_gate_up_silu if gate_up else skinny_gemm
             cases["triton"] = lambda w: kernel(x, w)
@@ -208,7 +208,7 @@ def stacked_output(T: int, sizes: list[int], slots: torch.Tensor):
 def run_consumers(a) -> list[dict]:
     from batchrun.kernels.fused_add_rms_norm import fused_add_rms_norm
     from batchrun.kernels.rotary import apply_rotary
-    from batchrun.kernels.silu_and_mul import silu_and_mul
+    from batchrun.kernels.act_and_mul import act_and_mul
     peak, rows = hbm(), []
     print(f"{torch.cuda.get_device_name()}; {C_SLOTS} slots of rank {C_RANK}; µs")
     print(f"{'op':13} {'T':>5} {'slots':10} {'plain µs':>9} {'LoRA µs':>9} {'x plain':>8} {'of HBM':>7}")
@@ -224,7 +224,7 @@ def run_consumers(a) -> list[dict]:
                       (4 * T * H + T * C_SLOTS * C_RANK) * 2 + used * H * C_RANK * 2))
         gu, d2 = stacked_output(T, [I, I], slots)
         o2 = torch.empty(T, I, dtype=DT, device="cuda")
-        cases.append(("SiLU-and-mul", lambda: silu_and_mul(gu, o2), lambda: silu_and_mul(gu, o2, lora=d2),
+        cases.append(("SiLU-and-mul", lambda: act_and_mul(gu, out=o2), lambda: act_and_mul(gu, out=o2, lora=d2),
                       (3 * T * I + T * 2 * C_SLOTS * C_RANK) * 2 + used * 2 * I * C_RANK * 2))
         qkv, d3 = stacked_output(T, [HEADS * D] * 3, slots)
         q, k, v = (t.view(T, HEADS, D) for t in qkv.split(HEADS * D, dim=-1))

@@ -128,22 +128,28 @@ def ref_prefill_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tab
         out[lo:hi] = torch.einsum("hqn,nhd->qhd", probs, v)
     return out.to(q.dtype)
 
-# --- elementwise ops (RMSNorm, rotary, SiLU-and-mul): HF op order, also the engine's CPU path ---
+# --- elementwise ops (RMSNorm, rotary, act-and-mul): HF op order, also the engine's CPU path ---
 
-def ref_rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    # x: [T, H], weight: [H] -> [T, H]. HF LlamaRMSNorm: fp32 normalise, cast to x's dtype,
-    # THEN multiply by weight (in the promoted dtype, i.e. the model dtype).
+def ref_rms_norm(x: Tensor, weight: Tensor, eps: float, offset: float = 0.0) -> Tensor:
+    # x: [..., H], weight: [H] -> [..., H], normed over the last dim.
+    # offset 0: HF LlamaRMSNorm: fp32 normalise, cast to x's dtype, THEN multiply by weight (in
+    # the promoted dtype, i.e. the model dtype).
+    # offset != 0: HF GemmaRMSNorm (offset 1): fp32 normalise, multiply by (offset + weight) in
+    # fp32, THEN cast to x's dtype.
     dtype = x.dtype
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(dtype)
+    if offset == 0.0:
+        return weight * xf.to(dtype)
+    return (xf * (offset + weight.float())).to(dtype)
 
 
-def ref_fused_add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float):
+def ref_fused_add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float,
+                           offset: float = 0.0):
     # x, residual: [T, H] -> (normed [T, H], new residual [T, H]); new tensors, inputs untouched.
     # The add is in the model dtype, like HF's `hidden_states = residual + hidden_states`.
     residual = residual + x
-    return ref_rms_norm(residual, weight, eps), residual
+    return ref_rms_norm(residual, weight, eps, offset), residual
 
 
 def ref_rotary(x: Tensor, cos_sin: Tensor, positions: Tensor) -> Tensor:
@@ -167,10 +173,16 @@ def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos + rotated * sin
 
 
-def ref_silu_and_mul(gate_up: Tensor) -> Tensor:
-    # gate_up: [T, 2I] -> [T, I]: F.silu(gate) (rounded to the input dtype) * up, like HF's MLP.
+def ref_act_and_mul(gate_up: Tensor, activation: str = "silu") -> Tensor:
+    # gate_up: [T, 2I] -> [T, I]: act(gate) (rounded to the input dtype) * up, like HF's gated
+    # MLP; activation "silu" (F.silu) or "gelu_tanh" (F.gelu(approximate="tanh"), HF's
+    # gelu_pytorch_tanh).
     gate, up = gate_up.chunk(2, dim=-1)
-    return torch.nn.functional.silu(gate) * up
+    if activation == "silu":
+        return torch.nn.functional.silu(gate) * up
+    if activation == "gelu_tanh":
+        return torch.nn.functional.gelu(gate, approximate="tanh") * up
+    raise ValueError(f"unknown activation {activation!r}: silu or gelu_tanh")
 
 
 # --- decode GEMMs of few rows (skinny_gemm, skinny_gate_up_silu) ---
@@ -184,7 +196,7 @@ def ref_linear(x: Tensor, w: Tensor, bias: Tensor | None = None) -> Tensor:
     return y.to(x.dtype)
 
 
-def ref_gate_up_silu(x: Tensor, w: Tensor) -> Tensor:
+def ref_gate_up_silu(x: Tensor, w: Tensor, activation: str = "silu") -> Tensor:
     # x: [M, K], w: [2I, K] (gate rows, then up rows) -> [M, I]: the gate_up projection rounded
-    # to x's dtype, then SiLU-and-mul as HF's MLP computes it.
-    return ref_silu_and_mul(ref_linear(x, w))
+    # to x's dtype, then act-and-mul as HF's MLP computes it.
+    return ref_act_and_mul(ref_linear(x, w), activation)

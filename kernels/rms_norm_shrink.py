@@ -37,7 +37,7 @@ def _rms_norm_shrink_kernel(
     H, eps, stride_x, stride_r, stride_o,
     a_ptr, stride_as, stride_al, stride_ar,   # A [S, L, R, K] (last dim contiguous)
     slot_ptr, s_ptr, stride_s, R, SR,         # slots [>= T]; shrunk [T, k*S*R]; SR = S*R
-    FUSED_ADD: tl.constexpr, BLOCK_N: tl.constexpr,
+    FUSED_ADD: tl.constexpr, OFFSET: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_J: tl.constexpr,                    # shrink values per program (A rows read together)
     PDL: tl.constexpr,
 ):
@@ -50,7 +50,7 @@ def _rms_norm_shrink_kernel(
     if FUSED_ADD:  # every program of the row adds; the first writes the new residual
         r = tl.load(res_ptr + row * stride_r + offs, mask=mask, other=0.0)
         x = (r.to(tl.float32) + x.to(tl.float32)).to(x.dtype)    # add in the model dtype
-    y = norm_row(x, w_ptr, offs, mask, H, eps, out_ptr)
+    y = norm_row(x, w_ptr, offs, mask, H, eps, out_ptr, OFFSET)
     if c == 0:
         if FUSED_ADD:
             tl.store(res_out_ptr + row * stride_ro + offs, x, mask=mask)
@@ -69,11 +69,13 @@ def _rms_norm_shrink_kernel(
 
 
 def norm_and_shrink(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float, out: Tensor,
-                    shrink: LoRAShrink, num_warps: int, res_out: Tensor | None = None) -> None:
+                    shrink: LoRAShrink, num_warps: int, res_out: Tensor | None = None,
+                    offset: float = 0.0) -> None:
     """The launch behind fused_add_rms_norm / rms_norm's `shrink=` (which check x, residual,
     weight, out and shrink, and skip T = 0): normed rows to `out`, x + residual to `res_out`
     (a [T, H] tensor with contiguous rows, not aliasing residual; needed with residual) and the
-    shrink of each row's slot to `shrink.out`."""
+    shrink of each row's slot to `shrink.out`. offset: the norm's (kernels/fused_add_rms_norm.py);
+    the shrink is of the normed rows either way."""
     T, H = x.shape
     S, _, R, _ = shrink.lora_a.shape
     sr = S * R
@@ -87,5 +89,6 @@ def norm_and_shrink(x: Tensor, residual: Tensor | None, weight: Tensor, eps: flo
         x, res, weight, out, ro, ro.stride(0), H, eps, x.stride(0), res.stride(0), out.stride(0),
         a, a.stride(0), a.stride(1), a.stride(2),
         shrink.token_slots, shrink.out, shrink.out.stride(0), R, sr,
-        FUSED_ADD=residual is not None, BLOCK_N=triton.next_power_of_2(H), BLOCK_J=BLOCK_J,
+        FUSED_ADD=residual is not None, OFFSET=float(offset), BLOCK_N=triton.next_power_of_2(H),
+        BLOCK_J=BLOCK_J,
         num_warps=num_warps, **pdl_kwargs(x))

@@ -1,16 +1,18 @@
-"""SiLU(x @ W_gate.T) * (x @ W_up.T) for decode's few rows: the gate_up GEMM with the SiLU-and-mul
-in its epilogue, one launch instead of two.
+"""act(x @ W_gate.T) * (x @ W_up.T) for decode's few rows: the gate_up GEMM with the act-and-mul
+in its epilogue, one launch instead of two. The activation is a constexpr, "silu" or "gelu_tanh"
+(kernels/act_and_mul.py's ACTIVATIONS); the file and function names, which the step plan uses,
+say silu for either.
 
 w is the fused gate_up weight [2*I, K] (gate rows first, as Linear stores it). Each program
 streams BLOCK_N rows of W_gate and the same BLOCK_N rows of W_up (the K loop of
 kernels/skinny_gemm.py, twice), rounds each accumulator to the output dtype (the gate_up tensor
-the unfused path would have written) and applies kernels/silu_and_mul.py's `_silu_mul` to them:
-so the result is bit-for-bit skinny_gemm (with the same BLOCK_K) followed by silu_and_mul,
+the unfused path would have written) and applies kernels/act_and_mul.py's `_act_mul` to them:
+so the result is bit-for-bit skinny_gemm (with the same BLOCK_K) followed by act_and_mul,
 without writing or reading the [M, 2*I] intermediate or paying the second launch.
 
 With `lora` (a LoRADelta of the gate and up slices) the epilogue adds each row's delta to the
-rounded gate and up before the SiLU, as silu_and_mul's LoRA kernel does after a GEMM over
-[W; A]: so the result is bit-for-bit skinny_gemm + silu_and_mul(lora=) given the same shrunk
+rounded gate and up before the activation, as act_and_mul's LoRA kernel does after a GEMM over
+[W; A]: so the result is bit-for-bit skinny_gemm + act_and_mul(lora=) given the same shrunk
 values. The shrink x . A comes from the norm before gate_up (kernels/rms_norm_shrink.py), so a
 LoRA decode step streams only W here. Rows with slot -1 get exactly the no-LoRA kernel's values.
 """
@@ -23,7 +25,7 @@ from torch import Tensor
 from batchrun.kernels.lora_delta import (_slot_dot, delta_args, gather_consts, lora_delta_rows,
                                         lora_delta_tile, tile_shrunk, tile_slots)
 from batchrun.kernels.lora_meta import LoRADelta
-from batchrun.kernels.silu_and_mul import _silu_mul
+from batchrun.kernels.act_and_mul import ACTIVATIONS, _act_mul
 from batchrun.kernels.skinny_gemm import MAX_ROWS, _stream_dot
 from batchrun.kernels.pdl import PREFETCH_COLS, pdl_enter, pdl_kwargs, prefetch_rows_l2
 from batchrun.kernels.utils import check, check_gemm_operands, gemm_output
@@ -40,7 +42,8 @@ def _skinny_gate_up_silu_kernel(x_ptr, w_ptr, y_ptr, M, I, K, stride_xm, stride_
                                 EVEN_K: tl.constexpr, HAS_LORA: tl.constexpr,
                                 BLOCK_R: tl.constexpr, DOT_IEEE: tl.constexpr,
                                 GATHER: tl.constexpr, R_CHUNK: tl.constexpr,
-                                ONE_SLOT: tl.constexpr, PDL: tl.constexpr):
+                                ONE_SLOT: tl.constexpr, ACTIVATION: tl.constexpr,
+                                PDL: tl.constexpr):
     rows = tl.arange(0, 16)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < I
@@ -67,7 +70,7 @@ def _skinny_gate_up_silu_kernel(x_ptr, w_ptr, y_ptr, M, I, K, stride_xm, stride_
     dt = y_ptr.dtype.element_ty
     g = g.to(dt)
     u = u.to(dt)
-    if HAS_LORA:  # silu_and_mul's LoRA kernel's epilogue: gate and up + their delta, rounded
+    if HAS_LORA:  # act_and_mul's LoRA kernel's epilogue: gate and up + their delta, rounded
         if ONE_SLOT:  # lora_delta_tile's one iteration, slot 0, on the prefetched operands
             zero = tl.zeros((16, BLOCK_N), dtype=tl.float32)
             dg = _slot_dot(zero, sg, slot == 0, bg, DOT_IEEE)
@@ -85,15 +88,17 @@ def _skinny_gate_up_silu_kernel(x_ptr, w_ptr, y_ptr, M, I, K, stride_xm, stride_
                                          LN, LR, 16, BLOCK_N, BLOCK_R, DOT_IEEE, PAIR=True)
         g = (g.to(tl.float32) + dg).to(dt)
         u = (u.to(tl.float32) + du).to(dt)
-    tl.store(y_ptr + rows[:, None] * stride_ym + cols[None, :], _silu_mul(g, u, dt),
+    tl.store(y_ptr + rows[:, None] * stride_ym + cols[None, :], _act_mul(g, u, dt, ACTIVATION),
              mask=(rows < M)[:, None] & col_mask[None, :])
 
 
 def skinny_gate_up_silu(x: Tensor, w: Tensor, out: Tensor | None = None,
                         config: tuple[int, int, int, int] = CONFIG,
-                        lora: LoRADelta | None = None) -> Tensor:
-    # x [M <= 16, K], w [2*I, K] (gate; up) -> silu(x @ w[:I].T) * (x @ w[I:].T), [M, I];
-    # lora: the delta of gate_up's two slices, added to gate and up before the SiLU
+                        lora: LoRADelta | None = None, activation: str = "silu") -> Tensor:
+    # x [M <= 16, K], w [2*I, K] (gate; up) -> act(x @ w[:I].T) * (x @ w[I:].T), [M, I];
+    # lora: the delta of gate_up's two slices, added to gate and up before the activation;
+    # activation: one of ACTIVATIONS
+    check(activation in ACTIVATIONS, f"activation must be one of {ACTIVATIONS}, got {activation!r}")
     M, N, K = check_gemm_operands(x, w, "skinny_gate_up_silu", MAX_ROWS)
     check(N % 2 == 0, f"the gate_up weight must have 2*I rows, got {N}")
     I = N // 2
@@ -113,5 +118,5 @@ def skinny_gate_up_silu(x: Tensor, w: Tensor, out: Tensor | None = None,
     _skinny_gate_up_silu_kernel[(triton.cdiv(I, bn),)](
         x, w, out, M, I, K, x.stride(0), w.stride(0), out.stride(0), *largs,
         BLOCK_N=bn, BLOCK_K=bk, EVEN_K=K % bk == 0, HAS_LORA=lora is not None, **consts,
-        num_stages=stages, num_warps=warps, **pdl_kwargs(x))
+        ACTIVATION=activation, num_stages=stages, num_warps=warps, **pdl_kwargs(x))
     return out

@@ -6,13 +6,13 @@ graph and replayed with fresh inputs and slots written in place."""
 import pytest
 import torch
 
+from batchrun.kernels.act_and_mul import act_and_mul
 from batchrun.kernels.fused_add_rms_norm import fused_add_rms_norm
-from batchrun.kernels.reference import ref_fused_add_rms_norm, ref_rotary, ref_silu_and_mul
+from batchrun.kernels.reference import ref_act_and_mul, ref_fused_add_rms_norm, ref_rotary
 from batchrun.kernels.rotary import apply_rotary
-from batchrun.kernels.silu_and_mul import silu_and_mul
 from kernel_testutils import randn
 from test_graph_capture import capture
-from test_lora_fused_consumers import (_check_norm, _check_rotary, _check_silu, _fused_output,
+from test_lora_fused_consumers import (_check_act, _check_norm, _check_rotary, _fused_output,
                                        _slots, _tol)
 from test_rotary import cos_sin_cache
 
@@ -37,8 +37,8 @@ def test_plain_norm_7b(T):
 
 @pytest.mark.parametrize("T", SIZES)
 @pytest.mark.parametrize("pattern", PATTERNS)
-def test_silu_and_mul_7b(T, pattern):
-    _check_silu(T, 11008, L, R, BF16, pattern)
+def test_act_and_mul_7b(T, pattern):
+    _check_act(T, 11008, L, R, BF16, pattern)
 
 
 @pytest.mark.parametrize("T", SIZES)
@@ -71,7 +71,7 @@ def test_consumers_replay_from_a_graph(T):
     def step():
         apply_rotary(q, k, cs, positions, v=v, lora=dr)
         fused_add_rms_norm(x, res, w, 1e-5, out=out_n, lora=dn)
-        silu_and_mul(gu, out=out_s, lora=ds)
+        act_and_mul(gu, out=out_s, lora=ds)
 
     slots.fill_(-1)
     graph = capture(step)
@@ -82,7 +82,7 @@ def test_consumers_replay_from_a_graph(T):
         positions.copy_(torch.randint(0, 4096, (T,), generator=gen))
         res0, qkv_fixed = res.clone(), dr.apply_reference(qkv)
         want_n, want_res = ref_fused_add_rms_norm(dn.apply_reference(x), res0, w, 1e-5)
-        want_s = ref_silu_and_mul(ds.apply_reference(gu))
+        want_s = ref_act_and_mul(ds.apply_reference(gu))
         graph.replay()
         torch.cuda.synchronize()
         for got, want in ((res, want_res), (out_n, want_n), (out_s, want_s)):
@@ -102,7 +102,7 @@ def test_consumers_are_deterministic():
     x, dn, _ = _fused_output(T, [4096], L, R, BF16, seed=10)
     w = randn(4096, dtype=BF16, gen=torch.Generator().manual_seed(0))
     res = randn(T, 4096, dtype=BF16, gen=torch.Generator().manual_seed(1))
-    first = silu_and_mul(gu, lora=ds), fused_add_rms_norm(x, res.clone(), w, 1e-5, lora=dn)[0]
+    first = act_and_mul(gu, lora=ds), fused_add_rms_norm(x, res.clone(), w, 1e-5, lora=dn)[0]
     for _ in range(3):
-        again = silu_and_mul(gu, lora=ds), fused_add_rms_norm(x, res.clone(), w, 1e-5, lora=dn)[0]
+        again = act_and_mul(gu, lora=ds), fused_add_rms_norm(x, res.clone(), w, 1e-5, lora=dn)[0]
         assert all(torch.equal(a, b) for a, b in zip(first, again))

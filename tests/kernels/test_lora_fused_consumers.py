@@ -1,7 +1,8 @@
-"""The LoRA delta fused into the kernels after each projection (RMSNorm, SiLU-and-mul, rotary)
-against the torch reference: op(apply_reference(x)). Inputs are laid out like a fused decode
-step: y and `shrunk` are column ranges of one GEMM output (strided rows), slots mix -1 with
-every slot, ranks are odd and small. Rows with slot -1 must equal the plain kernel bit for bit.
+"""The LoRA delta fused into the kernels after each projection (RMSNorm with either offset,
+act-and-mul with either activation, rotary) against the torch reference: op(apply_reference(x)).
+Inputs are laid out like a fused decode step: y and `shrunk` are column ranges of one GEMM output
+(strided rows), slots mix -1 with every slot, ranks are odd and small. Rows with slot -1 must
+equal the plain kernel bit for bit.
 
 The kernels work on tiles of token rows (kernels/lora_delta.py: 16 to 32 rows; steps of at most
 GATHER_MAX_ROWS rows gather each row's B instead, test_both_delta_forms runs both), so the shapes
@@ -12,12 +13,12 @@ above the 16-rank dot minimum.
 import pytest
 import torch
 
+from batchrun.kernels.act_and_mul import ACTIVATIONS, act_and_mul
 from batchrun.kernels.fused_add_rms_norm import fused_add_rms_norm, rms_norm
 from batchrun.kernels.lora_meta import LoRADelta
-from batchrun.kernels.reference import (ref_fused_add_rms_norm, ref_rms_norm, ref_rotary,
-                                        ref_silu_and_mul)
+from batchrun.kernels.reference import (ref_act_and_mul, ref_fused_add_rms_norm, ref_rms_norm,
+                                        ref_rotary)
 from batchrun.kernels.rotary import apply_rotary
-from batchrun.kernels.silu_and_mul import silu_and_mul
 from kernel_testutils import CPU_DTYPES, DEVICE, mixed_slots, randn
 from test_rotary import cos_sin_cache
 
@@ -83,8 +84,9 @@ NORM_TILES = [(37, 96, 3, 5, "mixed"), (50, 200, 8, 16, "mixed"), (33, 128, 4, 2
 @pytest.mark.parametrize("T,H,L,R", [(1, 64, 1, 16), (7, 96, 3, 5), (5, 300, 4, 8), (9, 128, 2, 1),
                                      pytest.param(8, 4096, 8, 16, marks=pytest.mark.slow)])  # a 7b decode step's norm
 @pytest.mark.parametrize("fused_add", [True, False])
-def test_norm(T, H, L, R, dtype, fused_add, pattern="mixed"):
-    _check_norm(T, H, L, R, dtype, fused_add, pattern)
+@pytest.mark.parametrize("offset", [0.0, 1.0])  # Llama's norm, Gemma's
+def test_norm(T, H, L, R, dtype, fused_add, offset, pattern="mixed"):
+    _check_norm(T, H, L, R, dtype, fused_add, pattern, offset=offset)
 
 
 @pytest.mark.parametrize("dtype", CPU_DTYPES)
@@ -94,7 +96,7 @@ def test_norm_tiles(T, H, L, R, pattern, dtype, fused_add):
     _check_norm(T, H, L, R, dtype, fused_add, pattern)
 
 
-def _check_norm(T, H, L, R, dtype, fused_add, pattern, k=None):
+def _check_norm(T, H, L, R, dtype, fused_add, pattern, k=None, offset=0.0):
     x, delta, slots = _fused_output(T, [H], L, R, dtype, seed=T * 31 + H + R, pattern=pattern,
                                     k=k)
     gen = torch.Generator().manual_seed(7)
@@ -104,50 +106,53 @@ def _check_norm(T, H, L, R, dtype, fused_add, pattern, k=None):
     if fused_add:
         res = randn(T, H, dtype=dtype, gen=gen)
         res_plain, res_before = res.clone(), res.clone()
-        out, res_out = fused_add_rms_norm(x, res, w, 1e-6, lora=delta)
-        ref, ref_res = ref_fused_add_rms_norm(fixed, res_before, w, 1e-6)
-        plain, _ = fused_add_rms_norm(x, res_plain, w, 1e-6)
+        out, res_out = fused_add_rms_norm(x, res, w, 1e-6, lora=delta, offset=offset)
+        ref, ref_res = ref_fused_add_rms_norm(fixed, res_before, w, 1e-6, offset)
+        plain, _ = fused_add_rms_norm(x, res_plain, w, 1e-6, offset=offset)
         assert res_out is res
         # rnd(x + delta) may be an ulp apart (see _tol): an ulp of that sum, not of the
         # residual, which can be far smaller where the two cancel
         assert (res.float() - ref_res.float()).abs().le(_tol(ref_res, dtype, fixed.float().abs())).all()
         _same_where_no_lora(res, res_plain, slots)
     else:
-        out = rms_norm(x, w, 1e-6, lora=delta)
-        ref, plain = ref_rms_norm(fixed, w, 1e-6), rms_norm(x, w, 1e-6)
-        assert torch.equal(rms_norm(x, w, 1e-6, lora=delta), out)  # deterministic: the same result twice
+        out = rms_norm(x, w, 1e-6, lora=delta, offset=offset)
+        ref, plain = ref_rms_norm(fixed, w, 1e-6, offset), rms_norm(x, w, 1e-6, offset=offset)
+        # deterministic: the same result twice
+        assert torch.equal(rms_norm(x, w, 1e-6, lora=delta, offset=offset), out)
     assert torch.equal(x, x_before)  # the projection output itself is not written
     scale = ref.float().abs().mean(-1, keepdim=True)
     assert (out.float() - ref.float()).abs().le(_tol(ref, dtype, scale)).all()
     _same_where_no_lora(out, plain, slots)
 
 
+@pytest.mark.parametrize("activation", ACTIVATIONS)
 @pytest.mark.parametrize("dtype", CPU_DTYPES)
 @pytest.mark.parametrize("T,I,L,R", [(1, 64, 1, 16), (6, 130, 3, 7), (4, 600, 2, 4)])
-def test_silu_and_mul(T, I, L, R, dtype, pattern="mixed"):
-    _check_silu(T, I, L, R, dtype, pattern)
+def test_act_and_mul(T, I, L, R, dtype, activation, pattern="mixed"):
+    _check_act(T, I, L, R, dtype, pattern, activation=activation)
 
 
 # (T, I, L, R, slot pattern): several row tiles of 32, the last one short; column tiles of
 # 64, the last one short; 12 slots
+@pytest.mark.parametrize("activation", ACTIVATIONS)
 @pytest.mark.parametrize("dtype", CPU_DTYPES)
 @pytest.mark.parametrize("T,I,L,R,pattern", [(70, 100, 8, 16, "mixed"), (29, 72, 3, 5, "one"),
                                              (66, 40, 4, 20, "sorted"), (20, 64, 2, 1, "mixed"),
                                              (40, 48, 12, 4, "mixed"), (50, 70, 5, 8, "gaps")])
-def test_silu_and_mul_tiles(T, I, L, R, pattern, dtype):
-    _check_silu(T, I, L, R, dtype, pattern)
+def test_act_and_mul_tiles(T, I, L, R, pattern, dtype, activation):
+    _check_act(T, I, L, R, dtype, pattern, activation=activation)
 
 
-def _check_silu(T, I, L, R, dtype, pattern, k=None):
+def _check_act(T, I, L, R, dtype, pattern, k=None, activation="silu"):
     gate_up, delta, slots = _fused_output(T, [I, I], L, R, dtype, seed=T + I + R, pattern=pattern,
                                           k=k)
     before = gate_up.clone()
-    out = silu_and_mul(gate_up, lora=delta)
-    ref = ref_silu_and_mul(delta.apply_reference(gate_up))
+    out = act_and_mul(gate_up, activation, lora=delta)
+    ref = ref_act_and_mul(delta.apply_reference(gate_up), activation)
     assert torch.equal(gate_up, before)
     scale = ref.float().abs().mean(-1, keepdim=True)
     assert (out.float() - ref.float()).abs().le(_tol(ref, dtype, scale)).all()
-    _same_where_no_lora(out, silu_and_mul(gate_up), slots)
+    _same_where_no_lora(out, act_and_mul(gate_up, activation), slots)
 
 
 def _check_rotary(T, Hq, Hkv, D, L, R, dtype, seed, pattern="mixed", k=None, rot=None):
@@ -216,7 +221,9 @@ def test_both_delta_forms(T, pattern, R, gather_max_rows, monkeypatch):
     monkeypatch.setattr(lora_delta, "GATHER_MAX_ROWS", gather_max_rows)
     dtype = CPU_DTYPES[0]
     _check_norm(T, 96, 8, R, dtype, fused_add=True, pattern=pattern)
-    _check_silu(T, 72, 8, R, dtype, pattern)
+    _check_norm(T, 40, 8, R, dtype, fused_add=False, pattern=pattern, offset=1.0)
+    _check_act(T, 72, 8, R, dtype, pattern)
+    _check_act(T, 40, 8, R, dtype, pattern, activation="gelu_tanh")
     _check_rotary(T, 4, 2, 32, 8, R, dtype, seed=T + R, pattern=pattern)
 
 
@@ -230,7 +237,8 @@ def test_slot_bound_below_the_slot_count(T, k, pattern, gather_max_rows, monkeyp
     monkeypatch.setattr(lora_delta, "GATHER_MAX_ROWS", gather_max_rows)
     dtype = CPU_DTYPES[0]
     _check_norm(T, 96, 8, 16, dtype, fused_add=True, pattern=pattern, k=k)
-    _check_silu(T, 72, 8, 5, dtype, pattern, k=k)
+    _check_act(T, 72, 8, 5, dtype, pattern, k=k)
+    _check_act(T, 40, 8, 5, dtype, pattern, k=k, activation="gelu_tanh")
     _check_rotary(T, 4, 2, 32, 8, 8, dtype, seed=T + k, pattern=pattern, k=k)
 
 
@@ -239,11 +247,11 @@ def test_shrunk_and_b_of_different_dtypes_dot_in_fp32():
     T, I, L, R = 20, 48, 3, 6
     gate_up, delta, slots = _fused_output(T, [I, I], L, R, torch.float16, seed=5)
     wide = LoRADelta(delta.shrunk.float(), delta.lora_b, delta.token_slots, delta.slice_offsets)
-    out = silu_and_mul(gate_up, lora=wide)
-    ref = ref_silu_and_mul(wide.apply_reference(gate_up))
+    out = act_and_mul(gate_up, lora=wide)
+    ref = ref_act_and_mul(wide.apply_reference(gate_up))
     scale = ref.float().abs().mean(-1, keepdim=True)
     assert (out.float() - ref.float()).abs().le(_tol(ref, torch.float16, scale)).all()
-    _same_where_no_lora(out, silu_and_mul(gate_up), slots)
+    _same_where_no_lora(out, act_and_mul(gate_up), slots)
 
 
 def test_rotary_refuses_a_delta_of_another_layout():
@@ -271,8 +279,10 @@ def test_norm_refuses_a_delta_of_another_size():
 @pytest.mark.parametrize("L,R", [(1, 16), (8, 16), (4, 64)])
 def test_bf16_gpu_llama7b_shapes(T, L, R):
     dt = torch.bfloat16
-    test_norm(T, 4096, L, R, dt, fused_add=True)
-    test_silu_and_mul(T, 11008, L, R, dt)
+    test_norm(T, 4096, L, R, dt, fused_add=True, offset=0.0)
+    test_norm(T, 3840, L, R, dt, fused_add=True, offset=1.0)      # Gemma-3-12b
+    test_act_and_mul(T, 11008, L, R, dt, "silu")
+    test_act_and_mul(T, 15360, L, R, dt, "gelu_tanh")  # Gemma-3-12b's gate_up
     _check_rotary(T, 32, 32, 128, L, R, dt, seed=T + L)
     _check_rotary(T, 32, 8, 128, L, R, dt, seed=T + L + 1)  # GQA (Llama-3 shape)
     _check_rotary(T, 24, 8, 128, L, R, dt, seed=T + L + 2, rot=96)  # Phi-4-mini: partial rotary

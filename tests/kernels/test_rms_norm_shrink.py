@@ -5,7 +5,8 @@ slot is rnd(normed . A) while every other column, and every column of a row with
 is left as it was. A is a strided view of slot-major rows, as a LoRALinear stores it; the three
 launch forms are covered: plain norm (several programs a row), residual add (several programs a
 row, the sum to a new residual tensor) and a pending LoRA delta of the projection before (delta
-kernel, then the norm)."""
+kernel, then the norm). Both norm formulas: offset 0 (Llama) and offset 1 (Gemma, whose normed rows
+are rounded after the (1 + w) scale); the shrink is of the normed rows either way."""
 import pytest
 import torch
 
@@ -33,22 +34,22 @@ def _slots(T, k, gen, pattern):
     return torch.cat([s, torch.zeros(3, dtype=torch.int32)]).to(DEVICE)  # a buffer >= T
 
 
-def _check(T, H, S, L, R, k, dtype, pattern, form, seed):
+def _check(T, H, S, L, R, k, dtype, pattern, form, seed, offset=0.0):
     gen = torch.Generator().manual_seed(seed)
     x = randn(T, H + 5, dtype=dtype, gen=gen)[:, :H]                   # strided rows
     res = randn(T, H, dtype=dtype, gen=gen, scale=4.0)
-    w = (randn(H, dtype=dtype, gen=gen, scale=0.5) + 1).to(dtype)
+    w = (randn(H, dtype=dtype, gen=gen, scale=0.5) + (1 - offset)).to(dtype)   # scale ~ 1
     a = _lora_a(H, S, L, R, dtype, gen)
     slots = _slots(T, k, gen, pattern)
     shrunk = torch.full((T, k * S * R), POISON, dtype=dtype, device=DEVICE)
     shrink = LoRAShrink(a, slots, shrunk)
     if form == "norm":
-        got = rms_norm(x, w, EPS, shrink=shrink)
-        plain = rms_norm(x, w, EPS)
+        got = rms_norm(x, w, EPS, shrink=shrink, offset=offset)
+        plain = rms_norm(x, w, EPS, offset=offset)
     elif form == "add":
         res2, res0 = res.clone(), res.clone()
-        got, got_res = fused_add_rms_norm(x, res, w, EPS, shrink=shrink)
-        plain, _ = fused_add_rms_norm(x, res2, w, EPS)
+        got, got_res = fused_add_rms_norm(x, res, w, EPS, shrink=shrink, offset=offset)
+        plain, _ = fused_add_rms_norm(x, res2, w, EPS, offset=offset)
         # the sum goes to a new residual (the row's programs share the old one)
         assert got_res is not res and torch.equal(got_res, res2) and torch.equal(res, res0)
     else:  # "delta": o_proj's pending LoRA delta, added before the residual add and the norm
@@ -56,8 +57,8 @@ def _check(T, H, S, L, R, k, dtype, pattern, form, seed):
         d_shrunk = randn(T, k * R, dtype=dtype, gen=gen)
         delta = LoRADelta(d_shrunk, b, slots, (0, H))
         res2 = res.clone()
-        got, _ = fused_add_rms_norm(x, res, w, EPS, lora=delta, shrink=shrink)
-        plain, _ = fused_add_rms_norm(x, res2, w, EPS, lora=delta)
+        got, _ = fused_add_rms_norm(x, res, w, EPS, lora=delta, shrink=shrink, offset=offset)
+        plain, _ = fused_add_rms_norm(x, res2, w, EPS, lora=delta, offset=offset)
         assert torch.equal(res, res2)
     # the normed rows are the plain kernel's (the same row code; on a GPU the kernels are
     # compiled apart, so the sum of squares may round an ulp apart)
@@ -88,6 +89,15 @@ SHAPES = [(1, 64, 2, 1, 4, 1, "one"), (5, 130, 2, 3, 5, 3, "mixed"), (8, 256, 2,
 @pytest.mark.parametrize("form", ["norm", "add", "delta"])
 def test_rms_norm_shrink(T, H, S, L, R, k, pattern, form, dtype):
     _check(T, H, S, L, R, k, dtype, pattern, form, seed=T * 100 + H + R)
+
+
+# Gemma's norm (offset 1) beside the shrink: the three launch forms at a few shapes, one an odd
+# hidden size
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+@pytest.mark.parametrize("T,H,S,L,R,k,pattern", [SHAPES[1], SHAPES[3], (6, 357, 2, 3, 8, 3, "mixed")])
+@pytest.mark.parametrize("form", ["norm", "add", "delta"])
+def test_rms_norm_shrink_offset(T, H, S, L, R, k, pattern, form, dtype):
+    _check(T, H, S, L, R, k, dtype, pattern, form, seed=T * 100 + H + R + 1, offset=1.0)
 
 
 def test_bad_shrink():
@@ -121,3 +131,5 @@ def test_bf16_gpu_7b(T, form):
     # Llama-2-7b's hidden size, gate_up's two slices, rank 16, 8 slots, bounds 1 and 8
     for k, pattern in ((1, "one"), (8, "mixed")):
         _check(T, 4096, 2, 8, 16, k, torch.bfloat16, pattern, form, seed=T + k)
+        # Gemma-3-12b's hidden size and norm
+        _check(T, 3840, 2, 8, 16, k, torch.bfloat16, pattern, form, seed=T + k, offset=1.0)

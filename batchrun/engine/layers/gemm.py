@@ -1,7 +1,7 @@
 """The GEMMs a projection runs, by the name the step plan gives (engine/step_plan.py chooses,
 layers/step.py's GemmPlan carries the choice): None = cuBLAS (F.linear), "skinny" = batchrun's
-Triton GEMM that only streams the weight (kernels/skinny_gemm.py); for gate_up with SiLU-and-mul
-in its epilogue, kernels/skinny_gate_up_silu.py.
+Triton GEMM that only streams the weight (kernels/skinny_gemm.py); for gate_up with act-and-mul
+(SiLU or GELU-tanh) in its epilogue, kernels/skinny_gate_up_silu.py.
 
 The result differs from cuBLAS's by at most rounding (an ulp where cuBLAS splits K), as any two
 GEMMs do.
@@ -24,8 +24,10 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None, kernel: str | None) -
     return F.linear(x, weight, bias)
 
 
-def gate_up_silu(x: Tensor, weight: Tensor, lora: LoRADelta | None = None) -> Tensor:
-    # x [T <= 16, K], the gate_up weight [2I, K] -> silu(gate) * up [T, I], one launch;
-    # lora: gate_up's delta (its shrink computed by the norm before), added before the SiLU
+def gate_up_silu(x: Tensor, weight: Tensor, lora: LoRADelta | None = None,
+                 activation: str = "silu") -> Tensor:
+    # x [T <= 16, K], the gate_up weight [2I, K] -> act(gate) * up [T, I], one launch;
+    # activation "silu" or "gelu_tanh"; lora: gate_up's delta (its shrink computed by the norm
+    # before), added before the activation
     from batchrun.kernels.skinny_gate_up_silu import skinny_gate_up_silu
-    return skinny_gate_up_silu(x, weight, lora=lora)
+    return skinny_gate_up_silu(x, weight, lora=lora, activation=activation)
