@@ -224,3 +224,62 @@ def test_decode_attention_bf16_realistic(B, heads):
     if B > 1:
         lens[1] = longest
     run_and_check(lens, *heads, 128, 16, torch.bfloat16, gen, max_blocks=128)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B", [1, 8, 64])
+@pytest.mark.parametrize("window,softcap", [(300, None), (1500, None), (4096, 50.0), (None, 50.0),
+                                            (1, 30.0)])
+def test_decode_attention_bf16_window_softcap(B, window, softcap):
+    # Heuristic splits (small B splits the visible range), Gemma-like GQA, bf16; hidden slots NaN
+    gen = torch.Generator().manual_seed(B + (window or 0))
+    lens = torch.randint(1, 2048, (B,), generator=gen).tolist()
+    lens[0] = 0
+    if B > 1:
+        lens[1] = 2048
+    run_and_check(lens, 16, 8, 128, 16, torch.bfloat16, gen, max_blocks=128, window=window,
+                  softcap=softcap, poison_window=window is not None)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("window", [None, 100, 1500, 8192])
+def test_decode_num_splits_follows_window(monkeypatch, window):
+    # The split heuristic sees the most keys a query can see: min(table capacity, window).
+    import batchrun.kernels.paged_attention as pa
+    seen = []
+    real = pa.decode_num_splits
+    monkeypatch.setattr(pa, "decode_num_splits", lambda p, c, s: seen.append(c) or real(p, c, s))
+    gen = torch.Generator().manual_seed(1)
+    q, kc, vc, tables, lens_t = make_inputs([700, 3000], 8, 2, 128, 16, torch.bfloat16, gen,
+                                            max_blocks=256)
+    out = torch.empty_like(q)
+    pa.paged_decode_attention(q, kc, vc, tables, lens_t, 0.1, out, sliding_window=window)
+    assert seen == [min(256 * 16, window or 1 << 30)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_splits", [None, 4])
+def test_decode_attention_window_graph_replay(num_splits):
+    # A captured decode step with a window and a cap follows context lengths rewritten in place.
+    from test_graph_capture import capture
+    gen = torch.Generator().manual_seed(2)
+    dt, B, Hq, Hkv, D, bs, max_blocks, num_blocks = torch.bfloat16, 4, 16, 8, 256, 16, 128, 600
+    q = torch.empty(B, Hq, D, dtype=dt, device="cuda")
+    kc = randn(num_blocks, bs, Hkv, D, dtype=dt, gen=gen)
+    vc = randn(num_blocks, bs, Hkv, D, dtype=dt, gen=gen)
+    tables = torch.zeros(B, max_blocks, dtype=torch.int32, device="cuda")
+    lens = torch.zeros(B, dtype=torch.int32, device="cuda")
+    out = torch.empty(B, Hq, D, dtype=dt, device="cuda")
+    g = capture(lambda: paged_decode_attention(q, kc, vc, tables, lens, 0.0625, out, 1024, 50.0,
+                                               num_splits=num_splits))
+    for trial in range(3):
+        new_lens = torch.randint(0, max_blocks * bs + 1, (B,), generator=gen, dtype=torch.int32)
+        new_lens[0] = 0
+        tables.copy_(torch.randperm(num_blocks, generator=gen)[:B * max_blocks].view(B, max_blocks))
+        lens.copy_(new_lens)
+        q.copy_(randn(B, Hq, D, dtype=dt, gen=gen))
+        out.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        ref = ref_paged_decode_attention(q, kc, vc, tables, lens, 0.0625, 1024, 50.0)
+        assert_attention_close(out, ref, vc, dt)

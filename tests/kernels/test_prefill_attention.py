@@ -225,3 +225,16 @@ def test_prefill_attention_bf16_realistic(heads):
     cached = torch.randint(0, 400, (24,), generator=gen).tolist()
     seqs = [(c if i % 2 else 0, n) for i, (c, n) in enumerate(zip(cached, lens))] + [(0, 1024)]
     run_and_check(seqs, *heads, 128, torch.bfloat16, gen)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("window,softcap", [(128, None), (1000, None), (None, 50.0), (512, 50.0),
+                                            (1, None)])
+@pytest.mark.parametrize("D", [128, 256])
+def test_prefill_attention_bf16_window_softcap(window, softcap, D):
+    # Mistral-/Gemma-like shapes in bf16: chunks past the window, prompts shorter and longer
+    gen = torch.Generator().manual_seed(D + (window or 0))
+    lens = torch.randint(1, 300, (16,), generator=gen).tolist()
+    cached = torch.randint(0, 1500, (16,), generator=gen).tolist()
+    seqs = [(c if i % 2 else 0, n) for i, (c, n) in enumerate(zip(cached, lens))] + [(0, 1024)]
+    run_and_check(seqs, 16, 8, D, torch.bfloat16, gen, window=window, softcap=softcap)
