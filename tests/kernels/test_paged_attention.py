@@ -38,9 +38,9 @@ def poison_before_window(kc, vc, tables, lens, block_size, window):
     """NaN into every cache slot a sliding window hides (positions < ctx - window), whole
     pages and the hidden head of the first visible page alike: a read of any leaks NaN."""
     for b, n in enumerate(lens):
-        for p in range(max(0, n - window)):
-            page = int(tables[b, p // block_size])
-            kc[page, p % block_size] = vc[page, p % block_size] = float("nan")
+        pos = torch.arange(max(0, n - window), device=tables.device)
+        pages = tables[b, pos // block_size].long()
+        kc[pages, pos % block_size] = vc[pages, pos % block_size] = float("nan")
 
 
 def run_and_check(lens, Hq, Hkv, D, block_size, dtype, gen, num_splits=None, max_blocks=None,

@@ -39,9 +39,9 @@ def poison_before_window(seqs, kc, vc, tables, block_size, window):
     for a sequence of c cached tokens and new ones from position c): no query sees them, so a
     read of any leaks NaN."""
     for b, (cached, _) in enumerate(seqs):
-        for p in range(max(0, cached - window + 1)):
-            page = int(tables[b, p // block_size])
-            kc[page, p % block_size] = vc[page, p % block_size] = float("nan")
+        pos = torch.arange(max(0, cached - window + 1), device=tables.device)
+        pages = tables[b, pos // block_size].long()
+        kc[pages, pos % block_size] = vc[pages, pos % block_size] = float("nan")
 
 
 def run_and_check(seqs, Hq, Hkv, D, dtype, gen, block_size=16, window=None, softcap=None,
