@@ -10,6 +10,12 @@ length read in-kernel, so launches are CUDA-graph capturable. With few sequences
 GPU is underfilled, so the context is split (flash-decoding): each split handles an equal share
 of its own sequence's context, writes a normalised partial output and its log-sum-exp, and a
 second small kernel merges the splits. Rows with context_len 0 get zeros.
+
+Sliding window (Mistral, Qwen2, Gemma): the query at position ctx - 1 sees keys
+[max(0, ctx - window), ctx). The loop and the split partition cover only that range, so pages
+wholly before it are never read and split counts follow min(capacity, window). Logit
+soft-capping (Gemma 2): score = cap * tanh(q.k * scale / cap) before the softmax. Both are
+per-layer constants behind constexpr flags: without them the kernel is the plain one.
 """
 from __future__ import annotations
 
@@ -27,6 +33,21 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def tanh(x):
+    # fp32 tanh from exp2 and a polynomial (no libdevice: the same code runs in the interpreter
+    # and on every Triton version the engine meets). |x| >= 0.25: (1 - t) / (1 + t) with
+    # t = exp(-2|x|) <= 0.61, so the subtraction loses at most a bit or two. |x| < 0.25: Taylor
+    # to x^9, whose first omitted term is < 1e-8 relative there. Saturates to +-1 for large |x|.
+    ax = tl.abs(x)
+    t = tl.exp2(ax * (-2.0 * 1.4426950408889634))
+    big = (1.0 - t) / (1.0 + t)
+    big = tl.where(x < 0, -big, big)
+    x2 = x * x
+    small = x * (1.0 + x2 * (-1.0 / 3.0 + x2 * (2.0 / 15.0 + x2 * (-17.0 / 315.0 + x2 * (62.0 / 2835.0)))))
+    return tl.where(ax < 0.25, small, big)
+
+
+@triton.jit
 def _paged_decode_kernel(
     # pointers
     q_ptr,            # [B, Hq, D]
@@ -37,7 +58,9 @@ def _paged_decode_kernel(
     part_out_ptr,     # fp32 [B, Hq, NUM_SPLITS, D]        (NUM_SPLITS > 1)
     part_lse_ptr,     # fp32 [B, Hq, NUM_SPLITS], log2 domain
     # sizes
-    qk_scale,         # softmax scale * log2(e)
+    qk_scale,         # softmax scale * log2(e); with SOFTCAP: softmax scale / softcap
+    cap_scale,        # with SOFTCAP: softcap * log2(e) (unused otherwise)
+    window,           # with WINDOW: keys visible to the query (unused otherwise)
     G, D,             # query heads per kv head, head dim
     # strides (last dims are contiguous)
     stride_qb, stride_qh,
@@ -50,6 +73,8 @@ def _paged_decode_kernel(
     BLOCK_N: tl.constexpr,      # context tokens per loop iteration
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
+    WINDOW: tl.constexpr,       # sliding window on: keys [max(0, ctx - window), ctx) only
+    SOFTCAP: tl.constexpr,      # logit soft-capping on
     PDL: tl.constexpr,
 ):
     pdl_enter(PDL)
@@ -57,9 +82,15 @@ def _paged_decode_kernel(
     kvh = tl.program_id(1)
     sp = tl.program_id(2)
     ctx = tl.load(lens_ptr + b)
-    # This split's share of the context, whole tiles only (empty for short contexts' tail splits).
-    chunk = tl.cdiv(tl.cdiv(ctx, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    lo = sp * chunk
+    # The visible keys are [first, ctx): the query sits at ctx - 1.
+    if WINDOW:
+        first = tl.maximum(ctx - window, 0)
+    else:
+        first = 0
+    # This split's share of the visible keys, whole tiles only (empty for short contexts' tail
+    # splits). Tiles start at `first` itself, so every token of a tile below hi is visible.
+    chunk = tl.cdiv(tl.cdiv(ctx - first, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    lo = first + sp * chunk
     hi = tl.minimum(ctx, lo + chunk)
 
     offs_g = tl.arange(0, BLOCK_G)
@@ -86,6 +117,8 @@ def _paged_decode_kernel(
         k_ptrs = k_head + page[None, :] * stride_kblk + slot_in_page[None, :] * stride_ktok + offs_d[:, None]
         kt = tl.load(k_ptrs, mask=kv_mask, other=0.0)                               # [BD, BN]
         s = tl.dot(q, kt, input_precision="ieee") * qk_scale                         # [BG, BN]
+        if SOFTCAP:
+            s = tanh(s) * cap_scale
         s = tl.where(n_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))   # finite: the tile has >= 1 valid token
         alpha = tl.exp2(m_i - m_new)
@@ -150,8 +183,9 @@ def _num_sms(device_index: int) -> int:
 
 
 def decode_num_splits(programs: int, max_ctx: int, sms: int) -> int:
-    """Context splits for `programs` = B * Hkv (sequence, kv head) programs whose contexts can
-    reach `max_ctx` tokens (the block table's capacity) on a GPU of `sms` SMs.
+    """Context splits for `programs` = B * Hkv (sequence, kv head) programs whose queries can
+    see up to `max_ctx` keys (the block table's capacity, or the sliding window when shorter)
+    on a GPU of `sms` SMs.
 
     Split only when the programs cannot fill the GPU (fewer than 2 per SM) and contexts can be
     long; otherwise the merge kernel costs more than it saves. Splits aim at 4 programs per SM
@@ -165,12 +199,15 @@ def decode_num_splits(programs: int, max_ctx: int, sms: int) -> int:
 
 def paged_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
                            context_lens: Tensor, scale: float, out: Tensor,
+                           sliding_window: int | None = None, logit_softcap: float | None = None,
                            *, num_splits: int | None = None, tuning: dict | None = None) -> None:
     # q:            [B, Hq, D]                          one new token per sequence
     # k/v_cache:    [num_blocks, block_size, Hkv, D]    one layer's paged cache, Hq % Hkv == 0
     # block_tables: int32 [B, max_blocks_per_seq]       entries past a sequence's blocks ignored
     # context_lens: int32 [B]                           tokens to attend to; 0 -> zeros in out
     # out:          [B, Hq, D]                          written for every row
+    # sliding_window: None, or >= 1: the query (position ctx - 1) sees keys [ctx - window, ctx)
+    # logit_softcap:  None, or > 0: scores become softcap * tanh(score / softcap)
     # num_splits:   context splits (None = heuristic from static shapes); must stay fixed
     #               between graph capture and replay, which it does when left None.
     # tuning:       {block_n, num_warps, num_stages} overrides, for benchmarks only.
@@ -184,6 +221,10 @@ def paged_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_ta
           "last dims of q, out, caches and block_tables must be contiguous")
     check(len({t.device for t in (q, k_cache, v_cache, block_tables, context_lens, out)}) == 1,
           "all tensors must be on one device")
+    check(sliding_window is None or sliding_window >= 1,
+          f"sliding_window must be None or >= 1, got {sliding_window}")
+    check(logit_softcap is None or logit_softcap > 0,
+          f"logit_softcap must be None or > 0, got {logit_softcap}")
     if B == 0:
         return
 
@@ -198,6 +239,8 @@ def paged_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_ta
         warps, stages = tuning.get("num_warps", warps), tuning.get("num_stages", stages)
     check(block_n >= block_size, f"block_n ({block_n}) must be >= the page size ({block_size})")
     max_ctx = block_tables.shape[1] * block_size
+    if sliding_window is not None:
+        max_ctx = min(max_ctx, sliding_window)  # the most keys one query sees
     if num_splits is None:
         num_splits = 1
         if q.device.type == "cuda":
@@ -212,7 +255,9 @@ def paged_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_ta
         part_out = part_lse = out  # unused by the kernel
     _paged_decode_kernel[(B, Hkv, splits)](
         q, k_cache, v_cache, block_tables, context_lens, out, part_out, part_lse,
-        scale * LOG2E,
+        scale * LOG2E if logit_softcap is None else scale / logit_softcap,
+        0.0 if logit_softcap is None else logit_softcap * LOG2E,
+        0 if sliding_window is None else sliding_window,
         G, D,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -220,7 +265,7 @@ def paged_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_ta
         block_tables.stride(0),
         out.stride(0), out.stride(1),
         BLOCK_SIZE=block_size, BLOCK_N=block_n, BLOCK_G=block_g, BLOCK_D=block_d,
-        NUM_SPLITS=splits,
+        NUM_SPLITS=splits, WINDOW=sliding_window is not None, SOFTCAP=logit_softcap is not None,
         num_warps=warps, num_stages=stages, **pdl_kwargs(q),
     )
     if splits > 1:

@@ -74,25 +74,42 @@ def ref_lora_delta(y: Tensor, shrunk: Tensor, lora_b: Tensor, slice_offsets, tok
     return ref_lora_expand(y, mid.transpose(0, 1), lora_b, slice_offsets, slots)
 
 
+def _capped(scores: Tensor, logit_softcap: float | None) -> Tensor:
+    # Attention-logit soft-capping in transformers' order: (scores / cap).tanh() * cap.
+    if logit_softcap is None:
+        return scores
+    return torch.tanh(scores / logit_softcap) * logit_softcap
+
+
 def ref_paged_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
-                               context_lens: Tensor, scale: float) -> Tensor:
+                               context_lens: Tensor, scale: float, sliding_window: int | None = None,
+                               logit_softcap: float | None = None) -> Tensor:
     # q: [B, Hq, D], k_cache/v_cache: [num_blocks, block_size, Hkv, D],
-    # block_tables: int [B, max_blocks], context_lens: int [B] -> out [B, Hq, D] (q's dtype)
+    # block_tables: int [B, max_blocks], context_lens: int [B] -> out [B, Hq, D] (q's dtype).
+    # The query sits at position ctx - 1 and sees keys [0, ctx), or with a sliding window
+    # [max(0, ctx - window), ctx); scores = q.k * scale, then soft-capped when logit_softcap.
     B, Hq, D = q.shape
     num_blocks, bs, Hkv, _ = k_cache.shape
     G = Hq // Hkv
     lens = context_lens.to(device=q.device, dtype=torch.long)
-    # Only gather as many blocks as the longest context needs (host sync: fine for a reference).
-    n_blk = max(1, -(-int(lens.max()) // bs)) if B else 1
+    # Each row gathers its blocks from the one holding its first visible key: with a window,
+    # blocks wholly before it are never read (this is the engine's CPU path too).
+    first = (lens - sliding_window).clamp(min=0) if sliding_window is not None else torch.zeros_like(lens)
+    first_blk = first // bs                                    # [B]
+    # As many blocks as the widest row needs (host sync: fine for a reference).
+    n_blk = max(1, int((-(-lens // bs) - first_blk).max())) if B else 1
     n_blk = min(n_blk, block_tables.shape[1])
     # Entries past a sequence's blocks are arbitrary: clamp so the gather is in range; they are
     # masked out below anyway.
-    tbl = block_tables[:, :n_blk].to(device=q.device, dtype=torch.long).clamp(0, num_blocks - 1)
-    k = k_cache[tbl].reshape(B, n_blk * bs, Hkv, D).float()    # [B, Nctx, Hkv, D]
+    cols = (first_blk[:, None] + torch.arange(n_blk, device=q.device)).clamp(max=block_tables.shape[1] - 1)
+    tbl = block_tables.to(device=q.device, dtype=torch.long).gather(1, cols).clamp(0, num_blocks - 1)
+    k = k_cache[tbl].reshape(B, n_blk * bs, Hkv, D).float()    # [B, N, Hkv, D]
     v = v_cache[tbl].reshape(B, n_blk * bs, Hkv, D).float()
     qg = q.float().reshape(B, Hkv, G, D)                       # q head h uses kv head h // G
-    scores = torch.einsum("bhgd,bnhd->bhgn", qg, k) * scale    # [B, Hkv, G, Nctx]
-    valid = torch.arange(n_blk * bs, device=q.device)[None, :] < lens[:, None]  # [B, Nctx]
+    scores = torch.einsum("bhgd,bnhd->bhgn", qg, k) * scale    # [B, Hkv, G, N]
+    scores = _capped(scores, logit_softcap)
+    pos = first_blk[:, None] * bs + torch.arange(n_blk * bs, device=q.device)[None, :]  # [B, N]
+    valid = (pos >= first[:, None]) & (pos < lens[:, None])
     scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     probs = torch.nan_to_num(probs, nan=0.0)                   # context_len 0 -> all -inf -> zeros
@@ -100,15 +117,16 @@ def ref_paged_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, bloc
     return out.reshape(B, Hq, D).to(q.dtype)
 
 
-
 def ref_prefill_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
-                          query_start: Tensor, context_lens: Tensor, scale: float) -> Tensor:
+                          query_start: Tensor, context_lens: Tensor, scale: float,
+                          sliding_window: int | None = None, logit_softcap: float | None = None) -> Tensor:
     # q: [T, Hq, D] packed by sequence (sequence b owns rows query_start[b]..query_start[b+1]),
     # k_cache/v_cache: [num_blocks, block_size, Hkv, D] with this step's K/V already written,
     # block_tables: int [B, max_blocks], context_lens: int [B] (this chunk included)
     # -> out [T, Hq, D] (q's dtype). Query j of sequence b sits at position
-    # context_lens[b] - n_q + j and attends to cache positions 0..that position. fp32 math,
-    # one sequence at a time (host ints: a reference, not the engine's CPU path).
+    # p = context_lens[b] - n_q + j and attends to cache positions 0..p, or with a sliding
+    # window to those in (p - window, p]; scores = q.k * scale, soft-capped when logit_softcap.
+    # fp32 math, one sequence at a time (host ints: a reference, not the engine's CPU path).
     T, Hq, D = q.shape
     bs, Hkv = k_cache.shape[1], k_cache.shape[2]
     G = Hq // Hkv
@@ -122,8 +140,12 @@ def ref_prefill_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tab
         k = k_cache[blocks].flatten(0, 1)[:n_ctx].float().repeat_interleave(G, dim=1)  # [N, Hq, D]
         v = v_cache[blocks].flatten(0, 1)[:n_ctx].float().repeat_interleave(G, dim=1)
         scores = torch.einsum("qhd,nhd->hqn", q[lo:hi].float(), k) * scale         # [Hq, nq, N]
+        scores = _capped(scores, logit_softcap)
         pos = n_ctx - (hi - lo) + torch.arange(hi - lo, device=q.device)
-        visible = torch.arange(n_ctx, device=q.device)[None, :] <= pos[:, None]    # [nq, N]
+        keys = torch.arange(n_ctx, device=q.device)[None, :]
+        visible = keys <= pos[:, None]                                             # [nq, N]
+        if sliding_window is not None:
+            visible &= pos[:, None] - keys < sliding_window
         probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
         out[lo:hi] = torch.einsum("hqn,nhd->qhd", probs, v)
     return out.to(q.dtype)

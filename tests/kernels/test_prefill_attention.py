@@ -34,12 +34,27 @@ def make_inputs(seqs, Hq, Hkv, D, block_size, dtype, gen):
             torch.tensor(ctx, dtype=torch.int32, device=DEVICE), q_lens)
 
 
-def run_and_check(seqs, Hq, Hkv, D, dtype, gen, block_size=16):
+def poison_before_window(seqs, kc, vc, tables, block_size, window):
+    """NaN into every cache slot before the first query's window (positions < c - window + 1
+    for a sequence of c cached tokens and new ones from position c): no query sees them, so a
+    read of any leaks NaN."""
+    for b, (cached, _) in enumerate(seqs):
+        pos = torch.arange(max(0, cached - window + 1), device=tables.device)
+        pages = tables[b, pos // block_size].long()
+        kc[pages, pos % block_size] = vc[pages, pos % block_size] = float("nan")
+
+
+def run_and_check(seqs, Hq, Hkv, D, dtype, gen, block_size=16, window=None, softcap=None,
+                  scale=None, tuning=None):
     q, kc, vc, tables, qs, ctx, q_lens = make_inputs(seqs, Hq, Hkv, D, block_size, dtype, gen)
-    scale = D ** -0.5
+    scale = D ** -0.5 if scale is None else scale
+    if window is not None:
+        poison_before_window(seqs, kc, vc, tables, block_size, window)
     out = torch.full_like(q, float("nan"))  # every query row must be written
-    prefill_attention(q, kc, vc, tables, qs, ctx, max(q_lens), scale, out)
-    ref = ref_prefill_attention(q, kc.nan_to_num(), vc.nan_to_num(), tables, qs, ctx, scale)
+    prefill_attention(q, kc, vc, tables, qs, ctx, max(q_lens), scale, out, window, softcap,
+                      tuning=tuning)
+    ref = ref_prefill_attention(q, kc.nan_to_num(), vc.nan_to_num(), tables, qs, ctx, scale,
+                                sliding_window=window, logit_softcap=softcap)
     assert_attention_close(out, ref, vc, dtype)
     return out, ref
 
@@ -60,6 +75,61 @@ def test_prefill_attention(dtype, D, heads):
 def test_prefill_attention_block_size_32_odd_head_dim():
     gen = torch.Generator().manual_seed(7)
     run_and_check([(31, 2), (0, 70), (33, 31)], 6, 3, 40, torch.float32, gen, block_size=32)
+
+
+@pytest.mark.parametrize("window,heads", [
+    (1, (2, 2)), (5, (4, 1)), (16, (2, 2)), (37, (4, 1)), (100, (2, 2)),
+    pytest.param(4096, (4, 1), marks=pytest.mark.slow),
+], ids=lambda v: "x".join(map(str, v)) if isinstance(v, tuple) else str(v))
+def test_prefill_attention_sliding_window(window, heads):
+    # windows of one key, under a page, a page, off page edges, and longer than every context
+    # (the causal result); NaN in every slot before each sequence's first window
+    gen = torch.Generator().manual_seed(window + heads[1])
+    run_and_check(SEQS, *heads, 64, torch.float32, gen, window=window)
+
+
+@pytest.mark.parametrize("tuning", [dict(block_m=16, block_n=16), dict(block_m=32, block_n=64),
+                                    dict(block_m=64, block_n=32)], ids=["m16n16", "m32n64", "m64n32"])
+@pytest.mark.parametrize("window", [3, 40, 200])
+def test_prefill_attention_window_tiles(tuning, window):
+    # Small tiles put the window's edge tiles, the tiles every row sees whole and the causal
+    # diagonal each in play, alone and together, across several query tiles per sequence.
+    gen = torch.Generator().manual_seed(window + tuning["block_m"])
+    run_and_check([(0, 150), (70, 45), (300, 9), (13, 1)], 4, 2, 64, torch.float32, gen,
+                  window=window, tuning=tuning)
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("window,softcap", [(None, 50.0), (None, 2.0), (24, 30.0)],
+                         ids=["cap50", "cap2", "window_cap"])
+def test_prefill_attention_softcap(dtype, D, window, softcap):
+    # q.k scaled up (2x the usual scale) so scores reach the cap's saturating range
+    gen = torch.Generator().manual_seed(D + (window or 0) + (dtype == torch.float16))
+    scale = 2.0 * D ** -0.5
+    seqs = [(0, 7), (40, 7), (95, 33), (0, 70)]
+    out, ref = run_and_check(seqs, 4, 2, D, dtype, gen, window=window, softcap=softcap, scale=scale)
+    q, kc, vc, tables, qs, ctx, _ = make_inputs(seqs, 4, 2, D, 16, dtype, torch.Generator().manual_seed(
+        D + (window or 0) + (dtype == torch.float16)))
+    uncapped = ref_prefill_attention(q, kc.nan_to_num(), vc.nan_to_num(), tables, qs, ctx, scale,
+                                     sliding_window=window)
+    assert (uncapped.float() - ref.float()).abs().max() > 1e-2  # the cap changes the answer
+
+
+def test_prefill_attention_window_block_size_32_odd_head_dim():
+    gen = torch.Generator().manual_seed(8)
+    run_and_check([(31, 2), (0, 70), (33, 31), (100, 40)], 6, 3, 40, torch.float32, gen,
+                  block_size=32, window=33, softcap=20.0)
+
+
+def test_prefill_attention_defaults_are_the_plain_kernel():
+    # window None and cap None vs a window past every context (same keys, other constexprs)
+    gen = torch.Generator().manual_seed(9)
+    q, kc, vc, tables, qs, ctx, q_lens = make_inputs([(40, 7), (0, 70)], 4, 2, 64, 16, torch.float32, gen)
+    a, b = torch.empty_like(q), torch.empty_like(q)
+    prefill_attention(q, kc, vc, tables, qs, ctx, 70, 0.125, a)
+    prefill_attention(q, kc, vc, tables, qs, ctx, 70, 0.125, b, sliding_window=10_000)
+    assert torch.equal(a, b)
 
 
 def test_prefill_attention_is_causal():
@@ -127,6 +197,10 @@ def test_prefill_attention_rejects_bad_arguments():
         prefill_attention(q[:, :6], kc, kc, tables, qs, ctx, 3, 1.0, torch.empty_like(q[:, :6]))
     with pytest.raises(ValueError, match="dtype"):
         prefill_attention(q, kc, kc, tables, qs, ctx, 3, 1.0, torch.empty_like(q).half())
+    with pytest.raises(ValueError, match="sliding_window"):
+        prefill_attention(q, kc, kc, tables, qs, ctx, 3, 1.0, torch.empty_like(q), sliding_window=0)
+    with pytest.raises(ValueError, match="logit_softcap"):
+        prefill_attention(q, kc, kc, tables, qs, ctx, 3, 1.0, torch.empty_like(q), logit_softcap=-1.0)
 
 
 def test_layer_refuses_triton_prefill_without_query_start(monkeypatch):
@@ -151,3 +225,16 @@ def test_prefill_attention_bf16_realistic(heads):
     cached = torch.randint(0, 400, (24,), generator=gen).tolist()
     seqs = [(c if i % 2 else 0, n) for i, (c, n) in enumerate(zip(cached, lens))] + [(0, 1024)]
     run_and_check(seqs, *heads, 128, torch.bfloat16, gen)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("window,softcap", [(128, None), (1000, None), (None, 50.0), (512, 50.0),
+                                            (1, None)])
+@pytest.mark.parametrize("D", [128, 256])
+def test_prefill_attention_bf16_window_softcap(window, softcap, D):
+    # Mistral-/Gemma-like shapes in bf16: chunks past the window, prompts shorter and longer
+    gen = torch.Generator().manual_seed(D + (window or 0))
+    lens = torch.randint(1, 300, (16,), generator=gen).tolist()
+    cached = torch.randint(0, 1500, (16,), generator=gen).tolist()
+    seqs = [(c if i % 2 else 0, n) for i, (c, n) in enumerate(zip(cached, lens))] + [(0, 1024)]
+    run_and_check(seqs, 16, 8, D, torch.bfloat16, gen, window=window, softcap=softcap)

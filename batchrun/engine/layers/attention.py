@@ -16,6 +16,13 @@ rows of one query each: two launches, those rows through the decode kernel (the 
 step does for them; no BLOCK_M-row query tile wasted on one query) and the others through the
 prefill kernel, which reads its sequences' rows through query_start, so both write disjoint
 rows of one output without copies.
+
+Sliding window (Mistral, Qwen2, Gemma) and attention-logit soft-capping (Gemma 2) are per-layer
+constants, with transformers' eager semantics: score = q.k * scale, then
+cap * tanh(score / cap), then the mask (key j visible to the query at position i iff j <= i
+and i - j < window), then softmax in fp32. The kernels take them as launch constants (a captured
+decode graph keeps them); the CPU path builds the window mask for SDPA, or computes the scores
+itself when capped (SDPA cannot cap).
 """
 from __future__ import annotations
 
@@ -51,10 +58,18 @@ class KVWrite(NamedTuple):
 
 
 class PagedAttention(nn.Module):
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float | None = None,
+                 sliding_window: int | None = None, logit_softcap: float | None = None):
+        # scale: None = head_dim ** -0.5; sliding_window: None or >= 1 keys (the query's own
+        # included); logit_softcap: None or > 0
         super().__init__()
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be None or >= 1, got {sliding_window}")
+        if logit_softcap is not None and logit_softcap <= 0:
+            raise ValueError(f"logit_softcap must be None or > 0, got {logit_softcap}")
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        self.scale = head_dim ** -0.5
+        self.scale = head_dim ** -0.5 if scale is None else scale
+        self.sliding_window, self.logit_softcap = sliding_window, logit_softcap
         self.k_cache: torch.Tensor | None = None  # set by the model runner after KV sizing
         self.v_cache: torch.Tensor | None = None
         # set while a piecewise prefill forward is captured (prefill_graphs.py): the forward
@@ -85,7 +100,8 @@ class PagedAttention(nn.Module):
         if meta.is_prefill:
             return self._prefill(q, meta, out)
         out = torch.empty_like(q)
-        decode_attention(q, kc, vc, meta.block_tables, meta.context_lens, self.scale, out)
+        decode_attention(q, kc, vc, meta.block_tables, meta.context_lens, self.scale, out,
+                         self.sliding_window, self.logit_softcap)
         return out
 
     def _prefill(self, q: torch.Tensor, meta: AttnMetadata,
@@ -94,7 +110,8 @@ class PagedAttention(nn.Module):
         out = torch.empty_like(q) if out is None else out
         if nd:  # decode rows own q rows [0, nd): one query per sequence
             decode_attention(q[:nd], self.k_cache, self.v_cache, meta.block_tables[:nd],
-                             meta.context_lens[:nd], self.scale, out[:nd])
+                             meta.context_lens[:nd], self.scale, out[:nd],
+                             self.sliding_window, self.logit_softcap)
         if nd == len(meta.query_lens):
             return out
         if use_triton(q):
@@ -106,7 +123,8 @@ class PagedAttention(nn.Module):
             # query_start[nd:] still holds absolute rows, so the kernel writes rows nd.. of out
             prefill_attention(q, self.k_cache, self.v_cache, meta.block_tables[nd:],
                               meta.query_start[nd:], meta.context_lens[nd:],
-                              max(meta.query_lens[nd:]), self.scale, out)
+                              max(meta.query_lens[nd:]), self.scale, out,
+                              self.sliding_window, self.logit_softcap)
         else:
             rows = self._prefill_per_sequence(q, meta, nd)  # q may have padding rows past them
             out[nd:nd + rows.shape[0]] = rows
@@ -120,12 +138,16 @@ class PagedAttention(nn.Module):
         for i in range(first, len(meta.query_lens)):
             n_q, n_ctx = meta.query_lens[i], meta.context_lens_host[i]
             n_blocks = -(-n_ctx // block_size)
-            blocks = meta.block_tables[i, :n_blocks].long()
-            # gather this sequence's context: [n_blocks, bs, Hkv, D] -> [n_ctx, Hkv, D]
-            k = self.k_cache[blocks].flatten(0, 1)[:n_ctx]
-            v = self.v_cache[blocks].flatten(0, 1)[:n_ctx]
+            # keys from `lo` on: with a window, none before the first query's window is gathered
+            lo = 0 if self.sliding_window is None else max(0, n_ctx - n_q - self.sliding_window + 1)
+            b0 = lo // block_size
+            blocks = meta.block_tables[i, b0:n_blocks].long()
+            # gather this sequence's context: [n_blocks - b0, bs, Hkv, D] -> [n_ctx - lo, Hkv, D]
+            k = self.k_cache[blocks].flatten(0, 1)[lo - b0 * block_size:n_ctx - b0 * block_size]
+            v = self.v_cache[blocks].flatten(0, 1)[lo - b0 * block_size:n_ctx - b0 * block_size]
             qi = q[start:start + n_q]
-            outs.append(_causal_sdpa(qi, k, v, self.scale, n_ctx - n_q))
+            outs.append(_causal_sdpa(qi, k, v, self.scale, n_ctx - n_q - lo,
+                                     self.sliding_window, self.logit_softcap))
             start += n_q
         return torch.cat(outs, dim=0)
 
@@ -138,26 +160,49 @@ def query_start_tensor(query_lens: list[int], device) -> torch.Tensor:
     return torch.tensor(starts, dtype=torch.int32, device=device)
 
 
-def _causal_sdpa(q, k, v, scale, offset: int) -> torch.Tensor:
-    # q: [Nq, Hq, D]; k, v: [Nk, Hkv, D]; query j sits at position offset + j
+def _causal_sdpa(q, k, v, scale, offset: int, sliding_window: int | None = None,
+                 logit_softcap: float | None = None) -> torch.Tensor:
+    # q: [Nq, Hq, D]; k, v: [Nk, Hkv, D]; query j sits at position offset + j, key i at i;
+    # query position p sees keys <= p, and with a window only those > p - window
     hq, hkv = q.shape[1], k.shape[1]
     if hq != hkv:  # GQA: each kv head serves hq // hkv query heads
         k = k.repeat_interleave(hq // hkv, dim=1)
         v = v.repeat_interleave(hq // hkv, dim=1)
     q_, k_, v_ = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # [1, H, N, D]
-    if offset == 0:
-        o = F.scaled_dot_product_attention(q_, k_, v_, is_causal=True, scale=scale)
-    else:
-        nq, nk = q.shape[0], k.shape[0]
-        mask = torch.ones(nq, nk, dtype=torch.bool, device=q.device).tril(diagonal=offset)
+    nq, nk = q.shape[0], k.shape[0]
+    if sliding_window is None and logit_softcap is None:
+        if offset == 0:
+            o = F.scaled_dot_product_attention(q_, k_, v_, is_causal=True, scale=scale)
+        else:
+            mask = torch.ones(nq, nk, dtype=torch.bool, device=q.device).tril(diagonal=offset)
+            o = F.scaled_dot_product_attention(q_, k_, v_, attn_mask=mask, scale=scale)
+        return o.squeeze(0).transpose(0, 1)  # [Nq, Hq, D]
+    # every row keeps its own position's key, so no row is all -inf
+    gap = (offset + torch.arange(nq, device=q.device))[:, None] - torch.arange(nk, device=q.device)
+    mask = gap >= 0
+    if sliding_window is not None:
+        mask &= gap < sliding_window
+    if logit_softcap is None:
         o = F.scaled_dot_product_attention(q_, k_, v_, attn_mask=mask, scale=scale)
+    else:
+        # transformers' eager attention in its op order and dtypes: scores in q's dtype,
+        # capped, masked, softmax in fp32 rounded back to q's dtype, then @ v
+        scores = torch.matmul(q_, k_.transpose(2, 3)) * scale
+        scores = torch.tanh(scores / logit_softcap) * logit_softcap
+        scores = scores.masked_fill(~mask, float("-inf"))
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        o = torch.matmul(probs, v_)
     return o.squeeze(0).transpose(0, 1)  # [Nq, Hq, D]
 
 
-def decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, out) -> None:
+def decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, out,
+                     sliding_window: int | None = None, logit_softcap: float | None = None) -> None:
+    # One query per sequence (at position context_len - 1) into out: [B, Hq, D]
     if use_triton(q):
         from batchrun.kernels.paged_attention import paged_decode_attention
-        paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, out)
+        paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, out,
+                               sliding_window, logit_softcap)
     else:
         from batchrun.kernels.reference import ref_paged_decode_attention
-        out.copy_(ref_paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale))
+        out.copy_(ref_paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale,
+                                             sliding_window, logit_softcap))
