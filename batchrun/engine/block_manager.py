@@ -18,7 +18,7 @@ fails, `reset_cache` forgets every hash (the scheduler's abort does it).
 """
 from __future__ import annotations
 
-from batchrun.engine.block_pool import ROOT_HASH, BlockPool, block_hash
+from batchrun.engine.block_pool import LONG_ROPE_ROOT_HASH, ROOT_HASH, BlockPool, block_hash
 from batchrun.engine.sequence import Sequence
 
 SCRATCH_BLOCK = 0
@@ -108,9 +108,10 @@ class BlockManager:
         hs, bs = seq.block_hashes, self.block_size
         if n * bs > len(seq.token_ids):
             raise AssertionError(f"hash of {n} blocks of a sequence with {len(seq.token_ids)} known tokens")
+        root = LONG_ROPE_ROOT_HASH if seq.long_rope else ROOT_HASH
         while len(hs) < n:
             i = len(hs)
-            hs.append(block_hash(hs[-1] if hs else ROOT_HASH, seq.adapter, seq.token_ids[i * bs:(i + 1) * bs]))
+            hs.append(block_hash(hs[-1] if hs else root, seq.adapter, seq.token_ids[i * bs:(i + 1) * bs]))
         return hs
 
     def reset_cache(self) -> None:

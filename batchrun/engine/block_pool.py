@@ -18,6 +18,9 @@ from array import array
 from collections import OrderedDict
 
 ROOT_HASH = bytes(32)  # the "parent" of a sequence's first block
+# ... of a sequence rotated with LongRoPE's long table: its K/V differ from the same tokens'
+# under the short table, so the two never share cached blocks
+LONG_ROPE_ROOT_HASH = b"\x01" * 32
 
 
 def block_hash(parent: bytes, adapter: str | None, tokens) -> bytes:

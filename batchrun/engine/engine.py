@@ -171,7 +171,8 @@ class Engine:
     # ---- steps ----------------------------------------------------------------------------
     def scheduler(self) -> Scheduler:
         """A scheduler for one run over this engine's KV blocks, LoRA slots and stop checks."""
-        return Scheduler(self.config, self.blocks, self.lora, frozenset(self.eos_ids), self.tokenizer)
+        return Scheduler(self.config, self.blocks, self.lora, frozenset(self.eos_ids), self.tokenizer,
+                         long_rope_from=self.runner.long_rope_from)
 
     def step(self, sched: Scheduler) -> list[Sequence]:
         """One step, synchronously: schedule -> execute -> update. Returns the rows that

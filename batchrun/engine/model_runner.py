@@ -60,10 +60,11 @@ class ModelRunner:
                                     cfg.num_key_value_heads, cfg.head_dim, device=device, dtype=dtype)
         for i, attn in enumerate(model.attention_layers()):
             attn.k_cache, attn.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
-        # LongRoPE: a sequence longer than the pretraining length reads the long table, whose
-        # rows follow the short one's (layers/rotary.py); None for every other rope
+        # LongRoPE: a sequence longer than the pretraining length (Sequence.long_rope, set by
+        # the scheduler) reads the long table, whose rows follow the short one's
+        # (layers/rotary.py); offset 0 for every other rope
         rotary = model.model.rotary
-        self._rope_offset = rotary.row_offset if rotary.long_from is not None else None
+        self.long_rope_from, self._long_offset = rotary.long_from, rotary.long_offset
         n, mb = config.max_num_seqs, self.max_blocks_per_seq
         # Static decode inputs live in two device buffers (int64 and int32), so a step's inputs
         # cost two host->device copies. Views:
@@ -226,8 +227,8 @@ class ModelRunner:
         lora = [s.lora_slot for s in seqs]
         h64[0, :b] = [0 if j >= 0 else s.token_ids[p] for s, p, j in zip(seqs, starts, pending_rows)]
         pending = [(i, j) for i, j in enumerate(pending_rows) if j >= 0]
-        h64[1, :b] = (starts if self._rope_offset is None
-                      else [p + self._rope_offset(p + 1) for p in starts])
+        h64[1, :b] = (starts if self.long_rope_from is None
+                      else [p + self._long_offset * s.long_rope for s, p in zip(seqs, starts)])
         slot = self.blocks.slot
         h64[2, :b] = [slot(s, m - 1) for s, m in zip(seqs, lens)]
         h32[:b], h32[n:n + b] = lens, lora
@@ -304,15 +305,13 @@ class ModelRunner:
                 else:  # its newest token is on the device
                     ids[t] = 0
                     pending.append((t, batch.pending_rows[i]))
-                pos[t], slots[t] = start, self.blocks.slot(s, start)
-                if self._rope_offset is not None:
-                    pos[t] += self._rope_offset(end)
+                pos[t], slots[t] = start + self._long_offset * s.long_rope, self.blocks.slot(s, start)
             else:
                 if end > len(s.token_ids):
                     raise AssertionError("a prompt chunk reaches past the tokens known on the host")
                 p = np.arange(start, end)
                 ids[t:t + n] = s.token_ids[start:end]
-                pos[t:t + n] = p if self._rope_offset is None else p + self._rope_offset(end)
+                pos[t:t + n] = p + self._long_offset * s.long_rope
                 slots[t:t + n] = table[i, p // bs].astype(np.int64) * bs + p % bs
             lora[t:t + n] = s.lora_slot
             t += n

@@ -70,7 +70,8 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(self, config: EngineConfig, block_manager: BlockManager, lora=None,
-                 eos_ids: frozenset[int] = frozenset(), tokenizer=None):
+                 eos_ids: frozenset[int] = frozenset(), tokenizer=None,
+                 long_rope_from: int | None = None):
         self.max_num_seqs = config.max_num_seqs
         self.max_batched = config.max_num_batched_tokens
         self.max_model_len = config.max_model_len
@@ -86,8 +87,13 @@ class Scheduler:
         self.num_recomputed_tokens = 0  # KV tokens dropped by preemption and computed again later
         self.prefix_queried_tokens = 0  # prompt tokens looked up in the prefix cache at admission
         self.prefix_hit_tokens = 0  # ... and the ones found there (not computed)
+        # LongRoPE (Phi-3 128k, Phi-4-mini): the pretraining length; a sequence longer than it
+        # is rotated with the long table, all of its positions, as transformers computes it
+        self.long_rope_from = long_rope_from
 
     def add(self, seq: Sequence) -> None:
+        if self.long_rope_from is not None and seq.num_tokens > self.long_rope_from:
+            seq.long_rope = True
         self.waiting.append(seq)
 
     def has_work(self) -> bool:
@@ -167,6 +173,10 @@ class Scheduler:
                 continue  # preempted while making room for an earlier row / a prompt chunk
             if seq.num_pending and reaches_length(seq, seq.num_tokens, self.max_model_len):
                 continue  # async steps: the step in flight gave it its last token
+            if (self.long_rope_from is not None and not seq.long_rope
+                    and seq.num_tokens > self.long_rope_from):
+                self._switch_to_long_rope(seq)
+                continue
             if self._make_room(seq, seq.num_tokens):
                 rows.append(seq)
         return rows, self.num_preemptions > before
@@ -261,6 +271,20 @@ class Scheduler:
         seq.reset_for_recompute()
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
+
+    def _switch_to_long_rope(self, seq: Sequence) -> None:
+        """The sequence grows past the LongRoPE pretraining length: transformers then computes
+        every position again with the long table (Phi3ForCausalLM drops its KV cache there), so
+        its K/V are dropped and it is prefilled again, as a preemption does; its cached blocks
+        (short table) are not reused (block_manager: a separate hash root)."""
+        self.running.remove(seq)
+        self._release(seq)
+        self.num_recomputed_tokens += seq.num_computed
+        seq.preempted_computed = seq.num_computed
+        seq.reset_for_recompute()
+        seq.long_rope = True
+        seq.block_hashes = []
+        self.waiting.appendleft(seq)
 
     def finish(self, seq: Sequence, reason: str) -> None:
         if seq.status is SeqStatus.WAITING:

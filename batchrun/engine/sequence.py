@@ -25,6 +25,9 @@ class Sequence:
         self.token_ids = list(prompt_token_ids)
         self.prompt_len = len(prompt_token_ids)
         self.num_computed = 0  # tokens whose K/V are in the cache
+        # LongRoPE models: rotated with the long table (the sequence is longer than the
+        # pretraining length; Scheduler.add and _switch_to_long_rope set it)
+        self.long_rope = False
         self.block_ids: list[int] = []
         # prefix caching (block_manager.py): hashes of the full blocks of token_ids, kept across
         # preemption (the tokens only grow), and how many of block_ids are registered

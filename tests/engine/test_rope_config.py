@@ -78,8 +78,7 @@ def test_longrope_short_and_long_tables_are_transformers(layout, partial):
         freqs = torch.outer(t, inv_freq)
         want = torch.cat([freqs.cos() * factor, freqs.sin() * factor], dim=-1)
         torch.testing.assert_close(rope.cos_sin[rows], want, rtol=0, atol=2e-5)
-    # transformers switches a sequence to the long table once it is longer than 512
-    assert (rope.row_offset(512), rope.row_offset(513)) == (0, 4096)
+    assert (rope.long_from, rope.long_offset) == (512, 4096)  # where the long rows start
 
 
 def test_dynamic_is_the_default_table_within_the_context():

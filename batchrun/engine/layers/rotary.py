@@ -8,11 +8,11 @@ attention factor multiplies the table itself (as transformers multiplies cos and
 kernels are the same for every rope type. The table has rotary_dim columns: with a partial
 rotary (Phi-4-mini) only the first rotary_dim dims of each head rotate.
 
-LongRoPE has two tables, short and long factors: transformers rotates a forward with the long
-one when the sequence is longer than the pretraining length (`original_max_position_embeddings`).
-Both sit in one table, long rows after the short ones: the model runner adds `long_offset`
-to the positions of a sequence whose length after the step exceeds `long_from`
-(`row_offset`), which is transformers' choice per sequence.
+LongRoPE has two tables, short and long factors: transformers rotates a sequence with the long
+one once it is longer than the pretraining length (`original_max_position_embeddings`), all of
+its positions (Phi-3 recomputes the cache when a sequence crosses it). Both sit in one table,
+long rows after the short ones: the model runner adds `long_offset` to the positions of a
+sequence the scheduler marked `long_rope` (engine/scheduler.py recomputes at the crossing).
 """
 from __future__ import annotations
 
@@ -108,16 +108,11 @@ class RotaryEmbedding(nn.Module):
         self.theta = theta
         self.scaling = scaling
         longrope = scaling is not None and scaling["rope_type"] == "longrope"
-        # LongRoPE: rows [P, 2P) hold the long-factor table (row_offset)
+        # LongRoPE: rows [P, 2P) hold the long-factor table
         self.long_from = scaling["original_max_position_embeddings"] if longrope else None
         self.long_offset = max_position if longrope else 0
         rows = max_position * (2 if longrope else 1)
         self.register_buffer("cos_sin", torch.empty(rows, rotary_dim), persistent=False)
-
-    def row_offset(self, seq_len: int) -> int:
-        """What to add to the positions of a sequence `seq_len` long after this forward: the
-        long table's offset when LongRoPE switches to it, else 0."""
-        return self.long_offset if self.long_from is not None and seq_len > self.long_from else 0
 
     @torch.no_grad()
     def init_cache(self, device) -> None:
