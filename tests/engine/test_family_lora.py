@@ -19,10 +19,16 @@ FAMILIES = ["qwen3", "gemma2", "gemma3", "phi3_longrope", "phi3_window", "qwen2_
 @pytest.mark.parametrize("path", ["unfused", "fused_ref"])
 @pytest.mark.parametrize("variant", FAMILIES)
 def test_family_lora_matches_peft(tmp_path, variant, path, monkeypatch):
-    from peft import PeftModel
     import batchrun.engine.model_runner as model_runner
     if path != "unfused":
         monkeypatch.setattr(model_runner, "use_triton", lambda t: True)
+    check_family_lora(tmp_path, variant, "cpu")
+
+
+def check_family_lora(tmp_path, variant: str, device: str) -> None:
+    """The engine on `device` (fp32) against transformers + peft (CPU) for base rows and two
+    adapters of `variant` mixed in one generate."""
+    from peft import PeftModel
     base = save_hf_model(variant, tmp_path / "base")
     family = base.config.model_type
     kws = {"all": dict(r=8, lora_alpha=16, target_modules="all-linear"),
@@ -36,7 +42,7 @@ def test_family_lora_matches_peft(tmp_path, variant, path, monkeypatch):
     # prompts longer than the window (48) and the LongRoPE pretraining length (64)
     prompts = random_prompts(len(names), [5, 70, 17, 90, 3], base.config.vocab_size, seed=4)
     engine = Engine.from_config(
-        EngineConfig(model=str(tmp_path / "base"), device="cpu", max_model_len=256,
+        EngineConfig(model=str(tmp_path / "base"), device=device, dtype="float32", max_model_len=256,
                      max_num_batched_tokens=64, enable_lora=True, max_loras=2, max_lora_rank=8),
         adapters={n: str(p) for n, p in paths.items()})
     sp = SamplingParams(max_tokens=NEW, ignore_eos=True)

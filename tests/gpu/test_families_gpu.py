@@ -33,6 +33,14 @@ def test_fp32_greedy_matches_hf_on_the_triton_path(tmp_path, variant):
         assert r.output_token_ids == hf_greedy(hf, p, 40), f"prompt len {len(p)}"
 
 
+@pytest.mark.parametrize("variant", ["qwen3", "gemma2", "gemma3", "phi3_longrope"])
+def test_fp32_lora_matches_peft_on_the_triton_path(tmp_path, variant):
+    # fused decode steps: Qwen3's and Gemma 3's qkv delta added before the q/k norms
+    # (lora/layer.py add_delta), Gemma's norms and GeGLU taking the deltas
+    from tests.engine.test_family_lora import check_family_lora
+    check_family_lora(tmp_path, variant, "cuda")
+
+
 # mid-sized random models of each family: windows shorter than prompt + output
 MID = dict(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
            num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=4096,

@@ -69,7 +69,7 @@ SHAPES = {
                           original_max_position_embeddings=64, rope_scaling={
                               "rope_type": "longrope", "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5],
                               "long_factor": [1.0, 1.5, 2.5, 4.0, 6.0, 9.0]},
-                          tie_word_embeddings=True, **_SCALED),
+                          **_SCALED),
     "phi3_window": dict(arch="phi3", **_PARITY, num_key_value_heads=4, sliding_window=_WINDOW,
                         **_SCALED),
     # the job-side tests' model: one layer over the character vocabulary of tests.helpers.tokenizer
@@ -164,9 +164,17 @@ def random_prompts(n: int, lengths: list[int], vocab: int, seed: int = 0) -> lis
 
 
 def hf_greedy(model, prompt: list[int], max_new: int) -> list[int]:
-    """HF generate, greedy, one row at a time (no padding effects); returns new tokens."""
+    """HF generate, greedy, one row at a time (no padding effects); returns new tokens.
+
+    LongRoPE models generate without a KV cache: a sequence longer than the pretraining length
+    is rotated with the long table at every position, which the uncached forward computes.
+    transformers' cached generate means to recompute there (Phi3ForCausalLM drops its cache
+    when a sequence crosses that length) but then feeds only the newest token, so from that
+    step on it attends to nothing before it (transformers 5.17)."""
+    rope = getattr(model.config, "rope_parameters", None) or {}
+    cached = rope.get("rope_type") != "longrope"
     with torch.no_grad():
         ids = torch.tensor([prompt])
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new,
-                             do_sample=False, eos_token_id=None, pad_token_id=0)
+                             do_sample=False, eos_token_id=None, pad_token_id=0, use_cache=cached)
     return out[0, len(prompt):].tolist()

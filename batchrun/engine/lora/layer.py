@@ -17,8 +17,11 @@ cases:
   the first N + k*S*R rows of `weight_full` computes y and the shrink of slots < k together,
   and the delta (shrunk . B) is returned as a LoRADelta for the next kernel to add: no LoRA
   launch of its own;
-- otherwise (larger prefills, CPU, callers without a fusing consumer): y = x W.T, then the
-  Punica shrink + expand add the delta in place (kernels on CUDA, torch references on CPU).
+- a fused step and a caller whose next op takes no delta (Qwen3's and Gemma 3's q/k norms
+  come between qkv_proj and the rotary): the same GEMM, then the delta is added to y at once
+  (`add_delta`: one GEMM of the token's own slot's shrunk values and the slots' B);
+- otherwise (larger prefills, CPU): y = x W.T, then the Punica shrink + expand add the delta
+  in place (kernels on CUDA, torch references on CPU).
 
 gate_up on a fused step whose plan runs it in the fused GEMM + SiLU kernel
 (`GemmPlan.gate_up_silu`) does not call the hook: that kernel streams only W, the norm before
@@ -111,17 +114,40 @@ class LoRALinear:
         # x: [T, in] -> (y [T, out], pending delta or None); step: this step's LoRA part;
         # kernel: the GEMM the step plan names for this projection
         m = self.manager
-        if defer and step.fuse:
+        if step.fuse:
             N = linear.out_features
             rows = N + self._shrunk_cols(step)
             bias = None if self.bias_full is None else self.bias_full[:rows]
             # the kernel is chosen by W alone, so W's columns come out as in a no-LoRA step
             full = gemm.linear(x, self.weight_full[:rows], bias, kernel)  # [T, N + k*S*R]
-            return full[:, :N], LoRADelta(full[:, N:], self.lora_b, step.token_slots,
-                                          self.slice_offsets)
+            delta = LoRADelta(full[:, N:], self.lora_b, step.token_slots, self.slice_offsets)
+            if defer:
+                return full[:, :N], delta
+            return add_delta(full[:, :N], delta), None
         y = gemm.linear(x, linear.weight, linear.bias, kernel)
         # m.shrink_buffer: flat fp32 scratch shared by all layers; add_lora views its split-K
         # partials [splits, S, T, R] out of it.
         punica.add_lora(x, y, self.lora_a, self.lora_b, m.shrink_buffer, self.slice_offsets,
                         step.meta)
         return y, None
+
+
+def add_delta(y: Tensor, delta: LoRADelta) -> Tensor:
+    """y [T, N] + its LoRA delta as a new tensor, for a fused step's projection whose next op
+    cannot add it (fp32 math, one rounding, as the fusing kernels). On the GPU one GEMM: the
+    shrunk values masked to each token's own slot [T, k*S*R] times the slots' B laid out per
+    slice [k*S*R, N] (zero outside the slice), with no host sync (graph capturable)."""
+    if y.device.type != "cuda":
+        return delta.apply_reference(y)
+    T, N = y.shape
+    _, _, R = delta.lora_b.shape
+    S, k = delta.num_slices, delta.num_slots
+    slots = delta.token_slots[:T].long()
+    own = (slots[:, None] == torch.arange(k, device=y.device)).float()  # [T, k]; -1: none
+    shrunk = delta.shrunk[:T].float().view(T, k, S * R) * own[:, :, None]
+    cols = torch.arange(N, device=y.device)
+    offs = delta.slice_offsets
+    in_slice = torch.stack([(cols >= offs[s]) & (cols < offs[s + 1]) for s in range(S)])  # [S, N]
+    b = delta.lora_b[:k].float().transpose(1, 2)  # [k, R, N]
+    per_slice = b[:, None] * in_slice[None, :, None, :]  # [k, S, R, N]
+    return (y.float() + shrunk.reshape(T, -1) @ per_slice.reshape(k * S * R, N)).to(y.dtype)
