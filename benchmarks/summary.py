@@ -47,9 +47,12 @@ def figures(d: dict) -> dict[str, float]:
         return out
     if kind == "throughput":
         ea = d["engine_alone"]
-        return {"engine alone tok/s": d["throughput_tok_s"]["engine_alone"],
-                "engine alone s": ea["generate_s"],
-                "job generation tok/s": d["throughput_tok_s"]["job_generation"]}
+        out = {"engine alone tok/s": d["throughput_tok_s"]["engine_alone"],
+               "engine alone s": ea["generate_s"],
+               "job generation tok/s": d["throughput_tok_s"]["job_generation"]}
+        if (d.get("offline_floor") or {}).get("engine_alone_fraction") is not None:
+            out["engine alone of floor"] = d["offline_floor"]["engine_alone_fraction"]
+        return out
     raise ValueError(f"unknown benchmark {kind!r}")
 
 
@@ -61,7 +64,7 @@ def line(path: Path) -> str:
 
 
 def fmt(name: str, v: float) -> str:
-    if "of HBM" in name:
+    if "of HBM" in name or "of floor" in name:
         return f"{v:.1%}"
     if name.endswith("%"):
         return f"{v:+.2f}"

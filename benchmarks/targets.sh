@@ -12,7 +12,10 @@
 #              and recomputed, equally on both engines (the matrix checks that) (~150 s)
 # Times are H100 estimates (session 18: latency + matrix + offline in 229 s).
 #
-#   BATCHRUN_COMMIT=<sha> bash benchmarks/targets.sh [latency matrix offline tp-matrix]
+#   offline:PRESET, matrix:PRESET  the offline / latency-matrix run on another model preset's
+#              shape (batchrun/bench/presets.py: llama-3-8b, qwen3-8b, gemma-2-9b, gemma-3-12b, phi-4)
+#
+#   BATCHRUN_COMMIT=<sha> bash benchmarks/targets.sh [latency matrix offline tp-matrix offline:P matrix:P]
 #   (default: latency matrix offline)
 #
 # Writes $OUT/<run>$TAG.json and .log (OUT defaults to /tmp/out, TAG to nothing) and prints one
@@ -33,9 +36,16 @@ runs=("$@")
 [ ${#runs[@]} -eq 0 ] && runs=(latency matrix offline)
 rc_all=0
 for r in "${runs[@]}"; do
-  json="$OUT/$r$TAG.json" log="$OUT/$r$TAG.log"
+  json="$OUT/${r/:/-}$TAG.json" log="$OUT/${r/:/-}$TAG.log"
   rm -f "$json"
   case "$r" in
+    offline:*)
+      timeout 500 "$PY" -m batchrun bench throughput --preset "${r#offline:}" --lora-fraction 0 \
+        --output-json "$json" > "$log" 2>&1 ;;
+    matrix:*)
+      timeout 400 "$PY" -m batchrun bench lora-matrix --model "${r#matrix:}" --preset latency \
+        --no-eager --num-iters 10 --num-iters-warmup 2 --profile-kernels --output-json "$json" \
+        > "$log" 2>&1 ;;
     latency)
       timeout 240 "$PY" -m batchrun bench latency --model llama-2-7b --num-iters 20 \
         --output-json "$json" > "$log" 2>&1 ;;

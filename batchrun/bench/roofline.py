@@ -68,3 +68,37 @@ def format_roofline(r: dict | None) -> str:
         return head + " (HBM peak of this device unknown)"
     return (head + f" = {r['fraction_of_peak']:.1%} of the {r['hbm_peak_bytes_per_s'] / 1e12:.2f} "
             f"TB/s HBM peak (floor {r['floor_ms']:.3f} ms a step)")
+
+
+def offline_floor(cfg, num_prompts: int, prompt_len: int, output_len: int, max_num_seqs: int,
+                  device_name: str, dtype_bytes: int = 2) -> dict | None:
+    """The offline workload's physical limit on this card: prefill at the bf16 dense peak (the
+    projections' and attention's FLOPs), then waves of max_num_seqs rows decoding, each step
+    max(its FLOPs at the dense peak, its weights at HBM peak) + its rows' K/V at HBM peak (the
+    step floor benchmarks/offline_step_profile.py measures against). Contexts shorter than
+    any sliding window are assumed (the benchmark's 384 tokens)."""
+    from batchrun.bench.presets import num_params
+    peak, hbm = bf16_peak(device_name), hbm_peak(device_name)
+    if peak is None or hbm is None:
+        return None
+    h, v, layers = cfg.hidden_size, cfg.vocab_size, cfg.num_hidden_layers
+    # matmul parameters a token meets: everything but the embedding lookup (a tied lm_head
+    # multiplies by the embedding table, so it counts once either way)
+    matmul = num_params(cfg) - (0 if cfg.tie_word_embeddings else v * h)
+    weights = matmul * dtype_bytes
+    attn = 4 * layers * cfg.num_attention_heads * cfg.head_dim  # FLOPs per (query, key) pair
+    kv_token = 2 * layers * cfg.num_key_value_heads * cfg.head_dim * dtype_bytes
+    prefill_flops = num_prompts * (2 * matmul * prompt_len + attn * prompt_len * (prompt_len + 1) / 2)
+    prefill_s = prefill_flops / peak
+    decode_s, left = 0.0, num_prompts
+    while left > 0:
+        rows = min(left, max_num_seqs)
+        for i in range(output_len):
+            ctx = prompt_len + i + 1
+            flops = rows * (2 * matmul + attn * ctx)
+            decode_s += max(flops / peak, weights / hbm) + rows * ctx * kv_token / hbm
+        left -= rows
+    total = prefill_s + decode_s
+    return {"prefill_s": prefill_s, "decode_s": decode_s, "floor_s": total,
+            "tok_s": num_prompts * (prompt_len + output_len) / total,
+            "bf16_peak_flop_s": peak, "hbm_peak_bytes_per_s": hbm}

@@ -325,6 +325,16 @@ def run_throughput(p: ThroughputParams, log=print, command: str | None = None) -
                                               "metrics", "lines")},
                   "output_check": check}
         result.update(summarize(p, eng, job["phases"], check))
+        from batchrun.bench.roofline import offline_floor
+        from batchrun.engine.models.config import ModelConfig
+        floor = offline_floor(ModelConfig.from_dict(workload.workload_config(p.model_preset)),
+                              p.num_prompts, p.prompt_len, p.output_len, p.max_num_seqs,
+                              result.get("device") or "")
+        if floor is not None:
+            floor["engine_alone_fraction"] = result["throughput_tok_s"]["engine_alone"] / floor["tok_s"]
+            log(f"    engine alone at {floor['engine_alone_fraction']:.1%} of the workload's "
+                f"floor ({floor['tok_s']:.0f} tok/s on this card)")
+        result["offline_floor"] = floor
     finally:
         if tmp:
             shutil.rmtree(tmp, ignore_errors=True)

@@ -5,7 +5,8 @@ import json
 import torch
 from safetensors import safe_open
 
-from batchrun.bench.adapters import TARGETS, write_random_adapters
+from batchrun.bench.adapters import write_random_adapters
+from batchrun.engine.lora.peft_config import PEFT_MODULES
 from batchrun.bench.build import build_engine, make_requests, random_prompts
 from batchrun.engine.config import EngineConfig
 from batchrun.bench.presets import PRESETS, num_params, preset_config
@@ -19,6 +20,20 @@ def test_presets_have_the_real_shapes():
     assert (l3.num_key_value_heads, l3.vocab_size, l3.rope_scaling["rope_type"]) == (8, 128256, "llama3")
     assert preset_config("llama-2-7b").torch_dtype == "bfloat16"
     assert set(PRESETS) >= {"llama-2-7b", "llama-3-8b", "tiny"}
+    # the families' benchmark shapes (parameter counts of the published checkpoints' text models)
+    sizes = {n: round(num_params(preset_config(n)) / 1e9, 2)
+             for n in ("qwen3-8b", "gemma-2-9b", "gemma-3-12b", "phi-4")}
+    assert sizes == {"qwen3-8b": 8.19, "gemma-2-9b": 9.24, "gemma-3-12b": 11.77, "phi-4": 14.66}
+
+
+def test_random_adapters_name_the_family_modules(tmp_path):
+    # Phi-3's Linears are fused in transformers too: its adapters target qkv_proj/gate_up_proj
+    cfg = preset_config("phi-4")
+    d = write_random_adapters(tmp_path, cfg, 1, rank=1)["lora0"]
+    conf = json.loads((tmp_path / "lora0" / "adapter_config.json").read_text())
+    assert conf["target_modules"] == ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
+    info = inspect_adapter("lora0", d, cfg, max_lora_rank=16)
+    assert len(info.targets) == cfg.num_hidden_layers * 7  # q, k, v, o, gate, up, down slices
 
 
 def test_random_adapter_files(tmp_path):
@@ -27,7 +42,7 @@ def test_random_adapter_files(tmp_path):
     assert sorted(dirs) == ["lora0", "lora1"]
     conf = json.loads((tmp_path / "lora0" / "adapter_config.json").read_text())
     assert conf["peft_type"] == "LORA" and conf["r"] == 8 and conf["lora_alpha"] == 16
-    assert conf["target_modules"] == list(TARGETS) and len(TARGETS) == 7
+    assert conf["target_modules"] == list(PEFT_MODULES) and len(PEFT_MODULES) == 7
     assert conf["bias"] == "none" and conf["task_type"] == "CAUSAL_LM"
     assert conf["base_model_name_or_path"] == "tiny"
     with safe_open(str(tmp_path / "lora0" / "adapter_model.safetensors"), "pt") as f:

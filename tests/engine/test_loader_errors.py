@@ -81,15 +81,3 @@ def test_sharded_checkpoint_loads_identically(tmp_path):
     fused = model.model.layers[1].self_attn.qkv_proj
     assert torch.equal(fused.weight[:q.weight.shape[0]], q.weight)
     assert torch.equal(fused.bias[:q.weight.shape[0]], q.bias)
-
-
-def test_sliding_window_shorter_than_max_model_len_refused(tmp_path):
-    from batchrun.engine.config import EngineConfig
-    from batchrun.engine.engine import Engine
-    from batchrun.errors import ConfigError
-    save_hf_model("mistral", tmp_path / "m")
-    cfg = json.loads((tmp_path / "m" / "config.json").read_text())
-    cfg["sliding_window"] = 128
-    (tmp_path / "m" / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ConfigError, match="sliding_window=128.*max_model_len <= 128"):
-        Engine.from_config(EngineConfig(model=str(tmp_path / "m"), device="cpu", max_model_len=256))

@@ -134,7 +134,7 @@ def _run_step(sched, batch):
 
 def test_decode_rows_room_first_preempts_no_row_already_in_the_step():
     blocks = BlockManager(num_blocks=7, block_size=4)  # 6 usable blocks = 24 tokens
-    sched = Scheduler(EngineConfig(model="m", max_num_seqs=8, max_num_batched_tokens=32,
+    sched = Scheduler(EngineConfig(model="m", max_model_len=64, max_num_seqs=8, max_num_batched_tokens=32,
                                    experiments=Experiments(mixed_steps=True)), blocks)
     for i, n in enumerate((8, 7, 7)):  # 2 + 2 + 2 blocks: the cache is full
         sched.add(_seq(i, n))
@@ -159,7 +159,7 @@ def test_decode_rows_room_first_preempts_no_row_already_in_the_step():
 
 def test_more_decode_rows_than_the_budget_fall_back_to_a_prefill_step():
     blocks = BlockManager(num_blocks=64, block_size=4)
-    sched = Scheduler(EngineConfig(model="m", max_num_seqs=8, max_num_batched_tokens=4,
+    sched = Scheduler(EngineConfig(model="m", max_model_len=64, max_num_seqs=8, max_num_batched_tokens=4,
                                    experiments=Experiments(mixed_steps=True)), blocks)
     for i in range(4):
         sched.add(_seq(i, 1))

@@ -154,8 +154,19 @@ def inspect_adapter(name: str, path, model_config, max_lora_rank: int) -> Adapte
             raise adapter_error(name, path, f"adapter_config.json says it was trained on a "
                                 f"{pc.base_model_class}, but the base model is {model_type!r}; "
                                 "use an adapter trained for this base model")
-    header = {_text_tower_key(k, cfg): v for k, v in _read_header(name, path).items()
-              if not pc.ignores(k)}
+    header, stored, prefix = {}, {}, "model."
+    for k, v in _read_header(name, path).items():
+        if not pc.ignores(k):
+            ck = _text_tower_key(k, cfg)
+            if ck != k:  # where the adapter's model kept the decoder (an image-text model's text tower)
+                prefix = k.removeprefix("base_model.model.").split("layers.")[0]
+            header[ck], stored[ck] = v, k
+
+    def peft_key(layer: int, proj: str) -> str:
+        # the module's name in the model the adapter was trained on: what its config's
+        # target_modules and patterns were matched against
+        return prefix + module_key(layer, proj).removeprefix("model.")
+
     n_layers = cfg.num_hidden_layers
     shapes, modules = module_shapes(cfg), peft_modules(cfg)
 
@@ -183,7 +194,7 @@ def inspect_adapter(name: str, path, model_config, max_lora_rank: int) -> Adapte
         raise adapter_error(name, path, f"{_WEIGHTS} holds no LoRA weights")
     targets = []
     for (layer, proj), ab in sorted(found.items()):
-        mkey = module_key(layer, proj)
+        mkey = peft_key(layer, proj)
         if set(ab) != {"A", "B"}:
             raise adapter_error(name, path, f"{mkey} has lora_{''.join(ab)} but not both A and "
                                 "B; the weights file is incomplete")
@@ -210,21 +221,22 @@ def inspect_adapter(name: str, path, model_config, max_lora_rank: int) -> Adapte
                                 f"{max_lora_rank}; raise engine.max_lora_rank to at least {ra}")
         parent, module, sl = modules[proj]
         scaling = pc.scaling_for(mkey, ra)
+        key_a, key_b = stored[ab["A"]], stored[ab["B"]]
         if sl is not None:
-            targets.append(LoRATarget(layer, proj, module, sl, ra, scaling, ab["A"], ab["B"]))
+            targets.append(LoRATarget(layer, proj, module, sl, ra, scaling, key_a, key_b))
             continue
         start = 0  # one PEFT module over all slices of ours: one target per slice
         for k, size in enumerate(_slice_sizes(cfg)[module]):
-            targets.append(LoRATarget(layer, proj, module, k, ra, scaling, ab["A"], ab["B"],
+            targets.append(LoRATarget(layer, proj, module, k, ra, scaling, key_a, key_b,
                                       (start, start + size)))
             start += size
     if pc.target_modules is not None:  # a selected module without weights: file incomplete
         for layer in range(n_layers):
             for proj in modules:
-                if (layer, proj) not in found and pc.is_target(module_key(layer, proj), n_layers,
+                if (layer, proj) not in found and pc.is_target(peft_key(layer, proj), n_layers,
                                                                modules):
                     raise adapter_error(name, path, f"adapter_config.json selects "
-                                        f"{module_key(layer, proj)} but {_WEIGHTS} has no "
+                                        f"{peft_key(layer, proj)} but {_WEIGHTS} has no "
                                         "weights for it; the weights file is incomplete")
     targets.sort(key=lambda t: (t.layer, t.module, t.slice))
     return AdapterInfo(name, path, max(t.rank for t in targets), tuple(targets))

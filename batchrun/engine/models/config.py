@@ -133,8 +133,9 @@ class ModelConfig:
             if not isinstance(text, dict):
                 raise ModelLoadError(f"{where}: Gemma3ForConditionalGeneration without a "
                                      f"text_config object")
-            raw = {**{k: raw[k] for k in ("eos_token_id", "bos_token_id", "torch_dtype", "dtype",
-                                          "tie_word_embeddings") if k in raw}, **text}
+            # the whole model's fields win (transformers ties lm_head by the top-level flag)
+            raw = {**text, **{k: raw[k] for k in ("eos_token_id", "bos_token_id", "torch_dtype",
+                                                  "dtype", "tie_word_embeddings") if k in raw}}
             model_type, prefix = "gemma3_text", "model.language_model."
         act = raw.get("hidden_activation") or raw.get("hidden_act") or "silu"
         if act not in _ACTIVATIONS:
