@@ -40,13 +40,11 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from batchrun.kernels.lora_delta import (delta_args, gather_consts, lora_delta_rows,
-                                        lora_delta_tile, row_block, tile_shrunk, tile_slots)
+from batchrun.kernels.add_lora_delta import launch_delta
+from batchrun.kernels.lora_delta import delta_args
 from batchrun.kernels.lora_meta import LoRADelta, LoRAShrink
 from batchrun.kernels.pdl import pdl_enter, pdl_kwargs
 from batchrun.kernels.utils import FLOAT_DTYPES, check
-
-DELTA_CHUNKS = 32  # column chunks per row of the LoRA delta kernel (at least 128 columns each)
 
 
 @triton.jit
@@ -112,47 +110,6 @@ def norm_row(x, w_ptr, offs, mask, H, eps, out_ptr, OFFSET: tl.constexpr):
         w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         y = ((xf * rstd) * (OFFSET + w)).to(out_ptr.dtype.element_ty)   # cast last (Gemma)
     return y
-
-
-@triton.jit
-def _add_lora_delta_kernel(
-    x_ptr, res_ptr, h_ptr,   # h = rnd(x + delta) goes to h_ptr, or (FUSED_ADD) rnd(res + h) to res
-    T, H,
-    stride_x, stride_r, stride_h,
-    s_ptr, stride_s, b_ptr, slot_ptr, LN, LS, LR,   # the LoRA delta of x
-    FUSED_ADD: tl.constexpr,
-    BLOCK_M: tl.constexpr, CHUNK: tl.constexpr,
-    BLOCK_R: tl.constexpr, DOT_IEEE: tl.constexpr, GATHER: tl.constexpr, R_CHUNK: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    # Grid (row tiles, column chunks), every program independent: B is read once per tile and
-    # slot of its rows' range, and the tile's delta is one tensor-core dot per slot.
-    pdl_enter(PDL)
-    tile = tl.program_id(0)
-    c = tl.program_id(1)
-    xdt = x_ptr.dtype.element_ty
-    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_mask = rows < T
-    rows64 = rows.to(tl.int64)
-    offs = c * CHUNK + tl.arange(0, CHUNK)
-    col_mask = offs < H
-    mask = row_mask[:, None] & col_mask[None, :]
-    x = tl.load(x_ptr + rows64[:, None] * stride_x + offs[None, :], mask=mask, other=0.0)
-    slot, lo, hi = tile_slots(slot_ptr, rows, row_mask)
-    if GATHER:
-        d, _ = lora_delta_rows(s_ptr, stride_s, b_ptr, rows, slot, 0, 0, offs, offs, col_mask,
-                               LN, LS, LR, BLOCK_M, CHUNK, BLOCK_R, R_CHUNK, PAIR=False)
-    else:
-        s = tile_shrunk(s_ptr, stride_s, rows, slot, 0, LS, LR, BLOCK_R, DOT_IEEE)
-        d, _ = lora_delta_tile(s, s, b_ptr, slot, lo, hi, offs, offs, col_mask, LN, LR,
-                               BLOCK_M, CHUNK, BLOCK_R, DOT_IEEE, PAIR=False)
-    h = (x.to(tl.float32) + d).to(xdt)                    # the x a separate expand would leave
-    if FUSED_ADD:
-        r_ptrs = res_ptr + rows64[:, None] * stride_r + offs[None, :]
-        r = tl.load(r_ptrs, mask=mask, other=0.0)
-        tl.store(r_ptrs, (r.to(tl.float32) + h.to(tl.float32)).to(xdt), mask=mask)
-    else:
-        tl.store(h_ptr + rows64[:, None] * stride_h + offs[None, :], h, mask=mask)
 
 
 def _out_dtype(x: Tensor, weight: Tensor, offset: float) -> torch.dtype:
@@ -227,19 +184,13 @@ def _launch(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float,
     # last program of a tile (an atomic ticket) normalises H columns x 16 rows alone, or one
     # program per row gathers its slot's whole B; both measured slower than these two launches
     # (docs/benchmarks.md's decision log).
-    bm = row_block(T)
-    chunk = max(128, triton.next_power_of_2(triton.cdiv(H, DELTA_CHUNKS)))
     if residual is not None:
         h = residual                                            # becomes res + rnd(x + delta)
     elif out.dtype == x.dtype and shrink is None:
         h = out      # staged; normalised in place (not with shrink: a row's programs would race)
     else:
         h = torch.empty((T, H), dtype=x.dtype, device=x.device)  # n rounds to x's dtype (HF)
-    _add_lora_delta_kernel[(triton.cdiv(T, bm), triton.cdiv(H, chunk))](
-        x, res, h, T, H, x.stride(0), res.stride(0), h.stride(0), *largs,
-        FUSED_ADD=residual is not None, BLOCK_M=bm, CHUNK=chunk, **consts,
-        **gather_consts(T, bm, chunk, consts["BLOCK_R"]), num_warps=4, num_stages=1,
-        **pdl_kwargs(x))
+    launch_delta(x, res, h, largs, consts, fused_add=residual is not None)
     if shrink is not None:
         norm_and_shrink(h, None, weight, eps, out, shrink, num_warps, offset=offset)
         return out, residual

@@ -25,6 +25,18 @@ def test_family_lora_matches_peft(tmp_path, variant, path, monkeypatch):
     check_family_lora(tmp_path, variant, "cpu")
 
 
+# every Triton kernel of the GPU path under the interpreter: Qwen3's qkv delta through
+# kernels/add_lora_delta.py before the per-head norms, Gemma's GeGLU and (1 + w) norms with deltas
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", ["qwen3", "gemma2"])
+def test_family_lora_on_the_triton_kernels(tmp_path, variant, monkeypatch):
+    import batchrun.engine.model_runner as model_runner
+    pytest.importorskip("triton")
+    monkeypatch.setattr(model_runner, "use_triton", lambda t: True)
+    monkeypatch.setenv("BATCHRUN_FORCE_TRITON", "1")
+    check_family_lora(tmp_path, variant, "cpu")
+
+
 def check_family_lora(tmp_path, variant: str, device: str) -> None:
     """The engine on `device` (fp32) against transformers + peft (CPU) for base rows and two
     adapters of `variant` mixed in one generate."""

@@ -19,7 +19,7 @@ cases:
   launch of its own;
 - a fused step and a caller whose next op takes no delta (Qwen3's and Gemma 3's q/k norms
   come between qkv_proj and the rotary): the same GEMM, then the delta is added to y at once
-  (`add_delta`: one GEMM of the token's own slot's shrunk values and the slots' B);
+  (`add_delta`: the norms' delta kernel, one launch per slice);
 - otherwise (larger prefills, CPU): y = x W.T, then the Punica shrink + expand add the delta
   in place (kernels on CUDA, torch references on CPU).
 
@@ -35,6 +35,7 @@ from torch import Tensor, nn
 
 from batchrun.kernels.lora_meta import LoRADelta, LoRAShrink
 from batchrun.engine.layers import gemm
+from batchrun.engine.layers.backend import use_triton
 from batchrun.engine.layers.step import LoRAStep
 from batchrun.engine.lora import punica
 
@@ -133,21 +134,10 @@ class LoRALinear:
 
 
 def add_delta(y: Tensor, delta: LoRADelta) -> Tensor:
-    """y [T, N] + its LoRA delta as a new tensor, for a fused step's projection whose next op
-    cannot add it (fp32 math, one rounding, as the fusing kernels). On the GPU one GEMM: the
-    shrunk values masked to each token's own slot [T, k*S*R] times the slots' B laid out per
-    slice [k*S*R, N] (zero outside the slice), with no host sync (graph capturable)."""
-    if y.device.type != "cuda":
-        return delta.apply_reference(y)
-    T, N = y.shape
-    _, _, R = delta.lora_b.shape
-    S, k = delta.num_slices, delta.num_slots
-    slots = delta.token_slots[:T].long()
-    own = (slots[:, None] == torch.arange(k, device=y.device)).float()  # [T, k]; -1: none
-    shrunk = delta.shrunk[:T].float().view(T, k, S * R) * own[:, :, None]
-    cols = torch.arange(N, device=y.device)
-    offs = delta.slice_offsets
-    in_slice = torch.stack([(cols >= offs[s]) & (cols < offs[s + 1]) for s in range(S)])  # [S, N]
-    b = delta.lora_b[:k].float().transpose(1, 2)  # [k, R, N]
-    per_slice = b[:, None] * in_slice[None, :, None, :]  # [k, S, R, N]
-    return (y.float() + shrunk.reshape(T, -1) @ per_slice.reshape(k * S * R, N)).to(y.dtype)
+    """y [T, N] + its LoRA delta, for a fused step's projection whose next op cannot add it:
+    on the Triton path in place, one launch per slice (kernels/add_lora_delta.py, the kernel
+    the norms add their deltas with); else the torch reference (fp32 math, one rounding)."""
+    if use_triton(y):
+        from batchrun.kernels.add_lora_delta import add_lora_delta
+        return add_lora_delta(y, delta)
+    return delta.apply_reference(y)
