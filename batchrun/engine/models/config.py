@@ -94,12 +94,6 @@ class ModelConfig:
         """The attention window of layer `layer` (None: full causal attention)."""
         return self.sliding_window if self.layer_types[layer] == SLIDING else None
 
-    @property
-    def max_window(self) -> int | None:
-        """The widest window over all layers, None when any layer attends to everything."""
-        windows = [self.layer_window(i) for i in range(self.num_hidden_layers)]
-        return None if any(w is None for w in windows) else max(windows)
-
     @classmethod
     def from_dir(cls, path: str | Path) -> "ModelConfig":
         cfg_path = Path(path) / "config.json"
@@ -127,6 +121,13 @@ class ModelConfig:
             # we never execute repository code; a config that needs it describes a custom model
             raise ModelLoadError(f"{where}: 'auto_map' asks for custom model code, which batchrun "
                                  f"never executes; use a standard {', '.join(SUPPORTED)} checkpoint")
+        quant = raw.get("quantization_config")
+        if quant:
+            method = quant.get("quant_method", "unnamed") if isinstance(quant, dict) else quant
+            raise ModelLoadError(
+                f"{where}: quantization_config (quant_method {method!r}) describes quantized "
+                f"weights; batchrun loads unquantized float32/float16/bfloat16 checkpoints only, "
+                f"so use the model's unquantized release")
         prefix = "model."
         if model_type == "gemma3":  # image-text checkpoint: run its text tower on text prompts
             text = raw.get("text_config")
