@@ -54,6 +54,12 @@ def slurm_task_defaults() -> tuple[int | None, int | None]:
     return (tid - tmin) // step, count
 
 
+def kubernetes_task_id() -> int | None:
+    """This pod's index in a Kubernetes Indexed Job (JOB_COMPLETION_INDEX, 0-based), or None.
+    Kubernetes exposes no completion count to the pod: the manifest passes --num-tasks."""
+    return _env_int("JOB_COMPLETION_INDEX")
+
+
 def worker_name(task_id: int) -> str:
     """Lock/temp/metrics name of this worker: the task id, plus the array job id inside a Slurm
     array (two arrays joining one output directory both have a task 0; a requeue keeps its name)."""
@@ -80,10 +86,12 @@ def main(ctx):
 @main.command(epilog=EXIT_CODES_HELP)
 @click.argument("job", type=click.Path(dir_okay=False))
 @click.option("--task-id", type=click.IntRange(min=0), default=None,
-              help="This task's index, 0-based. Default: from SLURM_ARRAY_TASK_ID (minus SLURM_ARRAY_TASK_MIN), else 0.")
+              help="This task's index, 0-based. Default: from SLURM_ARRAY_TASK_ID (minus SLURM_ARRAY_TASK_MIN), "
+                   "else a Kubernetes Indexed Job's JOB_COMPLETION_INDEX, else 0.")
 @click.option("--num-tasks", type=click.IntRange(min=1), default=None,
               help="How many workers are expected: a hint for where this one starts claiming units (any "
-                   "number of workers may join one output dir). Default: SLURM_ARRAY_TASK_COUNT, else 1.")
+                   "number of workers may join one output dir). Default: SLURM_ARRAY_TASK_COUNT, else 1 "
+                   "(in a Kubernetes Indexed Job give the Job's completions).")
 @click.option("--restart", is_flag=True,
               help="Discard a previous run's outputs in output.path and start over (needed when the job changed).")
 @click.option("--restart-token", default=None, metavar="TOKEN",
@@ -127,6 +135,12 @@ def run(job, task_id, num_tasks, restart, restart_token, progress, log_interval,
     if (workers is not None or gpus is not None) and (task_id is not None or num_tasks is not None):
         _fail(ExitCode.USAGE, "--workers/--gpus start their own tasks 0..N-1: drop --task-id/--num-tasks")
     env_tid, env_n = slurm_task_defaults()
+    if env_tid is None and task_id is None and kubernetes_task_id() is not None:
+        env_tid = kubernetes_task_id()
+        if num_tasks is None:
+            _fail(ExitCode.USAGE, f"JOB_COMPLETION_INDEX={env_tid} (a Kubernetes Indexed Job) gives this "
+                  "task's index but not the task count: pass --num-tasks with the Job's "
+                  "spec.completions (docs/scaling.md has a manifest)")
     task_id = task_id if task_id is not None else (env_tid or 0)
     num_tasks = num_tasks if num_tasks is not None else (env_n or 1)
     if num_tasks < 1 or not 0 <= task_id < num_tasks:

@@ -111,6 +111,26 @@ def test_slurm_array_env_defaults(monkeypatch, make_job, tmp_path):
     assert r.exit_code == 0 and "task 1/2: 3 unit(s) written" in r.output and "job: 3/3 units" in r.output
 
 
+def test_kubernetes_indexed_job_defaults(monkeypatch, make_job, tmp_path):
+    # JOB_COMPLETION_INDEX gives the task id; the count comes from the manifest's --num-tasks
+    for k in ("SLURM_ARRAY_TASK_ID", "SLURM_ARRAY_TASK_MIN", "SLURM_ARRAY_TASK_STEP", "SLURM_ARRAY_TASK_COUNT"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("JOB_COMPLETION_INDEX", "2")
+    job = make_job(demo_rows(12))
+    r = cli("run", job, "--no-progress")
+    assert r.exit_code == ExitCode.USAGE and "JOB_COMPLETION_INDEX=2" in r.output
+    assert "--num-tasks" in r.output and "completions" in r.output
+    assert not (tmp_path / "out").exists() or not list((tmp_path / "out").glob("*.parquet"))
+    r = cli("run", job, "--no-progress", "--num-tasks", "3")
+    assert r.exit_code == 0 and "task 2/3: 3 unit(s) written" in r.output and "job: 3/3 units" in r.output
+    assert sorted(x["id"] for x in read_output(tmp_path / "out").to_pylist()) == list(range(12))
+    # an explicit --task-id wins; Slurm's variables win over Kubernetes'
+    assert "task 0/3" in cli("run", job, "--no-progress", "--num-tasks", "3", "--task-id", "0").output
+    monkeypatch.setenv("SLURM_ARRAY_TASK_ID", "1")
+    monkeypatch.setenv("SLURM_ARRAY_TASK_COUNT", "2")
+    assert "task 1/2" in cli("run", job, "--no-progress").output
+
+
 def test_slurm_siblings_restart_only_once(monkeypatch, make_job, tmp_path):
     job = make_job(demo_rows(12))
     assert cli("run", job, "--no-progress").exit_code == 0
