@@ -85,17 +85,12 @@ def dtype_name(name: str, config_dtype: str | None, device_type: str) -> str:
     return config_dtype or "bfloat16"
 
 
-def model_context(mcfg) -> int:
-    """What ``max_model_len: auto`` is before KV sizing: the model's context (config.json
-    max_position_embeddings). ``mcfg``: a ModelConfig."""
-    return mcfg.max_position_embeddings
-
-
 def context_max_model_len(max_model_len: int | str, mcfg) -> int:
     """engine.max_model_len as far as config.json decides it (torch-free: the job side's checks,
-    `plan`, the fingerprint): an integer as given, auto -> model_context. The engine may lower
-    auto further when it starts (kv_sizing.resolve_max_model_len)."""
-    return model_context(mcfg) if max_model_len == "auto" else max_model_len
+    `plan`, the fingerprint): an integer as given, auto -> the model's context (config.json
+    max_position_embeddings; ``mcfg``: a ModelConfig). The engine may lower auto further when it
+    starts (kv_sizing.resolve_max_model_len)."""
+    return mcfg.max_position_embeddings if max_model_len == "auto" else max_model_len
 
 
 # max_num_seqs "auto": at most this many (engine/kv_sizing.py says why; fewer when the KV cache

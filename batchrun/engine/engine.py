@@ -18,7 +18,7 @@ from typing import Callable
 
 import torch
 
-from batchrun.engine.config import EngineConfig
+from batchrun.engine.config import EngineConfig, context_max_model_len
 from batchrun.engine.block_manager import BlockManager
 from batchrun.engine.cpu_threads import limit_cpu_threads
 from batchrun.engine.kv_sizing import (check_one_sequence_fits, num_kv_blocks, resolve_max_model_len,
@@ -49,9 +49,7 @@ def resolve_device(name: str) -> torch.device:
 def max_position(config: EngineConfig, mcfg: ModelConfig) -> int:
     """Rotary table length: enough for max_model_len even past the trained context (auto never
     goes past it)."""
-    if config.max_model_len == "auto":
-        return mcfg.max_position_embeddings
-    return max(config.max_model_len, mcfg.max_position_embeddings)
+    return max(context_max_model_len(config.max_model_len, mcfg), mcfg.max_position_embeddings)
 
 
 EMPTY_STEP = ("scheduler produced an empty step with work pending "

@@ -9,7 +9,7 @@ and the cores are few). The budget is computed with the activation reserve of th
 resolved value never starves the blocks it was sized from.
 
 ``max_model_len: auto`` (``resolve_max_model_len``, before max_num_seqs): the model's context
-(config.model_context), lowered to the longest sequence whose blocks the budget holds (a whole
+(config.json max_position_embeddings), lowered to the longest sequence whose blocks the budget holds (a whole
 number of blocks, one warning line saying so). That is resolved first because max_num_seqs auto
 is counted in sequences of that length.
 """
@@ -20,7 +20,7 @@ import logging
 
 import torch
 
-from batchrun.engine.config import AUTO_MAX_NUM_SEQS, EngineConfig, model_context
+from batchrun.engine.config import AUTO_MAX_NUM_SEQS, EngineConfig
 from batchrun.errors import ConfigError
 from batchrun.engine.models.config import ModelConfig
 
@@ -65,7 +65,7 @@ def resolve_max_model_len(cfg: ModelConfig, config: EngineConfig, device: torch.
     resolve_max_num_seqs sizes it, so the two agree on the blocks."""
     if config.max_model_len != "auto":
         return config
-    context = model_context(cfg)
+    context = cfg.max_position_embeddings
     seqs = config.max_num_seqs
     if seqs == "auto":
         seqs = AUTO_MAX_NUM_SEQS["cuda" if device.type == "cuda" else "cpu"]

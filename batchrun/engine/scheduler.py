@@ -264,27 +264,26 @@ class Scheduler:
         return True
 
     def _preempt(self, seq: Sequence) -> None:
+        self._recompute(seq)
+        self.num_preemptions += 1
+
+    def _recompute(self, seq: Sequence) -> None:
+        """Drop seq's K/V and put it first in line to be prefilled again (prompt + outputs)."""
         self.running.remove(seq)
         self._release(seq)
         self.num_recomputed_tokens += seq.num_computed
         seq.preempted_computed = seq.num_computed
         seq.reset_for_recompute()
         self.waiting.appendleft(seq)
-        self.num_preemptions += 1
 
     def _switch_to_long_rope(self, seq: Sequence) -> None:
         """The sequence grows past the LongRoPE pretraining length: transformers then computes
         every position again with the long table (Phi3ForCausalLM drops its KV cache there), so
         its K/V are dropped and it is prefilled again, as a preemption does; its cached blocks
         (short table) are not reused (block_manager: a separate hash root)."""
-        self.running.remove(seq)
-        self._release(seq)
-        self.num_recomputed_tokens += seq.num_computed
-        seq.preempted_computed = seq.num_computed
-        seq.reset_for_recompute()
+        self._recompute(seq)
         seq.long_rope = True
         seq.block_hashes = []
-        self.waiting.appendleft(seq)
 
     def finish(self, seq: Sequence, reason: str) -> None:
         if seq.status is SeqStatus.WAITING:

@@ -19,7 +19,7 @@ from safetensors import safe_open
 
 from batchrun.engine.lora.peft_config import (EMBEDDING_MODULES, PeftLoraConfig, adapter_error,
                                               module_key, peft_modules)
-from batchrun.engine.models.checkpoint import VISION
+from batchrun.engine.models.checkpoint import VISION, text_tower_name
 from batchrun.engine.models.config import SUPPORTED
 from batchrun.engine.safetensors_header import HeaderError, read_header
 
@@ -77,9 +77,8 @@ def _slice_sizes(cfg) -> dict[str, list[int]]:
 
 def module_shapes(cfg) -> dict[str, tuple[int, int]]:
     """peft module -> (in_features, out_features) of the base model's Linear."""
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    h, i = cfg.hidden_size, cfg.intermediate_size
-    q, kv = cfg.num_attention_heads * head_dim, cfg.num_key_value_heads * head_dim
+    h, sizes = cfg.hidden_size, _slice_sizes(cfg)
+    (q, kv, _), (i, _) = sizes["qkv_proj"], sizes["gate_up_proj"]
     return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
             "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h),
             "qkv_proj": (h, q + 2 * kv), "gate_up_proj": (h, 2 * i)}
@@ -110,10 +109,8 @@ def _text_tower_key(key: str, cfg) -> str:
     """An image-text model's adapter key for its text tower, as a causal LM's key."""
     if getattr(cfg, "weight_prefix", "model.") == "model.":
         return key
-    for old in ("base_model.model.model.language_model.", "base_model.model.language_model.model."):
-        if key.startswith(old):
-            return "base_model.model.model." + key[len(old):]
-    return key
+    peft = "base_model.model."
+    return peft + text_tower_name(key[len(peft):]) if key.startswith(peft) else key
 
 
 def _refuse_key(name: str, path: Path, key: str, cfg) -> None:

@@ -25,17 +25,22 @@ _TEXT_TOWER = (("model.language_model.", "model."), ("language_model.model.", "m
                ("language_model.lm_head.", "lm_head."))
 
 
+def text_tower_name(name: str) -> str:
+    """An image-text model's module or tensor name in its text tower as a causal LM's
+    (model.layers.N...., lm_head...); other names as they are."""
+    for old, new in _TEXT_TOWER:
+        if name.startswith(old):
+            return new + name[len(old):]
+    return name
+
+
 def canonical_name(name: str, cfg: ModelConfig) -> str | None:
     """A checkpoint tensor's name as a causal LM's (model.layers.N...., lm_head.weight), or
     None for tensors that are not loaded (recomputed rotary tables, a vision tower)."""
     if IGNORED.match(name):
         return None
     if cfg.weight_prefix != "model.":
-        if VISION.match(name):
-            return None
-        for old, new in _TEXT_TOWER:
-            if name.startswith(old):
-                return new + name[len(old):]
+        return None if VISION.match(name) else text_tower_name(name)
     return name
 
 

@@ -209,10 +209,8 @@ def _windows(raw: dict, model_type: str, layers: int, where: str) -> tuple[int |
         if model_type in ("qwen2", "qwen3"):
             first = raw.get("max_window_layers", 28)
             types = [SLIDING if window is not None and i >= first else FULL for i in range(layers)]
-        elif model_type == "gemma2":
-            types = [SLIDING if (i + 1) % 2 else FULL for i in range(layers)]
-        elif model_type == "gemma3_text":
-            pattern = raw.get("sliding_window_pattern", 6)
+        elif model_type in _GEMMA:  # every pattern-th layer global: Gemma 2 alternates, Gemma 3 1 in 6
+            pattern = 2 if model_type == "gemma2" else raw.get("sliding_window_pattern", 6)
             types = [SLIDING if (i + 1) % pattern else FULL for i in range(layers)]
         else:  # Mistral, Phi-3 (and Llama, which has no window): one window for every layer
             types = [SLIDING if window is not None else FULL] * layers
