@@ -7,8 +7,8 @@ import pytest
 from batchrun.engine.config import EngineConfig, SamplingParams
 from batchrun.engine.engine import Engine
 from batchrun.engine.request import Request
-from tests.helpers.adapters import parity_adapter
-from tests.helpers.models import hf_greedy, make_hf_model, random_prompts, save_hf_model
+from tests.helpers.adapters import assert_results_match_peft, parity_adapter
+from tests.helpers.models import random_prompts, save_hf_model
 
 NEW = 8
 # per family: a few modules, as peft names them in the family's transformers class
@@ -40,7 +40,6 @@ def test_family_lora_on_the_triton_kernels(tmp_path, variant, monkeypatch):
 def check_family_lora(tmp_path, variant: str, device: str) -> None:
     """The engine on `device` (fp32) against transformers + peft (CPU) for base rows and two
     adapters of `variant` mixed in one generate."""
-    from peft import PeftModel
     base = save_hf_model(variant, tmp_path / "base")
     family = base.config.model_type
     kws = {"all": dict(r=8, lora_alpha=16, target_modules="all-linear"),
@@ -60,14 +59,4 @@ def check_family_lora(tmp_path, variant: str, device: str) -> None:
     sp = SamplingParams(max_tokens=NEW, ignore_eos=True)
     results = engine.generate([Request(i, p, sp, adapter=n)
                                for i, (p, n) in enumerate(zip(prompts, names))])
-    refs = {None: base}
-    for name, adapter_dir in paths.items():
-        refs[name] = PeftModel.from_pretrained(make_hf_model(variant), str(adapter_dir)).eval()
-    changed = set()
-    for p, n, r in zip(prompts, names, results):
-        assert r.finish_reason == "length", r.error
-        want = hf_greedy(refs[n], p, NEW)
-        assert r.output_token_ids == want, f"adapter {n}, prompt len {len(p)}"
-        if n is not None and want != hf_greedy(base, p, NEW):
-            changed.add(n)
-    assert changed == set(kws)  # each adapter really changes some output
+    assert_results_match_peft(variant, base, paths, prompts, names, results, NEW)

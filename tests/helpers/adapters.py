@@ -97,3 +97,22 @@ def parity_adapter(variant: str, path, seed: int, kw: dict):
     """The engine-parity tests' adapter: LoraConfig ``kw`` (e.g. an ADAPTERS entry) of ``variant``,
     A and B drawn N(0, 0.15) from ``seed``."""
     return make_adapter(path, variant, seed, lora_std=0.15, **kw)
+
+
+def assert_results_match_peft(variant: str, base, paths: dict, prompts, names, results, new: int) -> None:
+    """Each engine result (row i ran adapter names[i], None = base) equals transformers + peft's
+    greedy tokens for its prompt, and every adapter in `paths` changes some row's tokens (so the
+    comparison could fail). base: the HF base model; paths: adapter name -> directory."""
+    from peft import PeftModel
+    from tests.helpers.models import hf_greedy
+    refs = {None: base}
+    for name, adapter_dir in paths.items():
+        refs[name] = PeftModel.from_pretrained(make_hf_model(variant), str(adapter_dir)).eval()
+    changed = set()
+    for p, n, r in zip(prompts, names, results):
+        assert r.finish_reason == "length", r.error
+        want = hf_greedy(refs[n], p, new)
+        assert r.output_token_ids == want, f"adapter {n}, prompt len {len(p)}"
+        if n is not None and n not in changed and want != hf_greedy(base, p, new):
+            changed.add(n)
+    assert changed == set(paths)  # each adapter really changes some output

@@ -1,27 +1,15 @@
 """End to end: the engine's greedy tokens with LoRA equal transformers + peft's, in a mixed batch
 (base rows and 5 adapters) with fewer GPU slots (2) than adapters and a 1-entry CPU cache."""
 import pytest
-import torch
 
 from batchrun.engine.config import EngineConfig, SamplingParams
 from batchrun.engine.engine import Engine
 from batchrun.engine.request import Request
 from batchrun.kernels.lora_meta import LoRADelta
-from tests.helpers.adapters import ADAPTERS
-from tests.helpers.models import hf_greedy, make_hf_model, random_prompts, save_hf_model
+from tests.helpers.adapters import ADAPTERS, assert_results_match_peft, parity_adapter
+from tests.helpers.models import random_prompts, save_hf_model
 
 NEW = 8
-
-
-def _make_adapter(variant, path, seed, kw):
-    from peft import LoraConfig, get_peft_model
-    model = get_peft_model(make_hf_model(variant), LoraConfig(init_lora_weights=False, **kw))
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():  # deltas big enough to change greedy tokens, small enough to stay sane
-        for name, p in model.named_parameters():
-            if "lora_" in name:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.15)
-    model.save_pretrained(str(path))
 
 
 # How decode steps add LoRA: "unfused" = shrink + expand in each projection (the CPU engine's
@@ -32,7 +20,6 @@ def _make_adapter(variant, path, seed, kw):
                                           ("llama3_gqa", "fused_ref"), ("qwen2_bias", "fused_ref"),
                                           pytest.param("llama3_gqa", "fused_triton", marks=pytest.mark.slow)])
 def test_engine_matches_peft(tmp_path, variant, path, monkeypatch):
-    from peft import PeftModel
     import batchrun.engine.model_runner as model_runner
     if path != "unfused":
         monkeypatch.setattr(model_runner, "use_triton", lambda t: True)
@@ -49,7 +36,7 @@ def test_engine_matches_peft(tmp_path, variant, path, monkeypatch):
     paths = {}
     for i, (name, kw) in enumerate(ADAPTERS.items()):
         paths[name] = tmp_path / name
-        _make_adapter(variant, paths[name], 100 + i, kw)
+        parity_adapter(variant, paths[name], 100 + i, kw)
 
     # 5 adapters through 2 GPU slots and a 1-entry CPU cache: slots are evicted and reloaded
     names = [None, "qv", "all", "mlp1", None, "o", "all", "qkv", "qv", "mlp1", "o", "all", "qkv"]
@@ -68,16 +55,7 @@ def test_engine_matches_peft(tmp_path, variant, path, monkeypatch):
     assert any(len(set(d)) > 1 for d in decode_slots)
     assert all(d == sorted(d) for d in decode_slots if max(d) >= 0)
 
-    refs = {None: base}
-    for name, adapter_dir in paths.items():
-        refs[name] = PeftModel.from_pretrained(make_hf_model(variant), str(adapter_dir)).eval()
-    changed = set()
-    for p, n, r in zip(prompts, names, results):
-        assert r.finish_reason == "length", r.error
-        want = hf_greedy(refs[n], p, NEW)
-        assert r.output_token_ids == want, f"adapter {n}, prompt len {len(p)}"
-        if n is not None and n not in changed and want != hf_greedy(base, p, NEW):
-            changed.add(n)
-    assert changed == set(ADAPTERS)  # each adapter really changes some output
+    assert set(paths) == set(ADAPTERS)
+    assert_results_match_peft(variant, base, paths, prompts, names, results, NEW)
     assert engine.lora.num_loads >= 5
     assert (len(fused) > 0) == (path != "unfused")
