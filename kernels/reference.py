@@ -222,3 +222,25 @@ def ref_gate_up_silu(x: Tensor, w: Tensor, activation: str = "silu") -> Tensor:
     # x: [M, K], w: [2I, K] (gate rows, then up rows) -> [M, I]: the gate_up projection rounded
     # to x's dtype, then act-and-mul as HF's MLP computes it.
     return ref_act_and_mul(ref_linear(x, w), activation)
+
+
+# --- mixture of experts (fused_moe) ---
+
+def ref_fused_moe(x: Tensor, w_gate_up: Tensor, w_down: Tensor, topk_weights: Tensor,
+                  topk_ids: Tensor, activation: str = "silu") -> Tensor:
+    # x: [T, H]; w_gate_up: [E, 2I, H] (each expert's gate rows, then up rows, transformers 5's
+    # fused expert layout); w_down: [E, H, I]; topk_weights: [T, k] fp32 (already normalised the
+    # way the family routes); topk_ids: int [T, k] in [0, E).
+    # Returns [T, H] in x's dtype: sum_j topk_weights[t, j] * down_e(act_and_mul(gate_up_e(x[t])))
+    # with e = topk_ids[t, j]; each expert's gate_up and down rounded to x's dtype as HF's
+    # per-expert linears do, the weighted sum in fp32, one rounding at the end. Loops over
+    # experts (not tokens), so it is also the CPU path.
+    T, H = x.shape
+    out = torch.zeros(T, H, dtype=torch.float32, device=x.device)
+    ids = topk_ids.to(device=x.device, dtype=torch.long)
+    for e in ids.unique().tolist():
+        tok, j = (ids == e).nonzero(as_tuple=True)
+        h = ref_act_and_mul(ref_linear(x[tok], w_gate_up[e]), activation)
+        y = ref_linear(h, w_down[e]).float()
+        out.index_add_(0, tok, y * topk_weights[tok, j].float().unsqueeze(1))
+    return out.to(x.dtype)
