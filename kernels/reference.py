@@ -244,3 +244,70 @@ def ref_fused_moe(x: Tensor, w_gate_up: Tensor, w_down: Tensor, topk_weights: Te
         y = ref_linear(h, w_down[e]).float()
         out.index_add_(0, tok, y * topk_weights[tok, j].float().unsqueeze(1))
     return out.to(x.dtype)
+
+
+# --- FP8 (e4m3) linear layers (fp8_quant, fp8_gemm) ---
+
+FP8_MAX = 448.0  # the largest finite e4m3 value
+FP8_MIN_SCALE = 1.0 / (FP8_MAX * 512.0)  # an all-zero row's scale (vLLM's floor): never 0
+
+
+def ref_quant_fp8(x: Tensor, group: int | None = None, scale: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    # x: [M, K] -> (x_q e4m3 [M, K], scales fp32). Dynamic (scale None): one scale per row
+    # ([M, 1]) or per row and group of `group` columns ([M, ceil(K / group)]; the last group may
+    # be narrower), amax / 448 floored at FP8_MIN_SCALE; static: the given scale ([1] or []),
+    # returned as [1, 1]. x_q = clamp(x / scale, +-448) rounded to nearest e4m3.
+    xf = x.float()
+    M, K = xf.shape
+    if scale is not None:
+        s = scale.float().reshape(1, 1)
+        full = s
+    elif group is None:
+        s = (xf.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp(min=FP8_MIN_SCALE)
+        full = s
+    else:
+        groups = -(-K // group)
+        padded = torch.nn.functional.pad(xf.abs(), (0, groups * group - K))
+        s = (padded.view(M, groups, group).amax(dim=2) / FP8_MAX).clamp(min=FP8_MIN_SCALE)
+        full = s.repeat_interleave(group, dim=1)[:, :K]
+    xq = (xf / full).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return xq, s
+
+
+def ref_dequant_fp8(q: Tensor, scale: Tensor, block: tuple[int, int] | None = None) -> Tensor:
+    # q: e4m3 [N, K]; scale fp32: [N] / [N, 1] / [1] / [] (one per row or one for all), or
+    # [ceil(N/bn), ceil(K/bk)] with block (bn, bk) -> fp32 [N, K] = q * its scale
+    qf = q.float()
+    N, K = qf.shape
+    if block is not None:
+        bn, bk = block
+        full = scale.float().repeat_interleave(bn, 0)[:N].repeat_interleave(bk, 1)[:, :K]
+        return qf * full
+    s = scale.float().reshape(-1, 1) if scale.numel() > 1 else scale.float().reshape(1, 1)
+    return qf * s
+
+
+def ref_fp8_linear(x: Tensor, w_q: Tensor, w_scale: Tensor, activations: str,
+                   block: tuple[int, int] | None = None, input_scale: Tensor | None = None,
+                   bias: Tensor | None = None) -> Tensor:
+    # The declared FP8 math of a linear layer, in fp32: x [M, K] quantized as `activations`
+    # says ("token": per row; "tensor": one dynamic scale for all of x; "static": input_scale;
+    # "group": per row and block[1] columns), times the dequantized weight (w_q e4m3 [N, K],
+    # w_scale per row or per block), bias added in fp32, rounded once to x's dtype.
+    if activations == "tensor":
+        amax = x.float().abs().amax().reshape(1)
+        xq, xs = ref_quant_fp8(x, scale=(amax / FP8_MAX).clamp(min=FP8_MIN_SCALE))
+    elif activations == "static":
+        xq, xs = ref_quant_fp8(x, scale=input_scale)
+    elif activations == "group":
+        xq, xs = ref_quant_fp8(x, group=block[1])
+    else:
+        xq, xs = ref_quant_fp8(x)
+    if activations == "group":
+        xd = ref_dequant_fp8(xq, xs, (1, block[1]))
+    else:
+        xd = xq.float() * xs
+    y = xd @ ref_dequant_fp8(w_q, w_scale, block).t()
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)

@@ -15,6 +15,7 @@ from batchrun.engine.engine import Engine, max_position, resolve_device
 from batchrun.engine.request import Request
 from batchrun.errors import ConfigError
 from batchrun.engine.models.config import ModelConfig
+from batchrun.engine.models.quant import with_quantization
 from batchrun.engine.models.loader import random_model, resolve_dtype
 
 
@@ -43,7 +44,7 @@ def build_engine(config: EngineConfig, num_adapters: int = 0, lora_rank: int = 1
     adapter_root and loaded through the engine's normal adapter path."""
     t0 = time.perf_counter()
     torch.manual_seed(config.seed)
-    mcfg = model_config_of(config.model)
+    mcfg = with_quantization(model_config_of(config.model), config.quantization)
     device = resolve_device(config.device)
     before = _allocated(device)
     adapters: dict[str, str] = {}

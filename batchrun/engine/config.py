@@ -106,6 +106,10 @@ class EngineConfig:
     model: str
     device: str = "auto"  # auto | cpu | cuda
     dtype: str = "auto"  # auto (config torch_dtype on GPU, float32 on CPU) | float32 | float16 | bfloat16
+    # fp8: quantize an unquantized checkpoint's linear layers to FP8 at load time
+    # (models/quant.py); None: the checkpoint's own format (an FP8 checkpoint runs in FP8 either way)
+    quantization: str | None = None
+    kv_cache_dtype: str = "auto"  # auto (the model dtype) | fp8 (e4m3, scaled)
     max_num_seqs: int | str = 64  # "auto": sized from the KV cache when the engine starts (kv_sizing.py)
     # "auto": the model's context (config.json max_position_embeddings), lowered when the engine
     # starts to what its KV cache holds for one sequence
@@ -135,7 +139,10 @@ class EngineConfig:
 # the smallest value of each integer field (a larger minimum than 1 or 0 has its own check)
 _ENGINE_MIN = {"max_num_seqs": 1, "max_model_len": 1, "max_loras": 1, "max_lora_rank": 1,
                "max_num_batched_tokens": 1, "block_size": 1, "max_cpu_loras": 1, "seed": 0}
-_ENGINE_CHOICES = {"device": DEVICES, "dtype": DTYPES}
+QUANTIZATIONS = ("fp8",)
+KV_CACHE_DTYPES = ("auto", "fp8")
+_ENGINE_CHOICES = {"device": DEVICES, "dtype": DTYPES, "quantization": QUANTIZATIONS,
+                   "kv_cache_dtype": KV_CACHE_DTYPES}
 TYPE_NAMES = {str: "a string", int: "an integer", float: "a number", bool: "true or false",
               dict: "a mapping", list: "a list", object: "a value"}
 

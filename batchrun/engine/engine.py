@@ -98,15 +98,16 @@ class Engine:
             check_context_length(mcfg, config.max_model_len, config.model)
             check_one_sequence_fits(mcfg, config, device, dtype)  # before the rotary table and weights
         tokenizer = load_tokenizer(config.model)
-        model = load_model(config.model, device, dtype, max_position(config, mcfg))
+        model = load_model(config.model, device, dtype, max_position(config, mcfg),
+                           config.quantization)
         return cls.from_model(config, model, tokenizer, adapters)
 
     @classmethod
     def from_model(cls, config: EngineConfig, model, tokenizer=None,
                    adapters: dict[str, str] | None = None) -> "Engine":
         """Wrap an already built model (e.g. random weights for benchmarks)."""
-        device = next(model.parameters()).device
-        dtype = next(model.parameters()).dtype
+        embed = model.model.embed_tokens.weight  # the model dtype (FP8 layers hold e4m3 weights)
+        device, dtype = embed.device, embed.dtype
         # before the LoRA buffers and the runner, which are sized by them (the weights are loaded,
         # so the free memory they are sized from is what the KV cache will get); max_model_len
         # first: max_num_seqs auto counts sequences of that length

@@ -36,7 +36,7 @@ from batchrun.engine.sequence import Sequence
 from batchrun.engine.layers.attention import AttnMetadata, query_start_tensor
 from batchrun.engine.layers.backend import use_triton
 from batchrun.engine.layers.step import GemmPlan, LoRAStep, Step
-from batchrun.engine.step_plan import plan_gemms, weight_shapes
+from batchrun.engine.step_plan import fp8_kinds, plan_gemms, weight_shapes
 
 
 _SCRATCH_ROW = ("scratch",)  # _table_keys entry of a padding row
@@ -51,6 +51,7 @@ class ModelRunner:
         # tensor of the model's dtype on its device
         self._triton_gemm = config.experiments.triton_decode_gemm
         self._shapes = weight_shapes(model)
+        self._fp8 = fp8_kinds(model)
         self._probe = torch.empty(0, dtype=dtype, device=device)
         cfg = model.config
         self.block_size = blocks.block_size
@@ -212,7 +213,7 @@ class ModelRunner:
 
     def gemms(self, rows: int) -> GemmPlan:
         """The GEMM each projection kind runs in a forward over `rows` rows (step_plan.py)."""
-        return plan_gemms(self._triton_gemm, rows, self._probe, self._shapes)
+        return plan_gemms(self._triton_gemm, rows, self._probe, self._shapes, self._fp8)
 
     def _write_decode_inputs(self, seqs: list[Sequence], starts: list[int], pending_rows: list[int],
                              rows: int, num_slots: int,

@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 
 from batchrun.engine.layers.backend import use_triton
+from batchrun.engine.layers.fp8 import scaled_mm_takes
 from batchrun.engine.layers.step import GEMM_KINDS, GemmPlan
 
 MAX_ROWS = 16  # kernels/skinny_gemm.py's MAX_ROWS
@@ -41,18 +42,44 @@ def gemm_kernel(enabled: bool, rows: int, probe: torch.Tensor, shape: tuple[int,
     return "skinny" if n * k >= MIN_WEIGHT_ELEMENTS else None
 
 
+def fp8_kernel(enabled: bool, rows: int, probe: torch.Tensor, shape: tuple[int, int],
+               block) -> str | None:
+    """An FP8 projection's GEMM (layers/fp8.py): "fp8", batchrun's Triton scaled GEMM, at
+    decode's few rows (with the experiment switch on: it streams the e4m3 weight once) and
+    wherever torch._scaled_mm cannot run the layer (block scales, a non-bf16 model, dimensions
+    not multiples of 16); None: torch._scaled_mm. CPU runs the reference math either way."""
+    if not use_triton(probe):
+        return None
+    if (enabled and rows <= MAX_ROWS) or not scaled_mm_takes(probe.dtype, *shape, block):
+        return "fp8"
+    return None
+
+
 def plan_gemms(enabled: bool, rows: int, probe: torch.Tensor,
-               shapes: dict[str, tuple[int, int]]) -> GemmPlan:
+               shapes: dict[str, tuple[int, int]], fp8: dict | None = None) -> GemmPlan:
     """The GemmPlan of a forward over `rows` rows; shapes: each projection kind's weight shape
-    [N, K] (every layer's projection of one kind has the same shape)."""
-    return GemmPlan(**{kind: gemm_kernel(enabled, rows, probe, shapes[kind]) for kind in GEMM_KINDS})
+    [N, K] (every layer's projection of one kind has the same shape); fp8: the FP8 kinds and
+    their weight blocks (None for per-row scales)."""
+    fp8 = fp8 or {}
+    return GemmPlan(**{kind: fp8_kernel(enabled, rows, probe, shapes[kind], fp8[kind])
+                       if kind in fp8 else gemm_kernel(enabled, rows, probe, shapes[kind])
+                       for kind in GEMM_KINDS})
+
+
+def _linears(model) -> dict:
+    layer = model.model.layers[0]
+    return {"qkv_proj": layer.self_attn.qkv_proj, "o_proj": layer.self_attn.o_proj,
+            "gate_up_proj": layer.mlp.gate_up_proj, "down_proj": layer.mlp.down_proj}
 
 
 def weight_shapes(model) -> dict[str, tuple[int, int]]:
     """Each projection kind's weight shape [N, K] (layer 0's; the layers are alike)."""
-    layer = model.model.layers[0]
-    linears = {"qkv_proj": layer.self_attn.qkv_proj, "o_proj": layer.self_attn.o_proj,
-               "gate_up_proj": layer.mlp.gate_up_proj, "down_proj": layer.mlp.down_proj}
-    shapes = {kind: (m.out_features, m.in_features) for kind, m in linears.items()}
+    shapes = {kind: (m.out_features, m.in_features) for kind, m in _linears(model).items()}
     shapes["lm_head"] = tuple(model.lm_head.weight.shape)
     return shapes
+
+
+def fp8_kinds(model) -> dict:
+    """The FP8 projection kinds (layer 0's; a scheme quantizes a kind in every layer or
+    models/loader.py refuses) -> their weight block, None for per-row scales."""
+    return {kind: m.quant.block for kind, m in _linears(model).items() if m.quant is not None}

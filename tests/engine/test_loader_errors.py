@@ -81,19 +81,3 @@ def test_sharded_checkpoint_loads_identically(tmp_path):
     fused = model.model.layers[1].self_attn.qkv_proj
     assert torch.equal(fused.weight[:q.weight.shape[0]], q.weight)
     assert torch.equal(fused.bias[:q.weight.shape[0]], q.bias)
-
-
-@pytest.mark.parametrize("quant", [{"quant_method": "fp8", "weight_block_size": [128, 128]},
-                                   {"quant_method": "compressed-tensors", "format": "float-quantized"},
-                                   {"quant_method": "awq", "bits": 4}])
-def test_quantized_checkpoint_is_refused_naming_the_method(tmp_path, quant):
-    # refused from config.json before any tensor is read (plan's check), not as an unexpected
-    # weight_scale tensor
-    from batchrun.engine.models.checkpoint import inspect_model
-    save_hf_model("llama_mha", tmp_path / "m")
-    cfg = json.loads((tmp_path / "m" / "config.json").read_text())
-    cfg["quantization_config"] = quant
-    (tmp_path / "m" / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ModelLoadError, match=rf"config.json: quantization_config \(quant_method "
-                                             rf"'{quant['quant_method']}'\).*unquantized release"):
-        inspect_model(tmp_path / "m")

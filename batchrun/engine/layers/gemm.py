@@ -24,6 +24,14 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None, kernel: str | None) -
     return F.linear(x, weight, bias)
 
 
+def project(layer, x: Tensor, kernel: str | None) -> Tensor:
+    """A Linear's own GEMM (without LoRA): FP8 layers run layers/fp8.py's scaled GEMM."""
+    if layer.quant is not None:
+        from batchrun.engine.layers.fp8 import fp8_linear
+        return fp8_linear(x, layer, kernel)
+    return linear(x, layer.weight, layer.bias, kernel)
+
+
 def gate_up_silu(x: Tensor, weight: Tensor, lora: LoRADelta | None = None,
                  activation: str = "silu") -> Tensor:
     # x [T <= 16, K], the gate_up weight [2I, K] -> act(gate) * up [T, I], one launch;

@@ -8,8 +8,9 @@ has LoRA tokens (`step.lora` is not None): a step without adapters runs exactly 
 matmul, whatever hooks are attached (and a graph captured for it holds exactly the base
 kernels).
 
-The matmul is layers/gemm.py's `linear`, in the kernel the step plan names for this layer's
-kind (`step.gemm`, keyed by `name`).
+The matmul is layers/gemm.py's `project`, in the kernel the step plan names for this layer's
+kind (`step.gemm`, keyed by `name`); an FP8 Linear (`quant` set, layers/fp8.py) runs its
+scaled FP8 GEMM.
 
 `defer=True` is for callers whose next op can fuse a LoRA delta (rotary, RMSNorm, SiLU-and-mul
 take a `lora=` argument): they get `(y, delta)` where delta is a LoRADelta to pass on, or None
@@ -20,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from batchrun.engine.layers.gemm import linear
+from batchrun.engine.layers.gemm import project
 from batchrun.engine.layers.step import GEMM_KINDS, Step
 
 
@@ -39,12 +40,16 @@ class Linear(nn.Module):
         self.bias = (nn.Parameter(torch.empty(self.out_features), requires_grad=False)
                      if bias else None)
         self.lora = None  # set by batchrun.engine.lora (LoRALinear)
+        # FP8 (layers/fp8.py make_fp8): the scheme, and the weight's and input's scales
+        self.quant = None
+        self.weight_scale = None
+        self.input_scale = None
 
     def forward(self, x: torch.Tensor, step: Step, defer: bool = False):
         # x: [T, in_features] -> y: [T, out_features], or (y, LoRADelta | None) with defer
         kernel = step.gemm.of(self.name)
         if self.lora is None or step.lora is None:
-            y, delta = linear(x, self.weight, self.bias, kernel), None
+            y, delta = project(self, x, kernel), None
         else:
             y, delta = self.lora.forward(self, x, step.lora, kernel, defer)
         return (y, delta) if defer else y

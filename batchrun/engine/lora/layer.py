@@ -23,6 +23,9 @@ cases:
 - otherwise (larger prefills, CPU): y = x W.T, then the Punica shrink + expand add the delta
   in place (kernels on CUDA, torch references on CPU).
 
+An FP8 projection (layers/fp8.py) cannot share a GEMM with bf16 A rows: its fused step runs
+the FP8 GEMM, then the shrink over the A rows of slots < k, and hands the delta on the same way.
+
 gate_up on a fused step whose plan runs it in the fused GEMM + SiLU kernel
 (`GemmPlan.gate_up_silu`) does not call the hook: that kernel streams only W, the norm before
 it computes the shrink (`shrink_for`, kernels/rms_norm_shrink.py) and the kernel's epilogue
@@ -49,22 +52,29 @@ class LoRALinear:
         for n in self.output_sizes:
             offs.append(offs[-1] + n)
         self.slice_offsets = tuple(offs)
-        w = linear.weight
+        w, dtype = linear.weight, manager.dtype
         # Allocated once, written in place when a slot is loaded (captured graphs hold the
         # pointers). A and B are zero beyond an adapter's rank and for slices or layers it does
         # not target, so those contribute nothing.
-        self.weight_full = torch.zeros(N + S * max_loras * max_rank, K, device=w.device,
-                                       dtype=w.dtype)
-        self.weight_full[:N].copy_(w)
-        linear.weight = nn.Parameter(self.weight_full[:N], requires_grad=False)
+        # An FP8 projection keeps its e4m3 weight and scales; the adapters stay in the model
+        # dtype, their A rows in a tensor of their own (`weight_full` holds only them), and
+        # a fused step runs the FP8 GEMM and the shrink GEMM one after the other.
+        self.fp8 = linear.quant is not None
+        rows = S * max_loras * max_rank
+        self.weight_full = torch.zeros(rows if self.fp8 else N + rows, K, device=w.device,
+                                       dtype=dtype)
         self.bias_full = None
-        if linear.bias is not None:
-            self.bias_full = torch.zeros(self.weight_full.shape[0], device=w.device, dtype=w.dtype)
-            self.bias_full[:N].copy_(linear.bias)
-            linear.bias = nn.Parameter(self.bias_full[:N], requires_grad=False)
+        if not self.fp8:
+            self.weight_full[:N].copy_(w)
+            linear.weight = nn.Parameter(self.weight_full[:N], requires_grad=False)
+            if linear.bias is not None:
+                self.bias_full = torch.zeros(self.weight_full.shape[0], device=w.device, dtype=dtype)
+                self.bias_full[:N].copy_(linear.bias)
+                linear.bias = nn.Parameter(self.bias_full[:N], requires_grad=False)
         # [S, L, R, K] view of the slot-major rows (strided over S and L)
-        self.lora_a = self.weight_full[N:].view(max_loras, S, max_rank, K).transpose(0, 1)
-        self.lora_b = torch.zeros(max_loras, N, max_rank, device=w.device, dtype=w.dtype)
+        a_rows = self.weight_full if self.fp8 else self.weight_full[N:]
+        self.lora_a = a_rows.view(max_loras, S, max_rank, K).transpose(0, 1)
+        self.lora_b = torch.zeros(max_loras, N, max_rank, device=w.device, dtype=dtype)
 
     @property
     def num_slices(self) -> int:
@@ -115,6 +125,11 @@ class LoRALinear:
         # x: [T, in] -> (y [T, out], pending delta or None); step: this step's LoRA part;
         # kernel: the GEMM the step plan names for this projection
         m = self.manager
+        if step.fuse and self.fp8:
+            y = gemm.project(linear, x, kernel)
+            shrunk = gemm.linear(x, self.weight_full[:self._shrunk_cols(step)], None, None)
+            delta = LoRADelta(shrunk, self.lora_b, step.token_slots, self.slice_offsets)
+            return (y, delta) if defer else (add_delta(y, delta), None)
         if step.fuse:
             N = linear.out_features
             rows = N + self._shrunk_cols(step)
@@ -125,7 +140,7 @@ class LoRALinear:
             if defer:
                 return full[:, :N], delta
             return add_delta(full[:, :N], delta), None
-        y = gemm.linear(x, linear.weight, linear.bias, kernel)
+        y = gemm.project(linear, x, kernel)
         # m.shrink_buffer: flat fp32 scratch shared by all layers; add_lora views its split-K
         # partials [splits, S, T, R] out of it.
         punica.add_lora(x, y, self.lora_a, self.lora_b, m.shrink_buffer, self.slice_offsets,

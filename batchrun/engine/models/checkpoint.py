@@ -10,6 +10,7 @@ from pathlib import Path
 
 from batchrun.errors import ModelLoadError
 from batchrun.engine.models.config import ModelConfig
+from batchrun.engine.models.quant import check_quantized_tensors
 from batchrun.engine.safetensors_header import HeaderError, read_header
 
 PICKLE_NAMES = ("pytorch_model.bin", "pytorch_model.bin.index.json", "model.pt", "model.pth",
@@ -103,12 +104,12 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def _index_headers(files: list[Path]) -> dict[str, tuple[Path, tuple[int, ...]]]:
+def _index_headers(files: list[Path]) -> dict[str, tuple[Path, tuple[int, ...], str]]:
     found = {}
     for f in files:
         try:
-            for name, (_, shape) in read_header(f).items():
-                found[name] = (f, shape)
+            for name, (dtype, shape) in read_header(f).items():
+                found[name] = (f, shape, dtype)
         except (OSError, HeaderError) as e:  # corrupt header, truncated file
             raise ModelLoadError(f"{f}: cannot read safetensors file ({e})") from e
     return found
@@ -118,26 +119,30 @@ def check_checkpoint(model_dir: Path, cfg: ModelConfig) -> dict[str, tuple[Path,
     """Compare the checkpoint's tensor names and shapes (headers only) with the config.
     Returns canonical name -> (file, shape, the name in the file) of every tensor to load."""
     found = {}
-    for stored, (f, shape) in _index_headers(safetensors_files(model_dir)).items():
+    for stored, (f, shape, dtype) in _index_headers(safetensors_files(model_dir)).items():
         name = canonical_name(stored, cfg)
         if name is not None:
-            found[name] = (f, shape, stored)
-    want = expected_shapes(cfg)
-    for name, (f, shape, _) in found.items():
+            found[name] = (f, shape, stored, dtype)
+    # an FP8 checkpoint's weights are e4m3 where its scheme says, with their scales beside them
+    want = check_quantized_tensors(cfg.quant, expected_shapes(cfg), found,
+                                   str(model_dir / "config.json"))
+    for name, (f, shape, _, _) in found.items():
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue  # tied: we use embed_tokens, an explicit copy is harmless
         if name not in want:
             raise ModelLoadError(f"{f}: unexpected tensor {name!r} (shape {list(shape)}) for a "
                                  f"{cfg.model_type} model; the checkpoint does not match config.json")
-        if shape != want[name]:
+        allowed = want[name] if want[name] and isinstance(want[name][0], tuple) else (want[name],)
+        if shape not in allowed:
+            implied = " or ".join(str(list(a)) for a in allowed)
             raise ModelLoadError(f"{f}: tensor {name!r} has shape {list(shape)}, config.json "
-                                 f"implies {list(want[name])}")
+                                 f"implies {implied}")
     missing = [n for n in want if n not in found]
     if missing:
         more = f" (and {len(missing) - 3} more)" if len(missing) > 3 else ""
         raise ModelLoadError(f"{model_dir}: checkpoint is missing tensor(s) "
                              f"{', '.join(missing[:3])}{more}")
-    return found
+    return {name: (f, shape, stored) for name, (f, shape, stored, _) in found.items()}
 
 
 def inspect_model(path: str | Path) -> ModelConfig:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from batchrun.errors import ModelLoadError
+from batchrun.engine.models.quant import QuantScheme, scheme_from_config
 
 # architecture -> model_type (the family)
 SUPPORTED = {
@@ -75,6 +76,9 @@ class ModelConfig:
     partial_rotary_factor: float = 1.0  # Phi-4-mini: rotary on the first 75 % of head_dim
     fused_checkpoint: bool = False  # Phi-3: the checkpoint holds qkv_proj and gate_up_proj
     weight_prefix: str = "model."  # where the decoder's tensors sit in the checkpoint
+    # FP8 linear layers (models/quant.py): the checkpoint's scheme, or the on-the-fly one the
+    # engine sets for engine.quantization: fp8; None = the model dtype throughout
+    quant: QuantScheme | None = None
 
     @property
     def rotary_dim(self) -> int:
@@ -122,12 +126,7 @@ class ModelConfig:
             raise ModelLoadError(f"{where}: 'auto_map' asks for custom model code, which batchrun "
                                  f"never executes; use a standard {', '.join(SUPPORTED)} checkpoint")
         quant = raw.get("quantization_config")
-        if quant:
-            method = quant.get("quant_method", "unnamed") if isinstance(quant, dict) else quant
-            raise ModelLoadError(
-                f"{where}: quantization_config (quant_method {method!r}) describes quantized "
-                f"weights; batchrun loads unquantized float32/float16/bfloat16 checkpoints only, "
-                f"so use the model's unquantized release")
+        quant = None if quant is None else scheme_from_config(quant, where)
         prefix = "model."
         if model_type == "gemma3":  # image-text checkpoint: run its text tower on text prompts
             text = raw.get("text_config")
@@ -194,6 +193,7 @@ class ModelConfig:
             partial_rotary_factor=rope.rotary_dim / head_dim,
             fused_checkpoint=model_type == "phi3",
             weight_prefix=prefix,
+            quant=quant,
         )
 
 

@@ -23,7 +23,10 @@ from batchrun.engine.models.checkpoint import (canonical_name, check_checkpoint,
                                               inspect_model)  # (inspect_model re-exported)
 from batchrun.engine.models.config import ModelConfig
 from batchrun.engine.models.decoder import CausalLM
+from batchrun.engine.models.quant import HF_SLICES, check_fused_blocks, with_quantization
 from batchrun.engine.models.stage import StagedCopier
+from batchrun.engine.layers.fp8 import FP8, make_fp8, quantize_rows, weight_scale_shape
+from batchrun.engine.layers.linear import Linear
 
 # HF name suffix -> (our module suffix, slice index within the fused weight)
 FUSED = {
@@ -33,7 +36,10 @@ FUSED = {
     "mlp.gate_proj": ("mlp.gate_up_proj", 0),
     "mlp.up_proj": ("mlp.gate_up_proj", 1),
 }
-_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias|weight_scale|weight_scale_inv|"
+                    r"input_scale)$")
+# FP8 tensor names -> ours (HF fp8 checkpoints call the dequantization scale weight_scale_inv)
+_SCALE = {"weight_scale_inv": "weight_scale"}
 
 
 def resolve_dtype(name: str, cfg: ModelConfig, device: torch.device) -> torch.dtype:
@@ -49,10 +55,35 @@ def our_name(hf_name: str) -> tuple[str, int | None]:
     m = _LAYER.match(hf_name)
     if m:
         n, mod, kind = m.groups()
+        kind = _SCALE.get(kind, kind)
         if mod in FUSED:
             ours, idx = FUSED[mod]
             return f"model.layers.{n}.{ours}.{kind}", idx
+        return f"model.layers.{n}.{mod}.{kind}", None
     return hf_name, None
+
+
+def _apply_quant(model: CausalLM, cfg: ModelConfig) -> None:
+    """Make each decoder Linear the scheme quantizes FP8 (on the meta device). A fused Linear
+    is FP8 only when all of its HF slices are; a mix is refused naming the module."""
+    scheme = cfg.quant
+    for name, module in model.named_modules():
+        if not isinstance(module, Linear):
+            continue
+        layer, ours = name.split(".self_attn.") if ".self_attn." in name else name.split(".mlp.")
+        kind = ("self_attn." if ".self_attn." in name else "mlp.") + ours
+        hf = ([f"{layer}.{m}" for m in HF_SLICES.get(kind, (kind,))]
+              if not cfg.fused_checkpoint else [name])
+        quantized = [scheme.quantizes(m) for m in hf]
+        if any(quantized) != all(quantized):
+            raise ModelLoadError(
+                f"quantization_config quantizes {[m for m, q in zip(hf, quantized) if q]} but "
+                f"not {[m for m, q in zip(hf, quantized) if not q]}, which batchrun runs as one "
+                f"fused projection {name}; quantize all of them or none")
+        if all(quantized):
+            check_fused_blocks(scheme, module.output_sizes, name, "quantization_config")
+            make_fp8(module, scheme, weight_scale_shape(scheme, module.out_features,
+                                                        module.in_features))
 
 
 def _materialise(cfg: ModelConfig, device: torch.device, dtype: torch.dtype,
@@ -62,6 +93,8 @@ def _materialise(cfg: ModelConfig, device: torch.device, dtype: torch.dtype,
     with torch.device("meta"):
         model = CausalLM(cfg, max_position)
     model.to(dtype)  # on meta: no memory, no copy
+    if cfg.quant is not None:
+        _apply_quant(model, cfg)
     model.to_empty(device=device)
     if cfg.tie_word_embeddings:  # to_empty breaks the tie; restore it
         model.lm_head.weight = model.model.embed_tokens.weight
@@ -79,50 +112,127 @@ def random_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, max
     model = _materialise(cfg, device, dtype, max_position)
     gen = torch.Generator(device=device).manual_seed(seed)
     for name, p in model.named_parameters():
+        if p.dtype == FP8 or name.endswith(("weight_scale", "input_scale")):
+            continue  # below: an FP8 Linear quantizes its random weight
         if p.dim() == 1 and name.endswith("norm.weight"):
             p.fill_(1.0 - cfg.norm_offset)
         else:
             p.normal_(0.0, 0.02, generator=gen)
+    for module in model.modules():
+        if isinstance(module, Linear) and module.quant is not None:
+            if module.quant.weights != "channel" or module.input_scale is not None:
+                raise ValueError("random FP8 weights are per-channel with dynamic activations")
+            w = torch.empty(module.weight.shape, dtype=dtype, device=device).normal_(
+                0.0, 0.02, generator=gen)
+            quantize_rows(w, module.weight, module.weight_scale)
     return model.eval()
 
 
 @torch.no_grad()
 def load_model(path: str | Path, device: torch.device, dtype: torch.dtype,
-               max_position: int) -> CausalLM:
+               max_position: int, quantization: str | None = None) -> CausalLM:
+    """quantization: engine.quantization (fp8: FP8 linear layers from an unquantized checkpoint)."""
     model_dir = Path(path)
     if not model_dir.is_dir():
         raise ModelLoadError(f"{model_dir}: model directory not found")
-    cfg = ModelConfig.from_dir(model_dir)
+    cfg = with_quantization(ModelConfig.from_dir(model_dir), quantization)
     found = check_checkpoint(model_dir, cfg)
     model = _materialise(cfg, device, dtype, max_position)
     params = dict(model.named_parameters(remove_duplicate=False))
-    by_file: dict[Path, list[tuple[str, str]]] = {}
-    for name, (f, _, stored) in found.items():
-        if not (name == "lm_head.weight" and cfg.tie_word_embeddings):
-            by_file.setdefault(f, []).append((name, stored))
-    with ExitStack() as files, StagedCopier(device, dtype) as copier:  # files stay open until copied
-        for f, names in by_file.items():
-            sf = files.enter_context(safe_open(str(f), framework="pt"))  # mmap
-            for name, stored in names:
-                copier.copy(hf_target(model, params, name),
-                            lambda sf=sf, stored=stored: sf.get_tensor(stored))
+    entries = [(name, f, stored) for name, (f, _, stored) in found.items()
+               if not (name == "lm_head.weight" and cfg.tie_word_embeddings)]
+    on_the_fly = cfg.quant is not None and not cfg.quant.stored
+    with ExitStack() as files:  # files stay open until copied
+        opened = {}
+
+        def open_file(f):
+            if f not in opened:
+                opened[f] = files.enter_context(safe_open(str(f), framework="pt"))  # mmap
+            return opened[f]
+
+        # quantizing at load time goes layer by layer: only one layer's weights ever exist in
+        # the model dtype (a bf16 scratch), so a model that fits in FP8 loads in FP8
+        groups = _by_layer(entries) if on_the_fly else [entries]
+        input_scales: dict[str, float] = {}
+        for group in groups:
+            to_quantize = []
+            with StagedCopier(device, dtype) as copier:
+                for name, f, stored in group:
+                    sf = open_file(f)
+                    ours, _ = our_name(name)
+                    load = (lambda sf=sf, stored=stored: sf.get_tensor(stored))
+                    if ours.endswith(".input_scale"):  # a fused layer takes its slices' largest
+                        value = float(load().float().max())
+                        input_scales[ours] = max(value, input_scales.get(ours, value))
+                        continue
+                    target = hf_target(model, params, name)
+                    if on_the_fly and target.dtype == FP8:
+                        scratch = torch.empty(target.shape, dtype=dtype, device=device)
+                        copier.copy(scratch, load)
+                        to_quantize.append((scratch, target, scale_target(model, params, name)))
+                    else:
+                        copier.copy(target, (lambda load=load, target=target, name=name:
+                                             fit_scale(load(), target, name)))
+            for scratch, q, scale in to_quantize:
+                quantize_rows(scratch, q, scale)
+        for ours, value in input_scales.items():
+            params[ours].fill_(value)
     return model.eval()
 
 
+def _by_layer(entries: list) -> list[list]:
+    """Checkpoint entries grouped by decoder layer (the rest first), in file order within each."""
+    groups: dict[int, list] = {}
+    for entry in entries:
+        m = _LAYER.match(entry[0])
+        groups.setdefault(int(m.group(1)) if m else -1, []).append(entry)
+    return [groups[k] for k in sorted(groups)]
+
+
+def fit_scale(src: torch.Tensor, target: torch.Tensor, name: str) -> torch.Tensor:
+    """A checkpoint scale in our layout: [n, 1] per-row scales as [n]; a per-tensor scale
+    ([1] or []) repeated over its rows (check_checkpoint has checked the shapes)."""
+    if not name.endswith(("weight_scale", "weight_scale_inv")) or src.shape == target.shape:
+        return src
+    if src.numel() == 1:
+        return src.reshape(1).expand(target.shape)
+    return src.reshape(target.shape)
+
+
 def hf_target(model, params: dict, hf_name: str) -> torch.Tensor:
-    """The part of our parameter that one HF checkpoint tensor fills (a slice for fused layers)."""
+    """The part of our parameter that one HF checkpoint tensor fills (a slice for fused layers:
+    its rows of the weight and of per-row scales, its row blocks of block scales)."""
     ours, idx = our_name(hf_name)
     param = params[ours]
     if idx is None:
         return param
+    module = model.get_submodule(ours.rsplit(".", 1)[0])
+    sizes = module.output_sizes
+    start, end = sum(sizes[:idx]), sum(sizes[:idx + 1])
+    if ours.endswith(".weight_scale") and module.quant.weights == "block":
+        bn = module.quant.block[0]  # whole blocks per slice (quant.check_fused_blocks)
+        return param[start // bn:end // bn]
+    return param[start:end]
+
+
+def scale_target(model, params: dict, hf_name: str) -> torch.Tensor:
+    """The per-row scales of the rows `hf_name` (a weight) fills."""
+    ours, idx = our_name(hf_name)
+    scale = params[ours[:-len("weight")] + "weight_scale"]
+    if idx is None:
+        return scale
     sizes = model.get_submodule(ours.rsplit(".", 1)[0]).output_sizes
-    start = sum(sizes[:idx])
-    return param[start:start + sizes[idx]]
+    return scale[sum(sizes[:idx]):sum(sizes[:idx + 1])]
 
 
 def copy_hf_tensor(model, params: dict, hf_name: str, src: torch.Tensor) -> None:
-    """Copy one HF checkpoint tensor into our parameter (a slice of it for fused layers)."""
-    hf_target(model, params, hf_name).copy_(src)
+    """Copy one HF checkpoint tensor into our parameter (a slice of it for fused layers); an
+    unquantized weight of an FP8 Linear is quantized per row on the way."""
+    target = hf_target(model, params, hf_name)
+    if target.dtype == FP8 and src.dtype != FP8:
+        quantize_rows(src.to(target.device), target, scale_target(model, params, hf_name))
+    else:
+        target.copy_(fit_scale(src, target, hf_name))
 
 
 @torch.no_grad()
