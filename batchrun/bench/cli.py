@@ -11,7 +11,7 @@ import sys
 import click
 
 from batchrun.bench.presets import PRESET_MODELS
-from batchrun.engine.config import DEVICES, DTYPES, removed_key_message
+from batchrun.engine.config import DEVICES, DTYPES, KV_CACHE_DTYPES, QUANTIZATIONS, removed_key_message
 from batchrun.errors import ConfigError
 
 _USAGE, _CONFIG = 2, 3
@@ -63,6 +63,21 @@ def bench():
     (batchrun/engine/envs.py), as in every run, and each result records them."""
 
 
+def _quant_options():
+    """engine.quantization and engine.kv_cache_dtype as flags (vllm's names)."""
+    return [click.option("--quantization", type=click.Choice(QUANTIZATIONS), default=None,
+                         help="fp8: FP8 linear layers, quantized at load time (per-channel "
+                              "weights, per-token activations)."),
+            click.option("--kv-cache-dtype", type=click.Choice(KV_CACHE_DTYPES), default="auto",
+                         show_default=True, help="fp8: an e4m3 KV cache.")]
+
+
+def _quant_flags(f):
+    for o in reversed(_quant_options()):
+        f = o(f)
+    return f
+
+
 def _common(f):
     """Flags shared by latency and lora-matrix (vllm bench latency names and defaults)."""
     opts = [
@@ -80,6 +95,7 @@ def _common(f):
                      help="auto = the config's torch_dtype on GPU, float32 on CPU."),
         click.option("--device", type=click.Choice(DEVICES), default="auto",
                      show_default=True),
+        *_quant_options(),
         click.option("--max-lora-rank", type=int, default=16, show_default=True),
         click.option("--lora-rank", type=int, default=16, show_default=True,
                      help="Rank of the random adapters (all 7 projections: q,k,v,o,gate,up,down)."),
@@ -194,6 +210,7 @@ def lora_matrix(**kw):
                    "so the timed call finds its kernels compiled; 0 = time a cold first call.")
 @click.option("--device", type=click.Choice(DEVICES), default="auto",
               show_default=True)
+@_quant_flags
 @click.option("--dtype", type=click.Choice(DTYPES),
               default="auto", show_default=True)
 @click.option("--gpu-memory-utilization", type=float, default=0.90, show_default=True)

@@ -33,6 +33,8 @@ class LatencyParams:
     num_iters: int = 30
     dtype: str = "auto"
     device: str = "auto"
+    quantization: str | None = None
+    kv_cache_dtype: str = "auto"
     enable_lora: bool = False
     max_loras: int | None = None  # None = max(num_active_loras, 1)
     max_lora_rank: int = 16
@@ -74,6 +76,7 @@ class LatencyParams:
     def engine_config(self) -> EngineConfig:
         return engine_config(
             model=self.model, device=self.device, dtype=self.dtype, seed=self.seed,
+            quantization=self.quantization, kv_cache_dtype=self.kv_cache_dtype,
             enable_lora=self.enable_lora, max_loras=self.loras, max_lora_rank=self.max_lora_rank,
             enforce_eager=self.enforce_eager,
             max_num_seqs=self.max_num_seqs if self.max_num_seqs is not None else max(64, self.batch_size),

@@ -67,6 +67,8 @@ class MatrixParams:
     num_iters_eager: int | None = None
     dtype: str = "auto"
     device: str = "auto"
+    quantization: str | None = None
+    kv_cache_dtype: str = "auto"
     max_loras: int = 8
     max_lora_rank: int = 16
     lora_rank: int = 16
@@ -111,6 +113,7 @@ class MatrixParams:
         experiments = replace(Experiments.from_env(),
                               num_kv_blocks=num_kv_blocks or self.num_kv_blocks)
         return engine_config(model=self.model, device=self.device, dtype=self.dtype, seed=self.seed,
+                             quantization=self.quantization, kv_cache_dtype=self.kv_cache_dtype,
                              enable_lora=enable_lora, max_loras=self.max_loras,
                              max_lora_rank=self.max_lora_rank, enforce_eager=self.enforce_eager,
                              experiments=experiments,

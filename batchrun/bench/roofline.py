@@ -71,23 +71,30 @@ def format_roofline(r: dict | None) -> str:
 
 
 def offline_floor(cfg, num_prompts: int, prompt_len: int, output_len: int, max_num_seqs: int,
-                  device_name: str, dtype_bytes: int = 2) -> dict | None:
-    """The offline workload's physical limit on this card: prefill at the bf16 dense peak (the
+                  device_name: str, fp8_weights: bool = False, fp8_kv: bool = False) -> dict | None:
+    """The offline workload's physical limit on this card: prefill at the dense peak (the
     projections' and attention's FLOPs), then waves of max_num_seqs rows decoding, each step
     max(its FLOPs at the dense peak, its weights at HBM peak) + its rows' K/V at HBM peak (the
     step floor benchmarks/offline_step_profile.py measures against). Contexts shorter than
-    any sliding window are assumed (the benchmark's 384 tokens)."""
+    any sliding window are assumed (the benchmark's 384 tokens). fp8_weights: the projections
+    are 1 byte each and multiply at the FP8 peak (twice bf16's); lm_head stays bf16 (counted
+    at 2 bytes and the bf16 peak within the average); fp8_kv: K/V 1 byte each."""
     from batchrun.bench.presets import num_params
     peak, hbm = bf16_peak(device_name), hbm_peak(device_name)
     if peak is None or hbm is None:
         return None
+    dtype_bytes = 2
     h, v, layers = cfg.hidden_size, cfg.vocab_size, cfg.num_hidden_layers
     # matmul parameters a token meets: everything but the embedding lookup (a tied lm_head
     # multiplies by the embedding table, so it counts once either way)
     matmul = num_params(cfg) - (0 if cfg.tie_word_embeddings else v * h)
     weights = matmul * dtype_bytes
+    if fp8_weights:  # the decoder's projections in e4m3 at twice the FLOP rate; lm_head bf16
+        head = v * h
+        weights = (matmul - head) + head * dtype_bytes
+        peak = peak * matmul / ((matmul - head) / 2 + head)
     attn = 4 * layers * cfg.num_attention_heads * cfg.head_dim  # FLOPs per (query, key) pair
-    kv_token = 2 * layers * cfg.num_key_value_heads * cfg.head_dim * dtype_bytes
+    kv_token = 2 * layers * cfg.num_key_value_heads * cfg.head_dim * (1 if fp8_kv else dtype_bytes)
     prefill_flops = num_prompts * (2 * matmul * prompt_len + attn * prompt_len * (prompt_len + 1) / 2)
     prefill_s = prefill_flops / peak
     decode_s, left = 0.0, num_prompts

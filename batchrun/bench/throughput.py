@@ -71,6 +71,8 @@ class ThroughputParams:
     engine_warmup_rows: int = 32  # untimed warm-up generate before the engine-alone call
     device: str = "auto"
     dtype: str = "auto"
+    quantization: str | None = None
+    kv_cache_dtype: str = "auto"
     gpu_memory_utilization: float = 0.90
     enforce_eager: bool = False
     enable_prefix_caching: bool = True
@@ -115,11 +117,14 @@ class ThroughputParams:
     def engine_section(self) -> dict:
         """The job file's engine: section (EngineConfig fields) these flags make."""
         e = {"device": self.device, "dtype": self.dtype, "max_num_seqs": self.max_num_seqs,
+             "kv_cache_dtype": self.kv_cache_dtype,
              "max_num_batched_tokens": self.max_num_batched_tokens,
              "max_model_len": self.prompt_len + self.output_len,
              "gpu_memory_utilization": self.gpu_memory_utilization,
              "enforce_eager": self.enforce_eager,
              "enable_prefix_caching": self.enable_prefix_caching}
+        if self.quantization is not None:
+            e["quantization"] = self.quantization
         if self.uses_lora:
             e["max_loras"] = self.max_loras or self.num_adapters
             e["max_lora_rank"] = self.lora_rank
@@ -329,7 +334,8 @@ def run_throughput(p: ThroughputParams, log=print, command: str | None = None) -
         from batchrun.engine.models.config import ModelConfig
         floor = offline_floor(ModelConfig.from_dict(workload.workload_config(p.model_preset)),
                               p.num_prompts, p.prompt_len, p.output_len, p.max_num_seqs,
-                              result.get("device") or "")
+                              result.get("device") or "", fp8_weights=p.quantization == "fp8",
+                              fp8_kv=p.kv_cache_dtype == "fp8")
         if floor is not None:
             floor["engine_alone_fraction"] = result["throughput_tok_s"]["engine_alone"] / floor["tok_s"]
             log(f"    engine alone at {floor['engine_alone_fraction']:.1%} of the workload's "

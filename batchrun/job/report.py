@@ -32,6 +32,14 @@ from batchrun.job.run.progress_files import HEADER, worker_rows
 from batchrun.job.inputs.token_estimate import Estimate
 from batchrun.engine.request_check import too_long
 from batchrun.engine.config import context_max_model_len
+from batchrun.engine.models.quant import with_quantization
+
+
+def weights_line(model_config, quantization: str | None) -> str:
+    """What the linear layers run in: the checkpoint's FP8 scheme, FP8 made at load time, or the
+    model dtype (plan's engine line)."""
+    scheme = with_quantization(model_config, quantization).quant
+    return "the model dtype" if scheme is None else scheme.name
 
 
 def _shard_name(adapter: str | None, known: bool) -> str:
@@ -69,7 +77,9 @@ def plan_report(spec: JobSpec, num_tasks: int, count_tokens: bool = True, estima
     shown_len = (f"auto ({max_model_len}: the model's context; lowered when the engine starts if its "
                  "KV cache holds less for one sequence)" if e.max_model_len == "auto" else max_model_len)
     lines += [f"engine:   device={e.device}, dtype={e.dtype}, max_num_seqs={seqs}, max_model_len={shown_len}, "
-              f"{loras_line(spec)}", ""]
+              f"{loras_line(spec)}",
+              f"          weights: {weights_line(model_config, e.quantization)}; KV cache: "
+              f"{'fp8 (e4m3)' if e.kv_cache_dtype == 'fp8' else 'the model dtype'}", ""]
     tokens, bad, note = (_prompt_tokens(spec, plan, estimate_tokens, model_config, max_model_len) if count_tokens
                          else ({}, {}, None))
     shards = plan.shards()

@@ -56,13 +56,14 @@ def test_engine_messages(tmp_path, engine, message):
 
 
 # the user keys (vLLM's equivalents); FP8's quantization and kv_cache_dtype come on top
-USER_KEYS = ("device", "dtype", "max_num_seqs", "max_model_len", "max_loras", "max_lora_rank",
+# quantization and kv_cache_dtype: vLLM's names for what FP8 changes (issue #47)
+USER_KEYS = ("device", "dtype", "quantization", "kv_cache_dtype", "max_num_seqs", "max_model_len", "max_loras", "max_lora_rank",
              "enforce_eager", "max_num_batched_tokens", "gpu_memory_utilization", "block_size",
              "cpu_kv_cache_gb", "max_cpu_loras", "enable_prefix_caching", "cuda_graph_sizes")
 
 
 def test_engine_section_holds_only_user_keys():
-    assert job_engine_fields() == USER_KEYS and len(USER_KEYS) <= 14
+    assert job_engine_fields() == USER_KEYS and len(USER_KEYS) <= 16
     experiment_fields = {f.name for f in dataclasses.fields(Experiments)}
     assert set(REMOVED_ENGINE_KEYS.values()) <= experiment_fields
     assert not set(REMOVED_ENGINE_KEYS) & set(job_engine_fields())

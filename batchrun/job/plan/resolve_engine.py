@@ -34,13 +34,13 @@ def resolve_device(name: str) -> str:
     return "cuda" if cuda_available() else "cpu"
 
 
-def weight_quantization(model_dir: str) -> str:
-    """The checkpoint's quantization_config.quant_method ("none" without one): the weights' format
-    decides numerics as the dtype does."""
+def weight_quantization(model_dir: str, quantization: str | None = None) -> str:
+    """The checkpoint's quantization_config.quant_method, else engine.quantization ("none" for
+    neither): the weights' format decides numerics as the dtype does."""
     with open(os.path.join(model_dir, "config.json")) as f:  # read and checked by inspect_model already
         q = json.load(f).get("quantization_config")
     if not isinstance(q, dict):
-        return "none"
+        return quantization or "none"
     return str(q.get("quant_method") or "unknown")
 
 
@@ -49,7 +49,7 @@ def resolve_engine(spec: JobSpec, model_config) -> dict[str, str]:
     device = resolve_device(spec.engine.device)
     return {"device": device,
             "dtype": dtype_name(spec.engine.dtype, getattr(model_config, "torch_dtype", None), device),
-            "quantization": weight_quantization(spec.model)}
+            "quantization": weight_quantization(spec.model, spec.engine.quantization)}
 
 
 def resolution_changes(started: dict, here: dict) -> list[str]:

@@ -99,7 +99,12 @@ def job_fingerprint(spec: JobSpec, files: list[str], file_names: list[str],
         "adapters": _digest({name: dir_digest(p) for name, p in spec.adapters.items()}),
         "inputs": _digest([[n, d] for n, d in zip(file_names, digests)]),
         "sampling": _digest({**_sampling_part(spec.sampling), "override_columns": list(override_columns)}),
-        "engine": _digest({"device": eng.device, "dtype": eng.dtype, "max_model_len": max_model_len}),
+        # quantization and kv_cache_dtype only when set: outputs started before they existed
+        # keep their fingerprints
+        "engine": _digest({"device": eng.device, "dtype": eng.dtype, "max_model_len": max_model_len}
+                          | ({"quantization": eng.quantization} if eng.quantization else {})
+                          | ({"kv_cache_dtype": eng.kv_cache_dtype}
+                             if eng.kv_cache_dtype != "auto" else {})),
         "layout": _digest({k: getattr(inp, k) for k in
                            ("id_column", "prompt_column", "messages_column", "adapter_column", "rows_per_unit")}
                           | {k: getattr(inp, k) for k in _NEW_INPUT if getattr(inp, k) != _NEW_INPUT[k]}),
@@ -115,6 +120,7 @@ PART_NAMES = {
     "adapters": "the adapters (adapters:)",
     "inputs": "the input files (input.path)",
     "sampling": "the sampling settings (sampling:, or the per-row override columns)",
-    "engine": "engine.device / engine.dtype / engine.max_model_len",
+    "engine": "engine.device / engine.dtype / engine.max_model_len / engine.quantization / "
+              "engine.kv_cache_dtype",
     "layout": "the input columns or input.rows_per_unit",
 }
