@@ -58,7 +58,9 @@ def _paged_decode_kernel(
     part_out_ptr,     # fp32 [B, Hq, NUM_SPLITS, D]        (NUM_SPLITS > 1)
     part_lse_ptr,     # fp32 [B, Hq, NUM_SPLITS], log2 domain
     # sizes
-    qk_scale,         # softmax scale * log2(e); with SOFTCAP: softmax scale / softcap
+    qk_scale,         # softmax scale * log2(e); with SOFTCAP: softmax scale / softcap; times
+                      # k_scale for an FP8 cache
+    v_scale,          # an FP8 cache's V scale (1.0 otherwise): the output is acc * v_scale / l
     cap_scale,        # with SOFTCAP: softcap * log2(e) (unused otherwise)
     window,           # with WINDOW: keys visible to the query (unused otherwise)
     G, D,             # query heads per kv head, head dim
@@ -115,7 +117,7 @@ def _paged_decode_kernel(
         slot_in_page = offs_n % BLOCK_SIZE
         kv_mask = n_mask[None, :] & d_mask[:, None]
         k_ptrs = k_head + page[None, :] * stride_kblk + slot_in_page[None, :] * stride_ktok + offs_d[:, None]
-        kt = tl.load(k_ptrs, mask=kv_mask, other=0.0)                               # [BD, BN]
+        kt = tl.load(k_ptrs, mask=kv_mask, other=0.0).to(q.dtype)                   # [BD, BN]
         s = tl.dot(q, kt, input_precision="ieee") * qk_scale                         # [BG, BN]
         if SOFTCAP:
             s = tanh(s) * cap_scale
@@ -125,12 +127,12 @@ def _paged_decode_kernel(
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v_ptrs = v_head + page[:, None] * stride_vblk + slot_in_page[:, None] * stride_vtok + offs_d[None, :]
-        v = tl.load(v_ptrs, mask=n_mask[:, None] & d_mask[None, :], other=0.0)     # [BN, BD]
+        v = tl.load(v_ptrs, mask=n_mask[:, None] & d_mask[None, :], other=0.0).to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
         m_i = m_new
 
     # l_i == 0 only when this program saw no tokens: emit zeros, not NaN.
-    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    out = acc * v_scale / tl.where(l_i > 0, l_i, 1.0)[:, None]
     mask = g_mask[:, None] & d_mask[None, :]
     if NUM_SPLITS == 1:
         o_ptrs = out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
@@ -200,6 +202,7 @@ def decode_num_splits(programs: int, max_ctx: int, sms: int) -> int:
 def paged_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
                            context_lens: Tensor, scale: float, out: Tensor,
                            sliding_window: int | None = None, logit_softcap: float | None = None,
+                           k_scale: float = 1.0, v_scale: float = 1.0,
                            *, num_splits: int | None = None, tuning: dict | None = None) -> None:
     # q:            [B, Hq, D]                          one new token per sequence
     # k/v_cache:    [num_blocks, block_size, Hkv, D]    one layer's paged cache, Hq % Hkv == 0
@@ -208,6 +211,7 @@ def paged_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_ta
     # out:          [B, Hq, D]                          written for every row
     # sliding_window: None, or >= 1: the query (position ctx - 1) sees keys [ctx - window, ctx)
     # logit_softcap:  None, or > 0: scores become softcap * tanh(score / softcap)
+    # k_scale, v_scale: an e4m3 cache's scales (its values times the scale are K and V)
     # num_splits:   context splits (None = heuristic from static shapes); must stay fixed
     #               between graph capture and replay, which it does when left None.
     # tuning:       {block_n, num_warps, num_stages} overrides, for benchmarks only.
@@ -255,7 +259,7 @@ def paged_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_ta
         part_out = part_lse = out  # unused by the kernel
     _paged_decode_kernel[(B, Hkv, splits)](
         q, k_cache, v_cache, block_tables, context_lens, out, part_out, part_lse,
-        scale * LOG2E if logit_softcap is None else scale / logit_softcap,
+        k_scale * (scale * LOG2E if logit_softcap is None else scale / logit_softcap), v_scale,
         0.0 if logit_softcap is None else logit_softcap * LOG2E,
         0 if sliding_window is None else sliding_window,
         G, D,

@@ -57,7 +57,7 @@ def _tile(acc, m_i, l_i, q, k_head, v_head, bt_row, start, lo, hi, pos,
         kv_mask = d_mask[None, :]
     slot = offs_n % BLOCK_SIZE
     kt = tl.load(k_head + page[None, :] * stride_kblk + slot[None, :] * stride_ktok + offs_d[:, None],
-                 mask=kv_mask_t, other=0.0)                                          # [BD, BN]
+                 mask=kv_mask_t, other=0.0).to(q.dtype)                              # [BD, BN]
     s = tl.dot(q, kt, input_precision="ieee") * qk_scale                             # [BM, BN]
     if SOFTCAP:
         s = tanh(s) * cap_scale
@@ -80,7 +80,7 @@ def _tile(acc, m_i, l_i, q, k_head, v_head, bt_row, start, lo, hi, pos,
     p = tl.exp2(s - m_use[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     v = tl.load(v_head + page[:, None] * stride_vblk + slot[:, None] * stride_vtok + offs_d[None, :],
-                mask=kv_mask, other=0.0)                                             # [BN, BD]
+                mask=kv_mask, other=0.0).to(q.dtype)                                 # [BN, BD]
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
     return acc, m_new, l_i
 
@@ -93,7 +93,9 @@ def _prefill_kernel(
     qstart_ptr,       # int32 [B + 1]: query_start
     ctx_ptr,          # int32 [B]: context length, this chunk included
     out_ptr,          # [T, Hq, D]
-    qk_scale,         # softmax scale * log2(e); with SOFTCAP: softmax scale / softcap
+    qk_scale,         # softmax scale * log2(e); with SOFTCAP: softmax scale / softcap; times
+                      # k_scale for an FP8 cache
+    v_scale,          # an FP8 cache's V scale (1.0 otherwise): the output is acc * v_scale / l
     cap_scale,        # with SOFTCAP: softcap * log2(e) (unused otherwise)
     window,           # with WINDOW: keys visible to each query (unused otherwise)
     G, D,
@@ -162,7 +164,7 @@ def _prefill_kernel(
         if WINDOW:
             # padding rows (never stored) may have seen no key: keep them finite
             l_i = tl.where(l_i > 0, l_i, 1.0)
-        out = acc / l_i[:, None]
+        out = acc * v_scale / l_i[:, None]
         tl.store(out_ptr + rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
 
@@ -180,7 +182,8 @@ def _blocks(D: int, max_query_len: int, block_size: int) -> tuple[int, int, int,
 def prefill_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
                       query_start: Tensor, context_lens: Tensor, max_query_len: int,
                       scale: float, out: Tensor, sliding_window: int | None = None,
-                      logit_softcap: float | None = None, *, tuning: dict | None = None) -> None:
+                      logit_softcap: float | None = None, k_scale: float = 1.0,
+                      v_scale: float = 1.0, *, tuning: dict | None = None) -> None:
     # q:            [T, Hq, D]                          the step's queries, packed by sequence
     # k/v_cache:    [num_blocks, block_size, Hkv, D]    this step's K/V already written
     # block_tables: int32 [B, max_blocks_per_seq]       entries past a sequence's blocks ignored
@@ -220,7 +223,7 @@ def prefill_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables:
     block_d = max(16, triton.next_power_of_2(D))
     _prefill_kernel[(Hq, triton.cdiv(max_query_len, block_m), B)](
         q, k_cache, v_cache, block_tables, query_start, context_lens, out,
-        scale * LOG2E if logit_softcap is None else scale / logit_softcap,
+        k_scale * (scale * LOG2E if logit_softcap is None else scale / logit_softcap), v_scale,
         0.0 if logit_softcap is None else logit_softcap * LOG2E,
         0 if sliding_window is None else sliding_window,
         Hq // Hkv, D,

@@ -81,9 +81,17 @@ def _capped(scores: Tensor, logit_softcap: float | None) -> Tensor:
     return torch.tanh(scores / logit_softcap) * logit_softcap
 
 
+def _gather(cache: Tensor, idx: Tensor) -> Tensor:
+    # cache[idx], for e4m3 caches too (as bytes: torch's CPU indexing has no e4m3 kernel)
+    if cache.dtype != torch.float8_e4m3fn:
+        return cache[idx]
+    return cache.view(torch.uint8)[idx].view(cache.dtype)
+
+
 def ref_paged_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
                                context_lens: Tensor, scale: float, sliding_window: int | None = None,
-                               logit_softcap: float | None = None) -> Tensor:
+                               logit_softcap: float | None = None, k_scale: float = 1.0,
+                               v_scale: float = 1.0) -> Tensor:
     # q: [B, Hq, D], k_cache/v_cache: [num_blocks, block_size, Hkv, D],
     # block_tables: int [B, max_blocks], context_lens: int [B] -> out [B, Hq, D] (q's dtype).
     # The query sits at position ctx - 1 and sees keys [0, ctx), or with a sliding window
@@ -103,8 +111,9 @@ def ref_paged_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, bloc
     # masked out below anyway.
     cols = (first_blk[:, None] + torch.arange(n_blk, device=q.device)).clamp(max=block_tables.shape[1] - 1)
     tbl = block_tables.to(device=q.device, dtype=torch.long).gather(1, cols).clamp(0, num_blocks - 1)
-    k = k_cache[tbl].reshape(B, n_blk * bs, Hkv, D).float()    # [B, N, Hkv, D]
-    v = v_cache[tbl].reshape(B, n_blk * bs, Hkv, D).float()
+    # an e4m3 cache holds K / k_scale and V / v_scale
+    k = _gather(k_cache, tbl).reshape(B, n_blk * bs, Hkv, D).float() * k_scale  # [B, N, Hkv, D]
+    v = _gather(v_cache, tbl).reshape(B, n_blk * bs, Hkv, D).float() * v_scale
     qg = q.float().reshape(B, Hkv, G, D)                       # q head h uses kv head h // G
     scores = torch.einsum("bhgd,bnhd->bhgn", qg, k) * scale    # [B, Hkv, G, N]
     scores = _capped(scores, logit_softcap)
@@ -119,7 +128,8 @@ def ref_paged_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, bloc
 
 def ref_prefill_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
                           query_start: Tensor, context_lens: Tensor, scale: float,
-                          sliding_window: int | None = None, logit_softcap: float | None = None) -> Tensor:
+                          sliding_window: int | None = None, logit_softcap: float | None = None,
+                          k_scale: float = 1.0, v_scale: float = 1.0) -> Tensor:
     # q: [T, Hq, D] packed by sequence (sequence b owns rows query_start[b]..query_start[b+1]),
     # k_cache/v_cache: [num_blocks, block_size, Hkv, D] with this step's K/V already written,
     # block_tables: int [B, max_blocks], context_lens: int [B] (this chunk included)
@@ -137,8 +147,8 @@ def ref_prefill_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tab
         if hi == lo:
             continue
         blocks = block_tables[b, :-(-n_ctx // bs)].to(device=q.device, dtype=torch.long)
-        k = k_cache[blocks].flatten(0, 1)[:n_ctx].float().repeat_interleave(G, dim=1)  # [N, Hq, D]
-        v = v_cache[blocks].flatten(0, 1)[:n_ctx].float().repeat_interleave(G, dim=1)
+        k = (_gather(k_cache, blocks).flatten(0, 1)[:n_ctx].float() * k_scale).repeat_interleave(G, dim=1)
+        v = (_gather(v_cache, blocks).flatten(0, 1)[:n_ctx].float() * v_scale).repeat_interleave(G, dim=1)
         scores = torch.einsum("qhd,nhd->hqn", q[lo:hi].float(), k) * scale         # [Hq, nq, N]
         scores = _capped(scores, logit_softcap)
         pos = n_ctx - (hi - lo) + torch.arange(hi - lo, device=q.device)

@@ -78,7 +78,7 @@ def _keep_pass(x1, x2, r1, r2, jd, HALF: tl.constexpr):
 @triton.jit
 def _rope_heads(x_ptr, stride_t, stride_h, t, h0, H, c, s, offs_h, offs_d, d_mask,
                 dst_ptr, dst_stride_h, HALF: tl.constexpr, PASS_HALF: tl.constexpr,
-                ROTATE: tl.constexpr):
+                ROTATE: tl.constexpr, inv_scale=1.0, QUANT: tl.constexpr = False):
     # heads h0.. of token t, columns offs_d where d_mask: x (rotated when ROTATE) to
     # dst_ptr + head * dst_stride_h, which is x's own row (in place) or the token's cache slot
     if PASS_HALF == 0:
@@ -100,8 +100,15 @@ def _rope_heads(x_ptr, stride_t, stride_h, t, h0, H, c, s, offs_h, offs_d, d_mas
         else:
             x1, x2 = _keep_pass(x1, x2, r1, r2, offs_d, HALF)
     d1 = dst_ptr + heads64 * dst_stride_h + o1[None, :]
-    tl.store(d1, x1, mask=mask)
-    tl.store(d1 + step, x2, mask=mask)
+    if QUANT:  # an e4m3 cache: value / scale, saturated
+        x1, x2 = _to_fp8(x1, inv_scale), _to_fp8(x2, inv_scale)
+    tl.store(d1, x1.to(dst_ptr.dtype.element_ty), mask=mask)
+    tl.store(d1 + step, x2.to(dst_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _to_fp8(x, inv_scale):
+    return tl.minimum(tl.maximum(x.to(tl.float32) * inv_scale, -448.0), 448.0)
 
 
 @triton.jit
@@ -118,10 +125,11 @@ def _rotary_kernel(
     stride_cslot, stride_ch,   # cache strides of a slot and a head
     Q_BLOCKS,         # cdiv(Hq, BLOCK_H): head blocks of q come first on axis 1, then k (then v)
     KV_BLOCKS,        # cdiv(Hkv, BLOCK_H)
+    k_inv, v_inv,     # 1 / the e4m3 cache's k and v scales (QUANT only)
     HALF: tl.constexpr,       # R / 2
     PASS_HALF: tl.constexpr,  # (D - R) / 2
     BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, TO_CACHE: tl.constexpr,
-    PDL: tl.constexpr,
+    QUANT: tl.constexpr, PDL: tl.constexpr,
 ):
     pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
@@ -142,11 +150,11 @@ def _rotary_kernel(
         if hb < Q_BLOCKS + KV_BLOCKS:
             _rope_heads(k_ptr, stride_kt, stride_kh, t, (hb - Q_BLOCKS) * BLOCK_H, Hkv, c, s,
                         offs_h, offs_d, all_mask, kc_ptr + slot * stride_cslot, stride_ch,
-                        HALF, PASS_HALF, True)
+                        HALF, PASS_HALF, True, k_inv, QUANT)
         else:
             _rope_heads(v_ptr, stride_vt, stride_vh, t, (hb - Q_BLOCKS - KV_BLOCKS) * BLOCK_H,
                         Hkv, c, s, offs_h, offs_d, all_mask, vc_ptr + slot * stride_cslot,
-                        stride_ch, HALF, PASS_HALF, False)
+                        stride_ch, HALF, PASS_HALF, False, v_inv, QUANT)
     else:
         _rope_heads(k_ptr, stride_kt, stride_kh, t, (hb - Q_BLOCKS) * BLOCK_H, Hkv, c, s,
                     offs_h, offs_d, d_mask, k_ptr + t * stride_kt, stride_kh, HALF, PASS_HALF,
@@ -161,7 +169,8 @@ def _rope_lora_tile(x_ptr, stride_t, stride_h, rows, row_mask, h0, H, jh, jd, jd
                     HALF: tl.constexpr, PASS_HALF: tl.constexpr, ROTATE: tl.constexpr,
                     BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, DOT_IEEE: tl.constexpr,
-                    GATHER: tl.constexpr, R_CHUNK: tl.constexpr):
+                    GATHER: tl.constexpr, R_CHUNK: tl.constexpr, inv_scale=1.0,
+                    QUANT: tl.constexpr = False):
     # Tile: BLOCK_M rows x (BLOCK_H heads x BLOCK_HALF columns) flattened into BLOCK_N columns;
     # column j is column jd[j] of head h0 + jh[j]: its pair of dims (jd, jd + HALF), or past
     # HALF a pass-through pair (module docstring). jd_mask: jd < D/2, every dim gets its delta.
@@ -204,8 +213,10 @@ def _rope_lora_tile(x_ptr, stride_t, stride_h, rows, row_mask, h0, H, jh, jd, jd
         else:
             x1, x2 = _keep_pass(x1, x2, r1, r2, jd, HALF)
     d = dst_ptr + dst_rows[:, None] * dst_stride_t + (heads.to(tl.int64) * dst_stride_h + o1)[None, :]
-    tl.store(d, x1, mask=mask)
-    tl.store(d + step, x2, mask=mask)
+    if QUANT:  # an e4m3 cache: value / scale, saturated
+        x1, x2 = _to_fp8(x1, inv_scale), _to_fp8(x2, inv_scale)
+    tl.store(d, x1.to(dst_ptr.dtype.element_ty), mask=mask)
+    tl.store(d + step, x2.to(dst_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -219,12 +230,13 @@ def _rotary_lora_kernel(
     Q_BLOCKS, K_BLOCKS,   # head blocks of q, then k, then v on axis 1
     s_ptr, stride_s, b_ptr, slot_ptr, LN, LS, LR,   # LoRA delta of q|k|v
     OFF_K, OFF_V,     # first fused-output column of k and of v
+    k_inv, v_inv,     # 1 / the e4m3 cache's k and v scales (QUANT only)
     HALF: tl.constexpr, PASS_HALF: tl.constexpr,   # R / 2, (D - R) / 2
     BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
     BLOCK_N: tl.constexpr,    # BLOCK_H * BLOCK_HALF
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, DOT_IEEE: tl.constexpr,
     GATHER: tl.constexpr, R_CHUNK: tl.constexpr, TO_CACHE: tl.constexpr,
-    PDL: tl.constexpr,
+    QUANT: tl.constexpr, PDL: tl.constexpr,
 ):
     pdl_enter(PDL)
     # Grid (row tiles, head blocks of q | k | v): B[the block's columns] is read once per
@@ -256,13 +268,13 @@ def _rotary_lora_kernel(
                             (hb - Q_BLOCKS) * BLOCK_H, Hkv, jh, jd, jd_mask, cs_ptr, pos_ptr,
                             stride_cs, s_ptr, stride_s, b_ptr, slot, lo, hi, LN, LS, LR, 1, OFF_K,
                             kd_ptr, dst_rows, kd_t, kd_h, HALF, PASS_HALF, True, BLOCK_M,
-                            BLOCK_N, BLOCK_R, DOT_IEEE, GATHER, R_CHUNK)
+                            BLOCK_N, BLOCK_R, DOT_IEEE, GATHER, R_CHUNK, k_inv, QUANT)
         else:  # v: only the LoRA delta
             _rope_lora_tile(v_ptr, stride_vt, stride_vh, rows, row_mask,
                             (hb - Q_BLOCKS - K_BLOCKS) * BLOCK_H, Hkv, jh, jd, jd_mask, cs_ptr,
                             pos_ptr, stride_cs, s_ptr, stride_s, b_ptr, slot, lo, hi, LN, LS, LR,
                             2, OFF_V, vd_ptr, dst_rows, vd_t, vd_h, HALF, PASS_HALF, False,
-                            BLOCK_M, BLOCK_N, BLOCK_R, DOT_IEEE, GATHER, R_CHUNK)
+                            BLOCK_M, BLOCK_N, BLOCK_R, DOT_IEEE, GATHER, R_CHUNK, v_inv, QUANT)
 
 
 def apply_rotary(q: Tensor, k: Tensor, cos_sin: Tensor, positions: Tensor,
@@ -279,16 +291,19 @@ def apply_rotary(q: Tensor, k: Tensor, cos_sin: Tensor, positions: Tensor,
 
 def apply_rotary_into_cache(q: Tensor, k: Tensor, v: Tensor, cos_sin: Tensor, positions: Tensor,
                             k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor,
-                            lora: LoRADelta | None = None) -> Tensor:
+                            lora: LoRADelta | None = None, k_scale: float = 1.0,
+                            v_scale: float = 1.0) -> Tensor:
     # As apply_rotary, but rotated k and v (each plus its LoRA delta) are written to the paged
     # caches [num_blocks, block_size, Hkv, D] at flat slot slot_mapping[t] (int64 [T], each a
     # valid slot: not checked, no host sync), not back into k and v, which are left as they
-    # were. Returns q, rotated in place.
-    _launch(q, k, v, cos_sin, positions, lora, (k_cache, v_cache, slot_mapping))
+    # were. Returns q, rotated in place. An e4m3 cache gets k / k_scale and v / v_scale,
+    # saturated at +-448.
+    _launch(q, k, v, cos_sin, positions, lora, (k_cache, v_cache, slot_mapping),
+            (1.0 / k_scale, 1.0 / v_scale))
     return q
 
 
-def _launch(q, k, v, cos_sin, positions, lora, cache) -> None:
+def _launch(q, k, v, cos_sin, positions, lora, cache, inv_scales=(1.0, 1.0)) -> None:
     check(q.dim() == 3 and k.dim() == 3, "q and k must be [T, H, D]")
     T, Hq, D = q.shape
     check(k.shape[0] == T and k.shape[2] == D, f"k {tuple(k.shape)} does not match q {tuple(q.shape)}")
@@ -314,8 +329,8 @@ def _launch(q, k, v, cos_sin, positions, lora, cache) -> None:
     if cache is not None:
         kc, vc, slots = cache
         check(kc.dim() == 4 and vc.shape == kc.shape and kc.shape[2:] == (Hkv, D)
-              and kc.dtype == vc.dtype == q.dtype,
-              f"k/v caches must be [num_blocks, block_size, {Hkv}, {D}] of {q.dtype}, got "
+              and kc.dtype == vc.dtype and kc.dtype in (q.dtype, torch.float8_e4m3fn),
+              f"k/v caches must be [num_blocks, block_size, {Hkv}, {D}] of {q.dtype} or e4m3, got "
               f"{tuple(kc.shape)} {kc.dtype}, {tuple(vc.shape)} {vc.dtype}")
         check(kc.stride() == vc.stride() and kc.stride(3) == 1 and kc.stride(2) == D
               and kc.stride(0) == kc.shape[1] * kc.stride(1),
@@ -325,6 +340,7 @@ def _launch(q, k, v, cos_sin, positions, lora, cache) -> None:
     else:  # unused pointers (TO_CACHE is off): any tensors
         v = q if v is None else v
         kc, vc, slots, stride_cslot, stride_ch = q, q, positions, 0, 0
+    quant = kc.dtype == torch.float8_e4m3fn
     if T == 0:
         return
     block_half = triton.next_power_of_2(D // 2)
@@ -335,9 +351,9 @@ def _launch(q, k, v, cos_sin, positions, lora, cache) -> None:
         _rotary_kernel[grid](
             q, k, v, kc, vc, slots, cos_sin, positions, Hq, Hkv, q.stride(0), q.stride(1),
             k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos_sin.stride(0),
-            stride_cslot, stride_ch, q_blocks, kv_blocks,
+            stride_cslot, stride_ch, q_blocks, kv_blocks, *inv_scales,
             HALF=R // 2, PASS_HALF=(D - R) // 2, BLOCK_H=block_h, BLOCK_HALF=block_half,
-            TO_CACHE=cache is not None,
+            TO_CACHE=cache is not None, QUANT=quant,
             num_warps=4, **pdl_kwargs(q))
         return
     # About 64 columns (half-head dims) per tile: one head of D = 128, and enough programs
@@ -350,9 +366,9 @@ def _launch(q, k, v, cos_sin, positions, lora, cache) -> None:
         q, k, v, kc, vc, slots, cos_sin, positions, T, Hq, Hkv,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         cos_sin.stride(0), stride_cslot, stride_ch, q_blocks, k_blocks, *largs,
-        Hq * D, (Hq + Hkv) * D,
+        Hq * D, (Hq + Hkv) * D, *inv_scales,
         HALF=R // 2, PASS_HALF=(D - R) // 2, BLOCK_H=block_h, BLOCK_HALF=block_half,
         BLOCK_N=block_h * block_half,
-        BLOCK_M=bm, TO_CACHE=cache is not None, **consts,
+        BLOCK_M=bm, TO_CACHE=cache is not None, QUANT=quant, **consts,
         **gather_consts(T, bm, block_h * block_half, consts["BLOCK_R"], pairs=2),
         num_warps=4, num_stages=1, **pdl_kwargs(q))

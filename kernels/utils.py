@@ -53,8 +53,9 @@ def check_attention_inputs(q, k_cache, v_cache, out, rows: str) -> tuple[int, in
     _, block_size, Hkv, Dk = k_cache.shape
     check(Dk == D, f"head dim of q ({D}) and cache ({Dk}) differ")
     check(Hq % Hkv == 0, f"query heads {Hq} must be a multiple of kv heads {Hkv}")
-    check(q.dtype in FLOAT_DTYPES and k_cache.dtype == v_cache.dtype == q.dtype == out.dtype,
-          f"q, caches and out must share a float dtype, got {q.dtype}, {k_cache.dtype}, "
-          f"{v_cache.dtype}, {out.dtype}")
+    check(q.dtype in FLOAT_DTYPES and out.dtype == q.dtype and k_cache.dtype == v_cache.dtype
+          and k_cache.dtype in (q.dtype, torch.float8_e4m3fn),
+          f"q and out must share a float dtype and the caches be of it or e4m3, got {q.dtype}, "
+          f"{k_cache.dtype}, {v_cache.dtype}, {out.dtype}")
     check(out.shape == q.shape, f"out must be {tuple(q.shape)}, got {tuple(out.shape)}")
     return n, Hq, D, block_size, Hkv

@@ -27,7 +27,13 @@ from batchrun.engine.models.config import ModelConfig
 logger = logging.getLogger("batchrun.engine")
 
 
+def kv_cache_dtype(config: EngineConfig, dtype: torch.dtype) -> torch.dtype:
+    """The KV cache's element type: e4m3 for engine.kv_cache_dtype fp8, else the model dtype."""
+    return torch.float8_e4m3fn if config.kv_cache_dtype == "fp8" else dtype
+
+
 def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    # dtype: the cache's (kv_cache_dtype)
     elem = torch.empty((), dtype=dtype).element_size()
     return 2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * cfg.head_dim * elem
 
@@ -47,7 +53,7 @@ def _budget_blocks(cfg: ModelConfig, config: EngineConfig, device: torch.device,
     """KV blocks the memory budget holds (BATCHRUN_NUM_KV_BLOCKS when it is set), before any cap."""
     if config.experiments.num_kv_blocks is not None:
         return config.experiments.num_kv_blocks
-    per_block = bytes_per_block(cfg, config.block_size, dtype)
+    per_block = bytes_per_block(cfg, config.block_size, kv_cache_dtype(config, dtype))
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         budget = total * config.gpu_memory_utilization - (total - free) \
@@ -119,7 +125,7 @@ def num_kv_blocks(cfg: ModelConfig, config: EngineConfig, device: torch.device,
 def check_one_sequence_fits(cfg: ModelConfig, config: EngineConfig, device: torch.device,
                             dtype: torch.dtype) -> None:
     """Before the weights load: one max_model_len sequence's KV must fit the whole budget."""
-    per_block = bytes_per_block(cfg, config.block_size, dtype)
+    per_block = bytes_per_block(cfg, config.block_size, kv_cache_dtype(config, dtype))
     need = (-(-config.max_model_len // config.block_size) + 1) * per_block
     if device.type == "cuda":
         budget = torch.cuda.mem_get_info(device)[1] * config.gpu_memory_utilization

@@ -36,6 +36,7 @@ from batchrun.engine.sequence import Sequence
 from batchrun.engine.layers.attention import AttnMetadata, query_start_tensor
 from batchrun.engine.layers.backend import use_triton
 from batchrun.engine.layers.step import GemmPlan, LoRAStep, Step
+from batchrun.engine.kv_sizing import kv_cache_dtype
 from batchrun.engine.step_plan import fp8_kinds, plan_gemms, weight_shapes
 
 
@@ -57,10 +58,14 @@ class ModelRunner:
         self.block_size = blocks.block_size
         self.max_blocks_per_seq = -(-config.max_model_len // self.block_size)
         # KV cache: [2, layers, num_blocks, block_size, Hkv, D]
+        # (e4m3 for kv_cache_dtype fp8: each layer's attention holds its k/v scales)
         self.kv_cache = torch.zeros(2, cfg.num_hidden_layers, blocks.num_blocks, self.block_size,
-                                    cfg.num_key_value_heads, cfg.head_dim, device=device, dtype=dtype)
+                                    cfg.num_key_value_heads, cfg.head_dim, device=device,
+                                    dtype=kv_cache_dtype(config, dtype))
+        fp8_kv = self.kv_cache.dtype == torch.float8_e4m3fn
         for i, attn in enumerate(model.attention_layers()):
             attn.k_cache, attn.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
+            attn.k_scale, attn.v_scale = attn.checkpoint_kv_scales if fp8_kv else (1.0, 1.0)
         # LongRoPE: a sequence longer than the pretraining length (Sequence.long_rope, set by
         # the scheduler) reads the long table, whose rows follow the short one's
         # (layers/rotary.py); offset 0 for every other rope

@@ -204,3 +204,47 @@ def test_a_fused_projection_half_ignored_is_refused(tmp_path):
     with pytest.raises(ModelLoadError, match=r"quantizes .*k_proj.* but not "
                                              r"\['model.layers.0.self_attn.q_proj'\].*one fused"):
         _engine(path)
+
+
+# ---- FP8 KV cache ---------------------------------------------------------------------------
+
+@pytest.mark.slow
+@pytest.mark.parametrize("with_scales", [False, True])
+def test_fp8_kv_cache_matches_attention_over_e4m3_k_and_v(tmp_path, with_scales):
+    from safetensors.torch import load_file, save_file
+    from tests.helpers.fp8 import fp8_kv_attention
+    hf = save_hf_model("llama3_gqa", tmp_path / "m")
+    scales = None
+    if with_scales:  # a kv_cache_scheme checkpoint's per-layer scales
+        scales = {i: (0.004 + 0.001 * i, 0.003 + 0.002 * i) for i in range(hf.config.num_hidden_layers)}
+        state = load_file(str(tmp_path / "m" / "model.safetensors"))
+        for i, (k, v) in scales.items():
+            state[f"model.layers.{i}.self_attn.k_scale"] = torch.tensor(k)
+            state[f"model.layers.{i}.self_attn.v_scale"] = torch.tensor([v])
+        save_file(state, str(tmp_path / "m" / "model.safetensors"))
+    engine = _engine(tmp_path / "m", kv_cache_dtype="fp8", max_num_seqs=4)
+    assert engine.runner.kv_cache.dtype == torch.float8_e4m3fn
+    ref = fp8_kv_attention(make_hf_model("llama3_gqa"), scales)
+    _check(engine, ref, hf, hf.config.vocab_size)
+
+
+@pytest.mark.slow
+def test_fp8_weights_and_fp8_kv_cache_together(tmp_path):
+    from tests.helpers.fp8 import fp8_kv_attention
+    hf = make_hf_model("qwen2_bias")
+    quantized = save_fp8_checkpoint(hf, tmp_path / "m", "ct_channel_token")
+    engine = _engine(tmp_path / "m", kv_cache_dtype="fp8", max_num_seqs=4)
+    ref = fp8_kv_attention(fp8_reference(hf, quantized, "ct_channel_token"))
+    _check(engine, ref, hf, hf.config.vocab_size)
+
+
+def test_kv_cache_scales_without_fp8_kv_are_not_applied(tmp_path):
+    # a checkpoint's k/v scales only mean something for an e4m3 cache
+    from safetensors.torch import load_file, save_file
+    save_hf_model("llama_mha", tmp_path / "m")
+    state = load_file(str(tmp_path / "m" / "model.safetensors"))
+    state["model.layers.0.self_attn.k_scale"] = torch.tensor(0.5)
+    save_file(state, str(tmp_path / "m" / "model.safetensors"))
+    engine = _engine(tmp_path / "m")
+    attn = engine.model.model.layers[0].self_attn.attn
+    assert attn.checkpoint_kv_scales == (0.5, 1.0) and attn.k_scale == 1.0

@@ -152,3 +152,25 @@ def _quant_input(acts: str, block, static):
             xd = ref_dequant_fp8(xq, xs, (1, block[1]))
         return (xd.reshape(x.shape).to(x.dtype),) + tuple(args[1:])
     return hook
+
+
+def fp8_kv_attention(hf, scales: dict | None = None):
+    """Make `hf` (a Llama-family model, eager attention) attend over K and V rounded to e4m3 as
+    an FP8 KV cache stores them: K / k_scale and V / v_scale saturated at +-448, times the scale
+    again. scales: {layer: (k_scale, v_scale)}; 1.0 where missing."""
+    import importlib
+    from transformers import AttentionInterface
+    module = importlib.import_module(type(hf).__module__)
+    eager = module.eager_attention_forward
+
+    def attention(mod, query, key, value, attention_mask, **kw):
+        k_scale, v_scale = (scales or {}).get(mod.layer_idx, (1.0, 1.0))
+        rt = lambda x, s: ((x.float() / s).clamp(-FP8_MAX, FP8_MAX)  # noqa: E731
+                           .to(torch.float8_e4m3fn).float() * s).to(x.dtype)
+        return eager(mod, query, rt(key, k_scale), rt(value, v_scale), attention_mask, **kw)
+
+    from transformers.masking_utils import AttentionMaskInterface, eager_mask
+    AttentionInterface.register("batchrun_fp8_kv", attention)
+    AttentionMaskInterface.register("batchrun_fp8_kv", eager_mask)  # the causal mask eager gets
+    hf.set_attn_implementation("batchrun_fp8_kv")
+    return hf

@@ -22,7 +22,7 @@ from triton.compiler import ASTSource, make_backend
 
 _TYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32",
           torch.int8: "i8", torch.uint8: "u8", torch.int16: "i16", torch.int32: "i32",
-          torch.int64: "i64", torch.bool: "i1"}
+          torch.int64: "i64", torch.bool: "i1", torch.float8_e4m3fn: "fp8e4nv"}
 _done: set = set()
 _jitted: dict = {}
 

@@ -51,10 +51,13 @@ class AttnMetadata:
 
 
 class KVWrite(NamedTuple):
-    """Where a step's K/V go: one layer's caches and each token's flat slot (int64 [T])."""
+    """Where a step's K/V go: one layer's caches and each token's flat slot (int64 [T]); an
+    e4m3 cache stores K / k_scale and V / v_scale."""
     k_cache: torch.Tensor
     v_cache: torch.Tensor
     slot_mapping: torch.Tensor
+    k_scale: float = 1.0
+    v_scale: float = 1.0
 
 
 class PagedAttention(nn.Module):
@@ -72,6 +75,11 @@ class PagedAttention(nn.Module):
         self.sliding_window, self.logit_softcap = sliding_window, logit_softcap
         self.k_cache: torch.Tensor | None = None  # set by the model runner after KV sizing
         self.v_cache: torch.Tensor | None = None
+        # an FP8 (e4m3) cache holds K / k_scale and V / v_scale: the checkpoint's scales
+        # (compressed-tensors kv_cache_scheme) or 1.0, as vLLM does without them. Host floats:
+        # fixed once loaded, so captured graphs may keep them as launch constants.
+        self.k_scale, self.v_scale = 1.0, 1.0
+        self.checkpoint_kv_scales = (1.0, 1.0)  # the loader's, taken when the cache is e4m3
         # set while a piecewise prefill forward is captured (prefill_graphs.py): the forward
         # then ends its graph piece here and returns the static attention output instead
         self.split = None
@@ -79,7 +87,7 @@ class PagedAttention(nn.Module):
     def kv_write(self, meta: AttnMetadata) -> KVWrite:
         """Where this step's K/V go, for a kernel before the attention that can write them
         (the rotary on CUDA: no copy launches of its own)."""
-        return KVWrite(self.k_cache, self.v_cache, meta.slot_mapping)
+        return KVWrite(self.k_cache, self.v_cache, meta.slot_mapping, self.k_scale, self.v_scale)
 
     def forward(self, q, k, v, meta: AttnMetadata) -> torch.Tensor:
         # q: [T, Hq, D]; k, v: [T, Hkv, D] -> [T, Hq, D]. k = v = None: this step's K/V are
@@ -95,13 +103,16 @@ class PagedAttention(nn.Module):
         if k is not None:
             flat_k = kc.view(-1, self.num_kv_heads, self.head_dim)  # [blocks*block_size, Hkv, D]
             flat_v = vc.view(-1, self.num_kv_heads, self.head_dim)
-            flat_k.index_copy_(0, meta.slot_mapping, k)
-            flat_v.index_copy_(0, meta.slot_mapping, v)
+            # (as bytes: torch's CPU index_copy_ has no e4m3 kernel)
+            flat_k.view(torch.uint8).index_copy_(
+                0, meta.slot_mapping, to_cache(k, kc.dtype, self.k_scale).view(torch.uint8))
+            flat_v.view(torch.uint8).index_copy_(
+                0, meta.slot_mapping, to_cache(v, vc.dtype, self.v_scale).view(torch.uint8))
         if meta.is_prefill:
             return self._prefill(q, meta, out)
         out = torch.empty_like(q)
         decode_attention(q, kc, vc, meta.block_tables, meta.context_lens, self.scale, out,
-                         self.sliding_window, self.logit_softcap)
+                         self.sliding_window, self.logit_softcap, self.k_scale, self.v_scale)
         return out
 
     def _prefill(self, q: torch.Tensor, meta: AttnMetadata,
@@ -111,7 +122,7 @@ class PagedAttention(nn.Module):
         if nd:  # decode rows own q rows [0, nd): one query per sequence
             decode_attention(q[:nd], self.k_cache, self.v_cache, meta.block_tables[:nd],
                              meta.context_lens[:nd], self.scale, out[:nd],
-                             self.sliding_window, self.logit_softcap)
+                             self.sliding_window, self.logit_softcap, self.k_scale, self.v_scale)
         if nd == len(meta.query_lens):
             return out
         if use_triton(q):
@@ -124,7 +135,7 @@ class PagedAttention(nn.Module):
             prefill_attention(q, self.k_cache, self.v_cache, meta.block_tables[nd:],
                               meta.query_start[nd:], meta.context_lens[nd:],
                               max(meta.query_lens[nd:]), self.scale, out,
-                              self.sliding_window, self.logit_softcap)
+                              self.sliding_window, self.logit_softcap, self.k_scale, self.v_scale)
         else:
             rows = self._prefill_per_sequence(q, meta, nd)  # q may have padding rows past them
             out[nd:nd + rows.shape[0]] = rows
@@ -143,13 +154,37 @@ class PagedAttention(nn.Module):
             b0 = lo // block_size
             blocks = meta.block_tables[i, b0:n_blocks].long()
             # gather this sequence's context: [n_blocks - b0, bs, Hkv, D] -> [n_ctx - lo, Hkv, D]
-            k = self.k_cache[blocks].flatten(0, 1)[lo - b0 * block_size:n_ctx - b0 * block_size]
-            v = self.v_cache[blocks].flatten(0, 1)[lo - b0 * block_size:n_ctx - b0 * block_size]
+            k = gather_blocks(self.k_cache, blocks).flatten(0, 1)[lo - b0 * block_size:n_ctx - b0 * block_size]
+            v = gather_blocks(self.v_cache, blocks).flatten(0, 1)[lo - b0 * block_size:n_ctx - b0 * block_size]
+            k, v = from_cache(k, q.dtype, self.k_scale), from_cache(v, q.dtype, self.v_scale)
             qi = q[start:start + n_q]
             outs.append(_causal_sdpa(qi, k, v, self.scale, n_ctx - n_q - lo,
                                      self.sliding_window, self.logit_softcap))
             start += n_q
         return torch.cat(outs, dim=0)
+
+
+def gather_blocks(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """cache[blocks], also for an e4m3 cache (gathered as bytes: torch's CPU indexing has no
+    e4m3 kernel)."""
+    if cache.dtype != torch.float8_e4m3fn:
+        return cache[blocks]
+    return cache.view(torch.uint8)[blocks].view(cache.dtype)
+
+
+def to_cache(x: torch.Tensor, cache_dtype: torch.dtype, scale: float) -> torch.Tensor:
+    """K or V as the cache stores them: e4m3 of x / scale, saturated at +-448 (the rotary
+    kernel's rounding on CUDA), or x itself."""
+    if cache_dtype != torch.float8_e4m3fn:
+        return x
+    return (x.float() / scale).clamp(-448.0, 448.0).to(cache_dtype)
+
+
+def from_cache(x: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
+    """Cached K or V back in the model dtype (e4m3 times its scale)."""
+    if x.dtype != torch.float8_e4m3fn:
+        return x
+    return (x.float() * scale).to(dtype)
 
 
 def query_start_tensor(query_lens: list[int], device) -> torch.Tensor:
@@ -196,13 +231,14 @@ def _causal_sdpa(q, k, v, scale, offset: int, sliding_window: int | None = None,
 
 
 def decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, out,
-                     sliding_window: int | None = None, logit_softcap: float | None = None) -> None:
+                     sliding_window: int | None = None, logit_softcap: float | None = None,
+                     k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     # One query per sequence (at position context_len - 1) into out: [B, Hq, D]
     if use_triton(q):
         from batchrun.kernels.paged_attention import paged_decode_attention
         paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, out,
-                               sliding_window, logit_softcap)
+                               sliding_window, logit_softcap, k_scale, v_scale)
     else:
         from batchrun.kernels.reference import ref_paged_decode_attention
         out.copy_(ref_paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale,
-                                             sliding_window, logit_softcap))
+                                             sliding_window, logit_softcap, k_scale, v_scale))

@@ -141,7 +141,8 @@ class RotaryEmbedding(nn.Module):
             if cache is not None:
                 from batchrun.kernels.rotary import apply_rotary_into_cache
                 q = apply_rotary_into_cache(q, k, v, self.cos_sin, positions, cache.k_cache,
-                                            cache.v_cache, cache.slot_mapping, lora=lora)
+                                            cache.v_cache, cache.slot_mapping, lora=lora,
+                                            k_scale=cache.k_scale, v_scale=cache.v_scale)
                 return q, None, None
             from batchrun.kernels.rotary import apply_rotary
             q, k = apply_rotary(q, k, self.cos_sin, positions, v=v, lora=lora)

@@ -38,6 +38,8 @@ FUSED = {
 }
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias|weight_scale|weight_scale_inv|"
                     r"input_scale)$")
+# an FP8 KV cache's per-layer scales (compressed-tensors kv_cache_scheme)
+_KV_SCALE = re.compile(r"^model\.layers\.(\d+)\.self_attn\.(k|v)_scale$")
 # FP8 tensor names -> ours (HF fp8 checkpoints call the dequantization scale weight_scale_inv)
 _SCALE = {"weight_scale_inv": "weight_scale"}
 
@@ -161,6 +163,13 @@ def load_model(path: str | Path, device: torch.device, dtype: torch.dtype,
                     sf = open_file(f)
                     ours, _ = our_name(name)
                     load = (lambda sf=sf, stored=stored: sf.get_tensor(stored))
+                    kv = _KV_SCALE.match(name)
+                    if kv:  # an FP8 KV cache's scales (used when engine.kv_cache_dtype is fp8)
+                        attn = model.model.layers[int(kv.group(1))].self_attn.attn
+                        scales = list(attn.checkpoint_kv_scales)
+                        scales[kv.group(2) == "v"] = float(load().float().reshape(-1)[0])
+                        attn.checkpoint_kv_scales = tuple(scales)
+                        continue
                     if ours.endswith(".input_scale"):  # a fused layer takes its slices' largest
                         value = float(load().float().max())
                         input_scales[ours] = max(value, input_scales.get(ours, value))

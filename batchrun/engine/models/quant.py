@@ -188,6 +188,7 @@ def _hf_fp8(q: dict, where: str) -> QuantScheme:
     return QuantScheme("fp8", "block", "group", block, tuple(ignore), substring_ignore=True)
 
 
+_KV_SCALE = re.compile(r"^model\.layers\.\d+\.self_attn\.[kv]_scale$")
 FP8_DTYPE = "F8_E4M3"  # the safetensors dtype of e4m3 weights
 
 
@@ -226,6 +227,9 @@ def check_quantized_tensors(scheme: QuantScheme | None, want: dict, found: dict,
                    scheme.stored else "config.json has no FP8 quantization_config")
             raise ModelLoadError(f"{f}: tensor {name!r} is FP8 ({dtype}) but {why}; the "
                                  f"checkpoint and config.json disagree")
+    for name in found:  # an FP8 KV cache's scales, one per layer (kv_cache_scheme)
+        if _KV_SCALE.match(name):
+            want[name] = ((), (1,))
     if scheme is None or not scheme.stored:
         return want
     for name, shape in list(want.items()):
