@@ -127,6 +127,22 @@ class Engine:
             engine.capture_graphs()
         return engine
 
+    def memory_summary(self) -> str:
+        """What the weights and the KV cache take, in the dtypes they are stored in (FP8
+        layers at one byte a weight), for the run's log."""
+        seen, weights = set(), 0
+        for p in self.model.parameters():
+            if p.data_ptr() not in seen:
+                seen.add(p.data_ptr())
+                weights += p.numel() * p.element_size()
+        quant = self.model.config.quant
+        kv = self.runner.kv_cache
+        gib = 1 << 30
+        return (f"weights {weights / gib:.2f} GiB ({'model dtype' if quant is None else quant.name}), "
+                f"KV cache {kv.numel() * kv.element_size() / gib:.2f} GiB in {str(kv.dtype)[6:]} "
+                f"({self.blocks.num_blocks} blocks of {self.config.block_size} tokens), "
+                f"max_num_seqs {self.config.max_num_seqs}")
+
     def capture_graphs(self) -> None:
         self.runner.capture_graphs()
 

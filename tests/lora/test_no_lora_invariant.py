@@ -27,17 +27,19 @@ def _forbidden(*a, **k):
 
 
 # every family: Qwen3 (q/k norms: qkv's delta is added in the projection), Gemma 2 (its norms
-# take the deltas), Phi-3 (fused adapters)
-@pytest.mark.parametrize("variant", ["llama3_gqa", "qwen3", "gemma2", "phi3_longrope"])
+# take the deltas), Phi-3 (fused adapters); and an FP8 base (its adapters' A rows apart)
+@pytest.mark.parametrize("variant", ["llama3_gqa", "qwen3", "gemma2", "phi3_longrope", "llama3_gqa+fp8"])
 @pytest.mark.parametrize("path", ["unfused", "fused_ref"])  # CPU path; GPU decode plumbing
 def test_base_rows_never_touch_lora(tmp_path, path, variant, monkeypatch):
     if path == "fused_ref":
         monkeypatch.setattr(model_runner, "use_triton", lambda t: True)
+    variant, fp8 = variant.split("+")[0], variant.endswith("+fp8")
     base = save_hf_model(variant, tmp_path / "base")
     parity_adapter(variant, tmp_path / "all", 7, dict(r=8, lora_alpha=16, target_modules="all-linear"))
     prompts = random_prompts(6, [5, 17, 40, 3, 29, 11], base.config.vocab_size, seed=5)
     sp = SamplingParams(max_tokens=6, ignore_eos=True)
-    kw = dict(model=str(tmp_path / "base"), device="cpu", max_model_len=128, max_num_batched_tokens=32)
+    kw = dict(model=str(tmp_path / "base"), device="cpu", max_model_len=128, max_num_batched_tokens=32,
+              quantization="fp8" if fp8 else None)
 
     plain = Engine.from_config(EngineConfig(**kw))
     want = [r.output_token_ids for r in plain.generate([Request(i, p, sp) for i, p in enumerate(prompts)])]

@@ -308,6 +308,9 @@ class TaskRunner:
             engine = self.engine_factory(self.spec)
             st.model_load_s = time.time() - t0
             st.startup_s = time.time() - st.started
+            summary = getattr(engine, "memory_summary", None)
+            if summary is not None:  # (test engines may not have one)
+                self.log(f"{name}: engine ready in {st.model_load_s:.1f} s: {summary()}")
             self._note_progress(force=True)  # the engine is ready: rates count from here
             st.import_wait_s = preload.waited_s
             if self.mode != "none":
