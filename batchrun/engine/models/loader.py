@@ -34,6 +34,9 @@ FUSED = {
     "mlp.up_proj": ("mlp.gate_up_proj", 1),
 }
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
+# one expert's projection in a per-expert checkpoint (canonical names, checkpoint.py) -> its
+# part of the stacked weights: gate = rows [0, I) of gate_up_proj[e], up = rows [I, 2I)
+_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
 
 
 def resolve_dtype(name: str, cfg: ModelConfig, device: torch.device) -> torch.dtype:
@@ -110,7 +113,16 @@ def load_model(path: str | Path, device: torch.device, dtype: torch.dtype,
 
 
 def hf_target(model, params: dict, hf_name: str) -> torch.Tensor:
-    """The part of our parameter that one HF checkpoint tensor fills (a slice for fused layers)."""
+    """The part of our parameter that one HF checkpoint tensor fills (a slice for fused layers,
+    one expert's rows of the stacked experts)."""
+    m = _EXPERT.match(hf_name)
+    if m:
+        experts, e, proj = m.groups()
+        if proj == "down":
+            return params[f"{experts}.down_proj"][int(e)]
+        gate_up = params[f"{experts}.gate_up_proj"][int(e)]
+        half = gate_up.shape[0] // 2
+        return gate_up[:half] if proj == "gate" else gate_up[half:]
     ours, idx = our_name(hf_name)
     param = params[ours]
     if idx is None:
