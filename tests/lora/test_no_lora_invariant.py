@@ -26,15 +26,23 @@ def _forbidden(*a, **k):
     raise AssertionError("a LoRA op ran in a step without adapter rows")
 
 
+# the adapter of each family's test: every Linear, or (mixture-of-experts bases) what the
+# variant's LoRA can target
+ALL_LINEAR = dict(r=8, lora_alpha=16, target_modules="all-linear")
+ADAPTER = {"mixtral": dict(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]),
+           "qwen3_moe": dict(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])}
+
+
 # every family: Qwen3 (q/k norms: qkv's delta is added in the projection), Gemma 2 (its norms
-# take the deltas), Phi-3 (fused adapters)
-@pytest.mark.parametrize("variant", ["llama3_gqa", "qwen3", "gemma2", "phi3_longrope"])
+# take the deltas), Phi-3 (fused adapters), Mixtral and Qwen3-MoE (routed experts)
+@pytest.mark.parametrize("variant", ["llama3_gqa", "qwen3", "gemma2", "phi3_longrope", "mixtral",
+                                     "qwen3_moe"])
 @pytest.mark.parametrize("path", ["unfused", "fused_ref"])  # CPU path; GPU decode plumbing
 def test_base_rows_never_touch_lora(tmp_path, path, variant, monkeypatch):
     if path == "fused_ref":
         monkeypatch.setattr(model_runner, "use_triton", lambda t: True)
     base = save_hf_model(variant, tmp_path / "base")
-    parity_adapter(variant, tmp_path / "all", 7, dict(r=8, lora_alpha=16, target_modules="all-linear"))
+    parity_adapter(variant, tmp_path / "all", 7, ADAPTER.get(variant, ALL_LINEAR))
     prompts = random_prompts(6, [5, 17, 40, 3, 29, 11], base.config.vocab_size, seed=5)
     sp = SamplingParams(max_tokens=6, ignore_eos=True)
     kw = dict(model=str(tmp_path / "base"), device="cpu", max_model_len=128, max_num_batched_tokens=32)

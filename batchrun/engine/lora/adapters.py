@@ -84,6 +84,12 @@ def module_shapes(cfg) -> dict[str, tuple[int, int]]:
             "qkv_proj": (h, q + 2 * kv), "gate_up_proj": (h, 2 * i)}
 
 
+def _routed(cfg, layer: int) -> bool:
+    """Whether `layer` of the base runs routed experts in place of the dense MLP."""
+    is_moe = getattr(cfg, "is_moe_layer", None)
+    return is_moe is not None and is_moe(layer)
+
+
 def _base_desc(cfg) -> str:
     return (f"{getattr(cfg, 'model_type', '?')} base with hidden_size={cfg.hidden_size}, "
             f"intermediate_size={cfg.intermediate_size}, num_hidden_layers={cfg.num_hidden_layers}")
@@ -185,6 +191,11 @@ def inspect_adapter(name: str, path, model_config, max_lora_rank: int) -> Adapte
             raise adapter_error(name, path, f"tensor {key!r} is for layer {layer}, but the base "
                                 f"model has {n_layers} layers ({_base_desc(cfg)}): the adapter "
                                 "was made for a different base model")
+        if lm.group("parent") == "mlp" and _routed(cfg, layer):
+            raise adapter_error(name, path, f"tensor {key!r} is LoRA on {peft_key(layer, lm.group('proj'))}, "
+                                f"but layer {layer} of this {cfg.model_type} base routes through "
+                                "experts and has no such Linear: the adapter was made for a "
+                                "different base model")
         found.setdefault((layer, lm.group("proj")), {})[m.group("ab")] = key
 
     if not found:
@@ -230,6 +241,8 @@ def inspect_adapter(name: str, path, model_config, max_lora_rank: int) -> Adapte
     if pc.target_modules is not None:  # a selected module without weights: file incomplete
         for layer in range(n_layers):
             for proj in modules:
+                if modules[proj][0] == "mlp" and _routed(cfg, layer):
+                    continue  # a routed layer has no dense MLP for a target name to select
                 if (layer, proj) not in found and pc.is_target(peft_key(layer, proj), n_layers,
                                                                modules):
                     raise adapter_error(name, path, f"adapter_config.json selects "
