@@ -49,6 +49,28 @@ def test_moe_attention_lora_matches_peft(tmp_path, variant, path, monkeypatch):
     run_mixed(tmp_path, variant, ADAPTERS[variant])
 
 
+# LoRA on the expert blocks, as peft 0.21 saves it on transformers 5: "all-linear" becomes the
+# attention projections plus target_parameters on the router (gate.weight) and the stacked
+# experts (gate_up_proj at twice the rank, down_proj); or the experts alone
+EXPERT_ADAPTERS = {
+    "mixtral": {"all": dict(r=4, lora_alpha=8, target_modules="all-linear"),
+                "down": dict(r=4, lora_alpha=16, target_modules=["q_proj"],
+                             target_parameters=["mlp.experts.down_proj"])},
+    "qwen3_moe": {"all": dict(r=4, lora_alpha=8, target_modules="all-linear"),
+                  "experts": dict(r=2, lora_alpha=8, target_modules=[],
+                                  target_parameters=["experts.gate_up_proj", "experts.down_proj"])},
+}
+
+
+@pytest.mark.parametrize("path", ["unfused", "fused_ref"])
+@pytest.mark.parametrize("variant", sorted(EXPERT_ADAPTERS))
+def test_moe_expert_lora_matches_peft(tmp_path, variant, path, monkeypatch):
+    import batchrun.engine.model_runner as model_runner
+    if path != "unfused":
+        monkeypatch.setattr(model_runner, "use_triton", lambda t: True)
+    run_mixed(tmp_path, variant, EXPERT_ADAPTERS[variant])
+
+
 def test_dense_mlp_lora_on_a_routed_layer_is_refused(tmp_path):
     # an adapter of a dense Qwen3 (same attention shapes) whose layer 0 MLP the MoE base
     # replaces with experts
@@ -61,3 +83,87 @@ def test_dense_mlp_lora_on_a_routed_layer_is_refused(tmp_path):
         Engine.from_config(EngineConfig(model=str(tmp_path / "base"), device="cpu", max_model_len=64,
                                         enable_lora=True, max_loras=1, max_lora_rank=8),
                            adapters={"dense": str(tmp_path / "dense")})
+
+
+def _expert_adapter(tmp_path, variant="qwen3_moe", **kw):
+    kw = kw or dict(r=2, lora_alpha=4, target_modules=["q_proj"], target_parameters=["experts.down_proj"])
+    parity_adapter(variant, tmp_path / "ad", 5, kw)
+    return tmp_path / "ad"
+
+
+def test_expert_lora_is_refused_on_the_gpu(tmp_path):
+    # the fused MoE kernel applies no expert delta: a CUDA engine refuses the adapter before it
+    # allocates anything, naming the module
+    import torch
+    from batchrun.engine.lora.manager import LoRAManager
+    from batchrun.engine.models.loader import random_model
+    from tests.helpers.models import model_config
+    path = _expert_adapter(tmp_path)
+    cfg = model_config("qwen3_moe")
+    model = random_model(cfg, torch.device("cpu"), torch.float32, 64)
+    with pytest.raises(AdapterError, match=r"targets model\.layers\.0\.mlp\.experts\.down_proj "
+                                           r"\(adapter_config\.json target_parameters\): .* CPU engine only"):
+        LoRAManager(model, {"ad": str(path)}, max_loras=1, max_lora_rank=8, max_num_tokens=16,
+                    device="cuda", dtype=torch.float32)
+
+
+def _rewrite(path, rename=None, config=None):
+    import json
+    from safetensors.torch import load_file, save_file
+    f = path / "adapter_model.safetensors"
+    weights = load_file(str(f))
+    if rename is not None:
+        weights = {rename(k): v for k, v in weights.items()}
+    save_file(weights, str(f))
+    if config is not None:
+        c = json.loads((path / "adapter_config.json").read_text())
+        c.update(config)
+        (path / "adapter_config.json").write_text(json.dumps(c))
+
+
+def _inspect(path, **over):
+    from batchrun.engine.lora.adapters import inspect_adapter
+    from tests.helpers.models import model_config
+    return inspect_adapter("ad", path, model_config("qwen3_moe", **over), max_lora_rank=8)
+
+
+def test_expert_lora_targets(tmp_path):
+    info = _inspect(_expert_adapter(tmp_path))
+    assert sorted((t.layer, t.module, t.rank) for t in info.targets) == [
+        (0, "experts_down", 2), (0, "qkv_proj", 2), (1, "qkv_proj", 2)]  # layer 1 is dense
+
+
+def test_transformers_4_per_expert_lora_is_refused(tmp_path):
+    path = _expert_adapter(tmp_path)
+    # what peft saved on transformers 4's per-expert Linears
+    _rewrite(path, rename=lambda k: k.replace("mlp.experts.lora", "mlp.experts.3.down_proj.lora"))
+    with pytest.raises(AdapterError, match=r"'base_model\.model\.model\.layers\.0\.mlp\.experts\.3\.down_proj"
+                                           r"\.lora_A\.weight' is LoRA on one expert's Linear.*save_pretrained"):
+        _inspect(path)
+
+
+def test_expert_weights_the_config_does_not_select_are_refused(tmp_path):
+    path = _expert_adapter(tmp_path)
+    _rewrite(path, config={"target_parameters": ["experts.gate_up_proj"]})
+    with pytest.raises(AdapterError, match=r"weights for model\.layers\.0\.mlp\.experts\.down_proj, which "
+                                           r"adapter_config\.json target_parameters do not select"):
+        _inspect(path)
+
+
+def test_expert_lora_of_another_base_is_refused(tmp_path):
+    path = _expert_adapter(tmp_path)
+    with pytest.raises(AdapterError, match=r"fit none of layer 0's expert tensors \(router \[E=6, H=64\]"):
+        _inspect(path, num_experts=6)  # the base has 6 experts, the adapter's 8
+    with pytest.raises(AdapterError, match=r"LoRA on model\.layers\.0\.mlp\.experts, but layer 0 of "
+                                           r"the base has no expert block"):
+        _inspect(path, mlp_only_layers=[0, 1])
+
+
+def test_target_parameters_on_a_dense_base_are_refused(tmp_path):
+    from batchrun.engine.lora.adapters import inspect_adapter
+    from tests.helpers.models import model_config
+    parity_adapter("qwen3", tmp_path / "ad", 1, dict(r=2, lora_alpha=4, target_modules=["q_proj"]))
+    _rewrite(tmp_path / "ad", config={"target_parameters": ["mlp.down_proj.weight"]})
+    with pytest.raises(AdapterError, match=r"target_parameters=\['mlp\.down_proj\.weight'\]: LoRA on raw "
+                                           r"parameters is supported on a mixture-of-experts block"):
+        inspect_adapter("ad", tmp_path / "ad", model_config("qwen3"), max_lora_rank=8)

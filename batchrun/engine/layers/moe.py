@@ -5,6 +5,11 @@ top k, then each family's normalisation), in torch ops with no host synchronisat
 decode step that runs it can be captured in a CUDA graph. `fused_moe` runs the experts: the
 Triton kernel on CUDA (kernels/fused_moe.py), the torch reference elsewhere; both compute
 kernels/reference.py's `ref_fused_moe`.
+
+LoRA on the block (lora/experts.py) is a per-(token, expert) delta: `moe_with_lora` adds each
+token's adapter delta to its experts' gate_up and down outputs, and `lora_delta` the router's.
+They run in torch only (the fused kernel takes no delta yet); steps without adapter rows never
+call them.
 """
 from __future__ import annotations
 
@@ -12,7 +17,10 @@ import torch
 from torch import Tensor
 
 from batchrun.engine.layers.backend import use_triton
-from batchrun.kernels.reference import ref_fused_moe
+from batchrun.kernels.reference import ref_act_and_mul, ref_fused_moe, ref_linear
+
+# the LoRA targets of a block (lora/experts.py's module names)
+ROUTER, GATE_UP, DOWN = "router", "experts_gate_up", "experts_down"
 
 
 def route(logits: Tensor, top_k: int, norm_topk_prob: bool,
@@ -36,3 +44,38 @@ def fused_moe(x: Tensor, w_gate_up: Tensor, w_down: Tensor, topk_weights: Tensor
         from batchrun.kernels.fused_moe import fused_moe as triton_fused_moe
         return triton_fused_moe(x, w_gate_up, w_down, topk_weights, topk_ids, activation)
     return ref_fused_moe(x, w_gate_up, w_down, topk_weights, topk_ids, activation)
+
+
+def lora_delta(x: Tensor, slots: Tensor, a: Tensor, b: Tensor, expert: int = 0) -> Tensor:
+    # x: [n, in]; slots: int [n] (-1: no adapter); a: [S, E, R, in], b: [S, E, out, R] (scaling
+    # folded in) -> fp32 [n, out]: (x . A[slot, expert]^T) . B[slot, expert]^T, 0 for slot -1
+    s = slots.long()
+    has = (s >= 0).unsqueeze(1)
+    s = s.clamp(min=0)
+    shrunk = torch.einsum("ni,nri->nr", x.float(), a[s, expert].float())
+    return torch.einsum("nr,nor->no", shrunk, b[s, expert].float()) * has
+
+
+def moe_with_lora(x: Tensor, w_gate_up: Tensor, w_down: Tensor, topk_weights: Tensor,
+                  topk_ids: Tensor, activation: str, slots: Tensor,
+                  gate_up: tuple[Tensor, Tensor] | None,
+                  down: tuple[Tensor, Tensor] | None) -> Tensor:
+    # fused_moe's result with each token's adapter delta (slots: int [T], -1 none) added to its
+    # experts' gate_up (gate_up: that tensor's (A, B) slots, or None) and down outputs, each in
+    # fp32 before the one rounding of the projection. Loops over the experts the step routes to
+    # (host-synchronising: the CPU engine's path).
+    T, H = x.shape
+    out = torch.zeros(T, H, dtype=torch.float32, device=x.device)
+    ids = topk_ids.to(device=x.device, dtype=torch.long)
+    for e in ids.unique().tolist():
+        tok, j = (ids == e).nonzero(as_tuple=True)
+        xs, ss = x[tok], slots[tok]
+        gu = ref_linear(xs, w_gate_up[e])
+        if gate_up is not None:
+            gu = (xs.float() @ w_gate_up[e].float().t() + lora_delta(xs, ss, *gate_up, e)).to(x.dtype)
+        h = ref_act_and_mul(gu, activation)
+        y = ref_linear(h, w_down[e])
+        if down is not None:
+            y = (h.float() @ w_down[e].float().t() + lora_delta(h, ss, *down, e)).to(x.dtype)
+        out.index_add_(0, tok, y.float() * topk_weights[tok, j].float().unsqueeze(1))
+    return out.to(x.dtype)

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 from safetensors import safe_open
 
+from batchrun.engine.lora.experts import EXPERT_MODULES, expert_targets, is_expert_key, per_expert
 from batchrun.engine.lora.peft_config import (EMBEDDING_MODULES, PeftLoraConfig, adapter_error,
                                               module_key, peft_modules)
 from batchrun.engine.models.checkpoint import VISION, text_tower_name
@@ -157,6 +158,12 @@ def inspect_adapter(name: str, path, model_config, max_lora_rank: int) -> Adapte
             raise adapter_error(name, path, f"adapter_config.json says it was trained on a "
                                 f"{pc.base_model_class}, but the base model is {model_type!r}; "
                                 "use an adapter trained for this base model")
+    if pc.target_parameters and getattr(cfg, "experts", None) is None:
+        raise adapter_error(name, path, f"adapter_config.json target_parameters="
+                            f"{list(pc.target_parameters)!r}: LoRA on raw parameters is supported on "
+                            "a mixture-of-experts block's router and experts only, and this base "
+                            f"({getattr(cfg, 'model_type', '?')}) has none; use an adapter on "
+                            "Linear modules (target_modules)")
     header, stored, prefix = {}, {}, "model."
     for k, v in _read_header(name, path).items():
         if not pc.ignores(k):
@@ -181,10 +188,11 @@ def inspect_adapter(name: str, path, model_config, max_lora_rank: int) -> Adapte
         lm = _LAYER_MODULE.match(m.group("module")) if m else None
         if lm is not None and modules.get(lm.group("proj"), ("",))[0] == lm.group("parent"):
             parsed[key] = (m, lm)
-    bad = [k for k in header if k not in parsed]
+    moe_targets = expert_targets(name, path, cfg, pc, header, stored, max_lora_rank)
+    bad = [k for k in header if k not in parsed and not is_expert_key(k)]
     if bad:  # explain a LoRA-looking key first (e.g. embedding LoRA, not its saved base weight)
         _refuse_key(name, path, min(bad, key=lambda k: ("lora_" not in k, k)), cfg)
-    for key in sorted(header):
+    for key in sorted(parsed):
         m, lm = parsed[key]
         layer = int(lm.group("layer"))
         if layer >= n_layers:
@@ -198,9 +206,15 @@ def inspect_adapter(name: str, path, model_config, max_lora_rank: int) -> Adapte
                                 "different base model")
         found.setdefault((layer, lm.group("proj")), {})[m.group("ab")] = key
 
-    if not found:
+    if not found and not moe_targets:
         raise adapter_error(name, path, f"{_WEIGHTS} holds no LoRA weights")
-    targets = []
+    for t in moe_targets:
+        pkey = f"model.layers.{t.layer}.{t.peft_module}"
+        if not pc.targets_parameter(pkey):
+            raise adapter_error(name, path, f"{_WEIGHTS} has weights for {pkey}, which "
+                                "adapter_config.json target_parameters do not select; the config "
+                                "does not belong to these weights")
+    targets = list(moe_targets)
     for (layer, proj), ab in sorted(found.items()):
         mkey = peft_key(layer, proj)
         if set(ab) != {"A", "B"}:
@@ -263,6 +277,8 @@ def load_adapter(name: str, path, model_config, max_lora_rank: int,
             a, b = f.get_tensor(t.key_a), f.get_tensor(t.key_b)
             if t.rows is not None:
                 b = b[t.rows[0]:t.rows[1]]
+            if t.module in EXPERT_MODULES:  # [E, r, in], [E, out, r] (the router: E = 1)
+                a, b = per_expert(a, b, t.rank)
             out_dtype = dtype or b.dtype
             b = (b.float() * t.scaling).to(out_dtype).contiguous()
             weights[(t.layer, t.module, t.slice)] = (a.to(out_dtype).contiguous(), b)

@@ -41,9 +41,13 @@ from batchrun.kernels.lora_meta import LoRAKernelMeta
 from batchrun.engine.layers.linear import Linear
 from batchrun.engine.layers.step import LoRAStep
 from batchrun.engine.lora.adapters import AdapterInfo, LoRAWeights, inspect_adapter, load_adapter
+from batchrun.engine.lora.experts import EXPERT_MODULES, ExpertLoRA
 from batchrun.engine.lora.layer import LoRALinear
+from batchrun.engine.models.decoder import SparseMoE
+from batchrun.errors import AdapterError
 
 MAX_SHRINK_SPLITS = 32  # kernels.lora_shrink.MAX_SPLITS (a test checks they agree)
+_MOE = re.compile(r"(?:^|.*\.)layers\.(\d+)\.mlp$")
 _LINEAR = re.compile(r"(?:^|.*\.)layers\.(\d+)\.(?:self_attn|mlp)\.(qkv_proj|o_proj|gate_up_proj|down_proj)$")
 
 
@@ -71,12 +75,18 @@ class LoRAManager:
         # docs/benchmarks.md); 1 and 8: three sets with the no-LoRA one
         self.slot_bounds = tuple(sorted({1, max_loras}))
         targeted = {m for info in self.infos.values() for m in info.modules}
+        if torch.device(device).type == "cuda":
+            _refuse_expert_lora_on_gpu(self.infos)
 
         # Static buffers, allocated once (captured graphs hold their addresses). What a step
         # runs is not kept here: lora_step() returns it as a frozen LoRAStep (layers/step.py).
         self.meta = LoRAKernelMeta.allocate(max_num_tokens, max_loras, device)
         self.hooks: dict[tuple[int, str], LoRALinear] = {}
         for mod_name, mod in model.named_modules():
+            moe = _MOE.match(mod_name)
+            if moe is not None and isinstance(mod, SparseMoE):
+                self._hook_experts(int(moe.group(1)), mod, targeted, device)
+                continue
             m = _LINEAR.match(mod_name)
             if m is None or not isinstance(mod, Linear):
                 continue
@@ -211,6 +221,17 @@ class LoRAManager:
         return LoRAStep(self.meta, self.meta.token_lora_slot, fuse, num_slots=k)
 
     # ---- internals ----------------------------------------------------------------------
+    def _hook_experts(self, layer: int, block: SparseMoE, targeted, device) -> None:
+        """ExpertLoRA hooks for the router and expert tensors of `block` some adapter targets."""
+        shapes = block.lora_shapes()  # module -> (experts, in, out)
+        for module, (experts, fan_in, fan_out) in shapes.items():
+            if (layer, module) not in targeted:
+                continue
+            hook = ExpertLoRA(experts, fan_in, fan_out, self.max_loras, self.rank, device,
+                              block.gate.weight.dtype)
+            block.lora[module] = hook
+            self.hooks[(layer, module)] = hook
+
     def _check_name(self, name: str) -> None:
         if name not in self.infos:
             raise KeyError(f"unknown LoRA adapter {name!r}; known: {sorted(self.infos)}")
@@ -268,3 +289,19 @@ class LoRAManager:
                 hook.set_slot(slot, per_linear[key])
             else:
                 hook.clear_slot(slot)
+
+
+def _refuse_expert_lora_on_gpu(infos: dict[str, AdapterInfo]) -> None:
+    """LoRA on a mixture-of-experts block runs in torch (layers/moe.py), which a CUDA graph
+    cannot capture and the GPU's fused MoE kernel does not apply: refused on CUDA, naming the
+    first such module."""
+    for name, info in sorted(infos.items()):
+        for t in info.targets:
+            if t.module in EXPERT_MODULES:
+                raise AdapterError(
+                    f"LoRA adapter {name!r} ({info.path}) targets model.layers.{t.layer}."
+                    f"{EXPERT_MODULES[t.module]} (adapter_config.json target_parameters): LoRA on a "
+                    "mixture-of-experts block's router and experts runs on the CPU engine only, the "
+                    "GPU's fused MoE kernel does not apply it yet; use an adapter on the attention "
+                    "projections (target_modules q/k/v/o_proj, no target_parameters), or merge this "
+                    "one into the base model")

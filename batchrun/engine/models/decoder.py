@@ -25,7 +25,7 @@ from batchrun.engine.layers.activation import act_and_mul
 from batchrun.engine.layers.attention import PagedAttention
 from batchrun.engine.layers.gemm import gate_up_silu, linear
 from batchrun.engine.layers.linear import Linear
-from batchrun.engine.layers.moe import fused_moe, route
+from batchrun.engine.layers.moe import DOWN, GATE_UP, ROUTER, fused_moe, lora_delta, moe_with_lora, route
 from batchrun.engine.layers.norm import RMSNorm
 from batchrun.engine.layers.rotary import RotaryEmbedding
 from batchrun.engine.layers.step import Step
@@ -136,16 +136,34 @@ class SparseMoE(nn.Module):
         self.activation = cfg.hidden_act
         self.gate = Router(cfg.hidden_size, e.num_experts)
         self.experts = ExpertWeights(e.num_experts, cfg.hidden_size, e.intermediate_size)
+        # LoRA hooks (lora/experts.py's ExpertLoRA) of the router and expert tensors some
+        # adapter targets, set by the LoRA manager; read only on steps with adapter rows
+        self.lora: dict = {}
+
+    def lora_shapes(self) -> dict[str, tuple[int, int, int]]:
+        """Each LoRA target of the block -> (experts, in_features, out_features)."""
+        (n, h), i = self.gate.weight.shape, self.experts.down_proj.shape[2]
+        return {ROUTER: (1, h, n), GATE_UP: (n, h, 2 * i), DOWN: (n, i, h)}
 
     def shrink(self, x, step: Step) -> None:
         return None  # no Linear of this block takes a shrink from the norm before it
 
     def forward(self, x, step: Step, shrink: None = None):
         # x: [T, H] -> ([T, H], None: no LoRA delta pending)
+        lora = self.lora if step.lora is not None else {}
+        slots = step.lora.token_slots[:x.shape[0]] if lora else None
         logits = linear(x, self.gate.weight, None, None)  # [T, E], in x's dtype as HF's router
+        if ROUTER in lora:
+            hook = lora[ROUTER]
+            logits = (x.float() @ self.gate.weight.float().t()
+                      + lora_delta(x, slots, hook.lora_a, hook.lora_b)).to(x.dtype)
         weights, ids = route(logits, self.top_k, self.norm_topk_prob,
                              x.dtype if self.round_weights else None)
         w = self.experts
+        if GATE_UP in lora or DOWN in lora:
+            ab = {k: (h.lora_a, h.lora_b) for k, h in lora.items()}
+            return moe_with_lora(x, w.gate_up_proj, w.down_proj, weights, ids, self.activation,
+                                 slots, ab.get(GATE_UP), ab.get(DOWN)), None
         return fused_moe(x, w.gate_up_proj, w.down_proj, weights, ids, self.activation), None
 
 
