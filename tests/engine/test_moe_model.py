@@ -106,3 +106,19 @@ def test_parity_prompts_reach_every_expert_and_leave_some_empty(tmp_path, monkey
     prompts = random_prompts(6, [1, 7, 33, 200, 64, 3], hf.config.vocab_size, seed=1)
     _generate(_engine(tmp_path / "m"), prompts)
     assert max(seen) == 16 and min(seen) < 16
+
+
+def test_step_plan_shapes_of_moe_models():
+    # every layer routed (Mixtral): no dense gate_up/down Linear, so those kinds plan cuBLAS;
+    # Qwen3-MoE's dense layer 1 gives them its shapes
+    from batchrun.engine.models.loader import random_model
+    from batchrun.engine.step_plan import plan_gemms, weight_shapes
+    mixtral = random_model(model_config("mixtral"), torch.device("cpu"), torch.float32, 64)
+    shapes = weight_shapes(mixtral)
+    assert shapes["gate_up_proj"] == shapes["down_proj"] == (0, 0)
+    assert shapes["qkv_proj"] == (64 + 2 * 32, 64)
+    probe = torch.empty(1, dtype=torch.bfloat16)
+    plan = plan_gemms(True, 4, probe, shapes)
+    assert plan.gate_up_proj is None and plan.down_proj is None and not plan.gate_up_silu
+    qwen = random_model(model_config("qwen3_moe"), torch.device("cpu"), torch.float32, 64)
+    assert weight_shapes(qwen)["gate_up_proj"] == (2 * 160, 64)
