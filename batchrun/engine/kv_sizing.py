@@ -47,13 +47,15 @@ def activation_reserve(cfg: ModelConfig, config: EngineConfig, dtype: torch.dtyp
 def _mlp_activations(cfg: ModelConfig) -> int:
     """Elements a token's widest MLP holds at once: gate_up and its activation (3 x
     intermediate) in a dense MLP; in an expert block, that for each of its top_k experts plus
-    each expert's output before the weighted sum, and the fp32 router logits (2 elements each)."""
+    each expert's output before the weighted sum, the fp32 router logits (2 elements each), and
+    a shared expert's gate_up and activation (Qwen2-MoE)."""
     n = cfg.num_hidden_layers
     dense = 3 * cfg.intermediate_size if any(not cfg.is_moe_layer(i) for i in range(n)) else 0
     e = cfg.experts
     if e is None:
         return dense
-    return max(dense, e.top_k * (3 * e.intermediate_size + cfg.hidden_size) + 2 * e.num_experts)
+    routed = e.top_k * (3 * e.intermediate_size + cfg.hidden_size) + 2 * e.num_experts
+    return max(dense, routed + 3 * e.shared_expert_intermediate_size)
 
 
 def check_weights_fit(cfg: ModelConfig, config: EngineConfig, device: torch.device,

@@ -18,6 +18,9 @@ ADAPTERS = {
                 "qo": dict(r=4, lora_alpha=8, target_modules=["q_proj", "o_proj"])},
     "qwen3_moe": {"attn": dict(r=8, lora_alpha=16, target_modules=ATTENTION),
                   "vo": dict(r=4, lora_alpha=8, target_modules=["v_proj", "o_proj"])},
+    # q/k/v biases stay the base's; LoRA on the shared expert is refused (below)
+    "qwen2_moe": {"attn": dict(r=8, lora_alpha=16, target_modules=ATTENTION),
+                  "kv": dict(r=4, lora_alpha=8, target_modules=["k_proj", "v_proj"])},
 }
 
 
@@ -167,3 +170,13 @@ def test_target_parameters_on_a_dense_base_are_refused(tmp_path):
     with pytest.raises(AdapterError, match=r"target_parameters=\['mlp\.down_proj\.weight'\]: LoRA on raw "
                                            r"parameters is supported on a mixture-of-experts block"):
         inspect_adapter("ad", tmp_path / "ad", model_config("qwen3"), max_lora_rank=8)
+
+
+def test_shared_expert_lora_is_refused(tmp_path):
+    # peft's all-linear on Qwen2-MoE: attention plus the shared expert and its gate
+    from batchrun.engine.lora.adapters import inspect_adapter
+    from tests.helpers.models import model_config
+    parity_adapter("qwen2_moe", tmp_path / "ad", 1, dict(r=2, lora_alpha=4, target_modules="all-linear"))
+    with pytest.raises(AdapterError, match=r"is LoRA on model\.layers\.0\.mlp\.shared_expert\.down_proj, "
+                                           r"a Qwen2-MoE shared expert, which batchrun does not apply yet"):
+        inspect_adapter("ad", tmp_path / "ad", model_config("qwen2_moe"), max_lora_rank=8)

@@ -17,7 +17,7 @@ from tests.helpers.models import model_config
 GIB = 1 << 30
 
 
-@pytest.mark.parametrize("variant", ["mixtral", "qwen3_moe", "qwen3_moe_sparse_step"])
+@pytest.mark.parametrize("variant", ["mixtral", "qwen3_moe", "qwen3_moe_sparse_step", "qwen2_moe"])
 def test_parameter_count_is_the_models(variant):
     cfg = model_config(variant)
     model = random_model(cfg, torch.device("cpu"), torch.float32, 64)

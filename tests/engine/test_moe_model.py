@@ -27,7 +27,7 @@ def _generate(engine, prompts):
     return [r.output_token_ids for r in engine.generate([Request(i, p, sp) for i, p in enumerate(prompts)])]
 
 
-@pytest.mark.parametrize("variant", ["mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("variant", ["mixtral", "qwen3_moe", "qwen2_moe"])
 def test_stacked_expert_checkpoint_matches_hf(tmp_path, variant):
     # transformers 5.17's save_pretrained writes one tensor per expert; a checkpoint holding its
     # in-memory layout (mlp.experts.gate_up_proj [E, 2I, H], down_proj [E, H, I]) loads too
@@ -56,7 +56,7 @@ def test_mixtral_checkpoint_uses_published_names(tmp_path):
 @pytest.mark.parametrize("variant, over", [
     ("qwen3_moe", {}), ("qwen3_moe_sparse_step", {}),
     ("qwen3_moe", dict(num_hidden_layers=6, decoder_sparse_step=3, mlp_only_layers=[5])),
-    ("mixtral", {})])
+    ("mixtral", {}), ("qwen2_moe", dict(num_hidden_layers=4, decoder_sparse_step=2))])
 def test_routed_layers_match_transformers(variant, over):
     from tests.helpers.models import make_hf_model
     hf = make_hf_model(variant, **over)
@@ -122,3 +122,15 @@ def test_step_plan_shapes_of_moe_models():
     assert plan.gate_up_proj is None and plan.down_proj is None and not plan.gate_up_silu
     qwen = random_model(model_config("qwen3_moe"), torch.device("cpu"), torch.float32, 64)
     assert weight_shapes(qwen)["gate_up_proj"] == (2 * 160, 64)
+
+
+@pytest.mark.parametrize("variant", ["qwen3_moe", "qwen2_moe"])
+def test_qwen_moe_window_only_with_use_sliding_window(variant):
+    # transformers drops sliding_window unless use_sliding_window (Qwen3-MoE: None, Qwen2-MoE:
+    # 0); a config.json that still carries a window is full attention too
+    raw = hf_config(variant).to_dict()
+    raw["architectures"] = [{"qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}[variant]]
+    raw.update(use_sliding_window=False, sliding_window=4096)
+    raw.pop("layer_types", None)
+    cfg = ModelConfig.from_dict(raw)
+    assert cfg.sliding_window is None and set(cfg.layer_types) == {"full_attention"}

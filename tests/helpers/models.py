@@ -88,6 +88,10 @@ SHAPES = {
     "qwen3_moe_sparse_step": dict(arch="qwen3_moe", **_PARITY, num_key_value_heads=2, num_experts=5,
                                   num_experts_per_tok=2, moe_intermediate_size=40, norm_topk_prob=True,
                                   decoder_sparse_step=2, **_NORMS),
+    # Qwen2-MoE: q/k/v bias, a sigmoid-gated shared expert beside 6 routed ones (top 2)
+    "qwen2_moe": dict(arch="qwen2_moe", **_PARITY, num_key_value_heads=2, num_experts=6,
+                      num_experts_per_tok=2, moe_intermediate_size=48,
+                      shared_expert_intermediate_size=96, **_SCALED),
     # the job-side tests' model: one layer over the character vocabulary of tests.helpers.tokenizer
     # (one id per special and character), transformers' init
     "char_llama": dict(arch="llama", vocab_size=len(SPECIALS) + len(CHARS), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
@@ -103,7 +107,7 @@ VARIANTS = {name: SHAPES[name] for name in (
     "llama_mha", "llama3_gqa", "llama_tied", "qwen2_bias", "mistral", "llama_linear_rope", "qwen2_yarn",
     "mistral_window", "qwen2_window", "llama_dynamic_rope", "qwen3", "qwen3_tied_window", "gemma2", "gemma3",
     "phi3_longrope", "phi3_window", "mixtral", "mixtral_16x1_window", "qwen3_moe",
-    "qwen3_moe_sparse_step")}
+    "qwen3_moe_sparse_step", "qwen2_moe")}
 # transformers class names of each family (config class, model class, architecture)
 FAMILIES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
@@ -115,6 +119,7 @@ FAMILIES = {
     "phi3": ("Phi3Config", "Phi3ForCausalLM"),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
 }
 
 

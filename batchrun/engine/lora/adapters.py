@@ -125,6 +125,11 @@ def _refuse_key(name: str, path: Path, key: str, cfg) -> None:
     if VISION.match(key.removeprefix("base_model.model.")):
         why = ("is LoRA on the vision tower or projector; batchrun runs the text tower of an "
                "image-text model only (retrain with target_modules limited to the language model)")
+    elif ".mlp.shared_expert" in key:
+        module = key.removeprefix("base_model.model.").split(".lora_")[0]
+        why = (f"is LoRA on {module}, a Qwen2-MoE shared expert, which batchrun does not apply "
+               "yet; use an adapter on the attention projections (target_modules q/k/v/o_proj), "
+               "or merge this one into the base model")
     elif "lora_magnitude_vector" in key:
         why = "is a DoRA magnitude vector; DoRA is not supported (merge the adapter into the base)"
     elif "lora_" in key and any(f".{m}." in key for m in EMBEDDING_MODULES):

@@ -132,6 +132,12 @@ def _expert_shapes(cfg: ModelConfig, fused: bool) -> dict[str, tuple[int, ...]]:
     h, e = cfg.hidden_size, cfg.experts
     i, n = e.intermediate_size, e.num_experts
     shapes = {"mlp.gate.weight": (n, h)}
+    shared = e.shared_expert_intermediate_size
+    if shared:
+        shapes.update({"mlp.shared_expert.gate_proj.weight": (shared, h),
+                       "mlp.shared_expert.up_proj.weight": (shared, h),
+                       "mlp.shared_expert.down_proj.weight": (h, shared),
+                       "mlp.shared_expert_gate.weight": (1, h)})
     if fused:
         shapes.update({FUSED_EXPERTS[0]: (n, 2 * i, h), FUSED_EXPERTS[1]: (n, h, i)})
         return shapes

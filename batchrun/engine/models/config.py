@@ -3,7 +3,7 @@
 One decoder runs every family; a family is a handful of fields here (norm offset, activation,
 q/k norms, the extra Gemma norms, embedding scale, attention scale and soft-caps, per-layer
 attention windows, local rope, partial rotary, fused checkpoint names), never a copy of the
-model. Mixture-of-experts families (Mixtral, Qwen3-MoE) are the same decoder with a routed
+model. Mixture-of-experts families (Mixtral, Qwen2-MoE, Qwen3-MoE) are the same decoder with a routed
 expert block in place of the MLP on the layers that have one (`Experts`). Reads both
 transformers 4.x (`rope_theta` + `rope_scaling`) and 5.x (`rope_parameters`)
 layouts.
@@ -28,11 +28,12 @@ SUPPORTED = {
     "Phi3ForCausalLM": "phi3",
     "MixtralForCausalLM": "mixtral",
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
 }
 ROPE_TYPES = ("default", "llama3", "linear", "dynamic", "yarn", "longrope")
 _ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 _GEMMA = ("gemma2", "gemma3_text")
-_MOE = ("mixtral", "qwen3_moe")
+_MOE = ("mixtral", "qwen3_moe", "qwen2_moe")
 FULL, SLIDING = "full_attention", "sliding_attention"
 
 
@@ -59,12 +60,15 @@ class Experts:
     # the layers that run a dense MLP of the model's intermediate_size instead (Qwen3-MoE's
     # mlp_only_layers, and the layers decoder_sparse_step skips)
     dense_layers: tuple[int, ...] = ()
+    # Qwen2-MoE: a dense MLP of this width beside the routed experts, its output scaled by
+    # sigmoid(shared_expert_gate(x)) and added (0: none)
+    shared_expert_intermediate_size: int = 0
 
 
 @dataclass
 class ModelConfig:
     model_type: str  # the family: llama, mistral, qwen2, qwen3, gemma2, gemma3_text, phi3,
-    # mixtral, qwen3_moe
+    # mixtral, qwen2_moe, qwen3_moe
     architectures: list[str]
     vocab_size: int
     hidden_size: int
@@ -187,6 +191,8 @@ class ModelConfig:
         eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
         window, layer_types = _windows(raw, model_type, layers, where)
         bias = bool(raw.get("attention_bias", False))
+        if model_type == "qwen2_moe":  # q/k/v bias under its own name (o_proj has none)
+            bias = bool(raw.get("qkv_bias", True))
         scalar = raw.get("query_pre_attn_scalar") if gemma else None
         return cls(
             model_type=model_type,
@@ -212,7 +218,7 @@ class ModelConfig:
             norm_offset=1.0 if gemma else 0.0,
             qk_norm=model_type in ("qwen3", "gemma3_text", "qwen3_moe"),
             sandwich_norms=gemma,
-            o_proj_bias=bias and model_type != "qwen2",
+            o_proj_bias=bias and model_type not in ("qwen2", "qwen2_moe"),
             embed_scale=raw["hidden_size"] ** 0.5 if gemma else None,
             attn_scale=None if scalar is None else float(scalar) ** -0.5,
             attn_logit_softcap=raw.get("attn_logit_softcapping") if gemma else None,
@@ -237,7 +243,8 @@ def _positive_int(raw: dict, keys: tuple[str, ...], where: str, default=None) ->
 
 
 def _experts(raw: dict, model_type: str, layers: int, where: str) -> Experts:
-    """The expert block of a Mixtral or Qwen3-MoE config, as transformers 5.17 builds it."""
+    """The expert block of a Mixtral, Qwen2-MoE or Qwen3-MoE config, as transformers 5.17
+    builds it."""
     # Qwen3MoeConfig maps num_experts onto num_local_experts when it saves
     experts = _positive_int(raw, ("num_local_experts", "num_experts"), where)
     top_k = _positive_int(raw, ("num_experts_per_tok",), where)
@@ -253,21 +260,28 @@ def _experts(raw: dict, model_type: str, layers: int, where: str) -> Experts:
         raise ModelLoadError(f"{where}: mlp_only_layers must be a list of layer indices, "
                              f"got {only!r}")
     dense = tuple(i for i in range(layers) if i in only or (i + 1) % step)
+    shared = 0
+    if model_type == "qwen2_moe":
+        shared = _positive_int(raw, ("shared_expert_intermediate_size",), where)
     return Experts(experts, top_k, _positive_int(raw, ("moe_intermediate_size",), where),
                    norm_topk_prob=bool(raw.get("norm_topk_prob", False)), round_weights=True,
-                   dense_layers=dense)
+                   dense_layers=dense, shared_expert_intermediate_size=shared)
 
 
 def _windows(raw: dict, model_type: str, layers: int, where: str) -> tuple[int | None, list[str]]:
     """(window, per-layer FULL/SLIDING) as transformers derives them for each family."""
     window = raw.get("sliding_window")
-    if model_type in ("qwen2", "qwen3") and not raw.get("use_sliding_window"):
+    if model_type in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe") and not raw.get("use_sliding_window"):
         window = None  # transformers sets it to None too
     if window is not None and (not isinstance(window, int) or window < 1):
         raise ModelLoadError(f"{where}: sliding_window must be a positive integer, got {window!r}")
     types = raw.get("layer_types")
     if types is None:
-        if model_type in ("qwen2", "qwen3"):
+        if model_type == "qwen2_moe":  # what Qwen2MoeConfig writes into layer_types
+            first = raw.get("max_window_layers", 28)
+            types = [SLIDING if window is not None and (i + 1) % 2 and i < first else FULL
+                     for i in range(layers)]
+        elif model_type in ("qwen2", "qwen3"):
             first = raw.get("max_window_layers", 28)
             types = [SLIDING if window is not None and i >= first else FULL for i in range(layers)]
         elif model_type in _GEMMA:  # every pattern-th layer global: Gemma 2 alternates, Gemma 3 1 in 6

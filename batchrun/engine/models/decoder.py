@@ -1,5 +1,5 @@
 """The decoder every supported family runs (Llama 2/3.x, Mistral, Qwen2, Qwen3, Gemma 2/3,
-Phi-3/4, Mixtral, Qwen3-MoE), with fused projections and paged KV; the family is config
+Phi-3/4, Mixtral, Qwen2-MoE, Qwen3-MoE), with fused projections and paged KV; the family is config
 (models/config.py).
 
 The block is two lines of math, as in every family:
@@ -72,9 +72,9 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, intermediate: int | None = None):
         super().__init__()
-        i = cfg.intermediate_size
+        i = cfg.intermediate_size if intermediate is None else intermediate
         self.activation = cfg.hidden_act
         self.gate_up_proj = Linear(cfg.hidden_size, [i, i], name="gate_up_proj")
         self.down_proj = Linear(i, [cfg.hidden_size], name="down_proj")
@@ -136,6 +136,10 @@ class SparseMoE(nn.Module):
         self.activation = cfg.hidden_act
         self.gate = Router(cfg.hidden_size, e.num_experts)
         self.experts = ExpertWeights(e.num_experts, cfg.hidden_size, e.intermediate_size)
+        self.shared_expert = self.shared_expert_gate = None
+        if e.shared_expert_intermediate_size:  # Qwen2-MoE
+            self.shared_expert = MLP(cfg, e.shared_expert_intermediate_size)
+            self.shared_expert_gate = Router(cfg.hidden_size, 1)
         # LoRA hooks (lora/experts.py's ExpertLoRA) of the router and expert tensors some
         # adapter targets, set by the LoRA manager; read only on steps with adapter rows
         self.lora: dict = {}
@@ -162,9 +166,16 @@ class SparseMoE(nn.Module):
         w = self.experts
         if GATE_UP in lora or DOWN in lora:
             ab = {k: (h.lora_a, h.lora_b) for k, h in lora.items()}
-            return moe_with_lora(x, w.gate_up_proj, w.down_proj, weights, ids, self.activation,
-                                 slots, ab.get(GATE_UP), ab.get(DOWN)), None
-        return fused_moe(x, w.gate_up_proj, w.down_proj, weights, ids, self.activation), None
+            out = moe_with_lora(x, w.gate_up_proj, w.down_proj, weights, ids, self.activation,
+                                slots, ab.get(GATE_UP), ab.get(DOWN))
+        else:
+            out = fused_moe(x, w.gate_up_proj, w.down_proj, weights, ids, self.activation)
+        if self.shared_expert is not None:  # out + sigmoid(gate(x)) * shared(x), in x's dtype
+            shared, delta = self.shared_expert(x, step)
+            assert delta is None  # no LoRA hook on the shared expert (adapters.py refuses it)
+            gate = torch.sigmoid(linear(x, self.shared_expert_gate.weight, None, None))
+            out = out + gate * shared
+        return out, None
 
 
 class DecoderLayer(nn.Module):

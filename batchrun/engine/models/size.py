@@ -23,7 +23,8 @@ def _mlp(cfg: ModelConfig, layer: int, experts_read: int | None) -> int:
         return 3 * h * cfg.intermediate_size
     e = cfg.experts
     n = e.num_experts if experts_read is None else experts_read
-    return e.num_experts * h + n * 3 * h * e.intermediate_size  # router + experts
+    shared = 3 * h * e.shared_expert_intermediate_size + h if e.shared_expert_intermediate_size else 0
+    return e.num_experts * h + n * 3 * h * e.intermediate_size + shared  # router, experts, shared
 
 
 def _total(cfg: ModelConfig, experts_read: int | None) -> int:
