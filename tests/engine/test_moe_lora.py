@@ -180,3 +180,22 @@ def test_shared_expert_lora_is_refused(tmp_path):
     with pytest.raises(AdapterError, match=r"is LoRA on model\.layers\.0\.mlp\.shared_expert\.down_proj, "
                                            r"a Qwen2-MoE shared expert, which batchrun does not apply yet"):
         inspect_adapter("ad", tmp_path / "ad", model_config("qwen2_moe"), max_lora_rank=8)
+
+
+def test_moe_model_and_expert_adapter_validate_without_torch(tmp_path):
+    # what `plan` runs: config, checkpoint headers and adapters, torch-free
+    import subprocess
+    import sys
+    from tests.helpers.jobs import REPO
+    save_hf_model("mixtral", tmp_path / "base")
+    parity_adapter("mixtral", tmp_path / "ad", 1, EXPERT_ADAPTERS["mixtral"]["all"])
+    code = ("import sys; sys.modules['torch'] = None; sys.modules['transformers'] = None\n"
+            "from batchrun.engine.models.checkpoint import inspect_model\n"
+            "from batchrun.engine.lora.adapters import inspect_adapter\n"
+            f"cfg = inspect_model({str(tmp_path / 'base')!r})\n"
+            f"info = inspect_adapter('ad', {str(tmp_path / 'ad')!r}, cfg, 8)\n"
+            "print(sorted({t.module for t in info.targets}))\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split("\n")[0] == str(sorted(["experts_down", "experts_gate_up", "o_proj", "qkv_proj", "router"]))

@@ -19,9 +19,6 @@ from torch import Tensor
 from batchrun.engine.layers.backend import use_triton
 from batchrun.kernels.reference import ref_act_and_mul, ref_fused_moe, ref_linear
 
-# the LoRA targets of a block (lora/experts.py's module names)
-ROUTER, GATE_UP, DOWN = "router", "experts_gate_up", "experts_down"
-
 
 def route(logits: Tensor, top_k: int, norm_topk_prob: bool,
           round_to: torch.dtype | None) -> tuple[Tensor, Tensor]:

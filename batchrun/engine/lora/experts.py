@@ -13,7 +13,8 @@ Adapters trained on transformers 4's per-expert Linears (mlp.experts.3.gate_proj
 PEFT converts them when it loads them into transformers 5, and saving that PeftModel again
 writes the layout above.
 
-The engine keeps each targeted tensor's slots stacked as `ExpertLoRA` buffers A [slots, E, R,
+This module is torch-free (adapter validation runs in `plan`). The engine keeps each targeted
+tensor's slots stacked as `expert_layer.ExpertLoRA` buffers A [slots, E, R,
 in], B [slots, E, out, R] (the router: E = 1), scaling folded into B; layers/moe.py applies
 them per (token, expert) in torch. The GPU's fused MoE kernel does not take them yet, so an
 engine on CUDA refuses such adapters (manager.py).
@@ -22,14 +23,16 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-from torch import Tensor
-
-from batchrun.engine.layers.moe import DOWN, GATE_UP, ROUTER
 from batchrun.engine.lora.peft_config import adapter_error
 
-# the block's LoRA targets: our module names (AdapterInfo.modules) -> what PEFT targets
+if TYPE_CHECKING:  # validation runs without torch (`plan`); only loading needs it
+    from torch import Tensor
+
+# the block's LoRA targets: our module names (AdapterInfo.modules, SparseMoE.lora keys) -> what
+# PEFT targets
+ROUTER, GATE_UP, DOWN = "router", "experts_gate_up", "experts_down"
 EXPERT_MODULES = {ROUTER: "mlp.gate.weight", GATE_UP: "mlp.experts.gate_up_proj",
                   DOWN: "mlp.experts.down_proj"}
 KEY = re.compile(r"^base_model\.model\.model\.layers\.(?P<layer>\d+)\.mlp\."
@@ -107,36 +110,3 @@ def per_expert(a: Tensor, b: Tensor, rank: int) -> tuple[Tensor, Tensor]:
     experts = a.shape[0] // rank
     return (a.view(experts, rank, a.shape[1]),
             b.view(b.shape[0], rank, experts).permute(2, 0, 1))
-
-
-class ExpertLoRA:
-    """The slots of one expert-block tensor's LoRA: A [slots, E, R, in], B [slots, E, out, R]
-    (zero beyond an adapter's rank and in slots whose adapter does not target it). Allocated
-    once, written in place."""
-    bias_full = None  # what the manager's other hooks have (no LoRA bias here)
-    num_slices = 1
-
-    def __init__(self, experts: int, in_features: int, out_features: int, max_loras: int,
-                 max_rank: int, device, dtype: torch.dtype):
-        self.lora_a = torch.zeros(max_loras, experts, max_rank, in_features, device=device, dtype=dtype)
-        self.lora_b = torch.zeros(max_loras, experts, out_features, max_rank, device=device, dtype=dtype)
-        self.slice_offsets = (0, out_features)
-
-    def set_slot(self, slot: int, slices: dict[int, tuple[Tensor, Tensor]]) -> None:
-        self.clear_slot(slot)
-        a, b = slices[0]  # [E, r, in], [E, out, r]
-        r = a.shape[1]
-        assert a.shape[0] == b.shape[0] == self.lora_a.shape[1] and a.shape[2] == self.lora_a.shape[3] \
-            and b.shape[1:] == (self.lora_b.shape[2], r), "bad expert LoRA shape"
-        self.lora_a[slot, :, :r].copy_(a)
-        self.lora_b[slot, :, :, :r].copy_(b)
-
-    def clear_slot(self, slot: int) -> None:
-        self.lora_a[slot].zero_()
-        self.lora_b[slot].zero_()
-
-    def swap_slots(self, i: int, j: int) -> None:
-        for t in (self.lora_a, self.lora_b):
-            t_i = t[i].clone()
-            t[i].copy_(t[j])
-            t[j].copy_(t_i)

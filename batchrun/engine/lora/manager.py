@@ -41,7 +41,8 @@ from batchrun.kernels.lora_meta import LoRAKernelMeta
 from batchrun.engine.layers.linear import Linear
 from batchrun.engine.layers.step import LoRAStep
 from batchrun.engine.lora.adapters import AdapterInfo, LoRAWeights, inspect_adapter, load_adapter
-from batchrun.engine.lora.experts import EXPERT_MODULES, ExpertLoRA
+from batchrun.engine.lora.expert_layer import ExpertLoRA
+from batchrun.engine.lora.experts import EXPERT_MODULES
 from batchrun.engine.lora.layer import LoRALinear
 from batchrun.engine.models.decoder import SparseMoE
 from batchrun.errors import AdapterError

@@ -25,7 +25,8 @@ from batchrun.engine.layers.activation import act_and_mul
 from batchrun.engine.layers.attention import PagedAttention
 from batchrun.engine.layers.gemm import gate_up_silu, linear
 from batchrun.engine.layers.linear import Linear
-from batchrun.engine.layers.moe import DOWN, GATE_UP, ROUTER, fused_moe, lora_delta, moe_with_lora, route
+from batchrun.engine.layers.moe import fused_moe, lora_delta, moe_with_lora, route
+from batchrun.engine.lora.experts import DOWN, GATE_UP, ROUTER
 from batchrun.engine.layers.norm import RMSNorm
 from batchrun.engine.layers.rotary import RotaryEmbedding
 from batchrun.engine.layers.step import Step
