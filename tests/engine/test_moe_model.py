@@ -134,3 +134,18 @@ def test_qwen_moe_window_only_with_use_sliding_window(variant):
     raw.pop("layer_types", None)
     cfg = ModelConfig.from_dict(raw)
     assert cfg.sliding_window is None and set(cfg.layer_types) == {"full_attention"}
+
+
+@pytest.mark.parametrize("variant", ["mixtral", "qwen3_moe", "qwen2_moe"])
+def test_model_from_an_in_memory_hf_model(variant):
+    # the GPU parity tests' path: transformers 5's in-memory names (stacked experts) map onto ours
+    from batchrun.engine.models.loader import model_from_hf_state
+    from tests.helpers.models import make_hf_model
+    hf = make_hf_model(variant)
+    ours = model_from_hf_state(model_config(variant), hf.state_dict(), torch.device("cpu"), torch.float32, 64)
+    params = dict(ours.named_parameters())
+    for name, t in hf.state_dict().items():
+        if name in params:
+            assert torch.equal(params[name], t), name
+    assert torch.equal(params["model.layers.0.mlp.experts.gate_up_proj"],
+                       hf.model.layers[0].mlp.experts.gate_up_proj)
