@@ -199,3 +199,18 @@ def test_moe_model_and_expert_adapter_validate_without_torch(tmp_path):
                        env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
     assert r.returncode == 0, r.stderr
     assert r.stdout.split("\n")[0] == str(sorted(["experts_down", "experts_gate_up", "o_proj", "qkv_proj", "router"]))
+
+
+def test_lora_memory_report_counts_expert_slots(tmp_path):
+    from batchrun.bench.lora_memory import lora_memory
+    save_hf_model("qwen3_moe", tmp_path / "base")
+    path = _expert_adapter(tmp_path)  # q_proj and the experts' down_proj, rank 2
+    engine = Engine.from_config(EngineConfig(model=str(tmp_path / "base"), device="cpu", max_model_len=64,
+                                             enable_lora=True, max_loras=1, max_lora_rank=8),
+                                adapters={"ad": str(path)})
+    hook = engine.lora.hooks[(0, "experts_down")]
+    assert tuple(hook.lora_a.shape) == (1, 8, 2, 48) and tuple(hook.lora_b.shape) == (1, 8, 64, 2)
+    mem = lora_memory(engine)
+    q = engine.lora.hooks[(0, "qkv_proj")]
+    want_a = 4 * (hook.lora_a.numel() + 2 * q.lora_a.numel())  # layer 0 and 1's qkv, fp32
+    assert mem["slots_a"] == want_a and mem["hooked_linears"] == 3

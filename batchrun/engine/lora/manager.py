@@ -8,7 +8,9 @@ largest rank among the adapters (<= max_lora_rank): the adapter set is fixed for
 life, and a smaller R means smaller buffers and cheaper kernels. For the same reason max_loras
 is a cap: an engine with fewer adapters gets one slot per adapter (`self.max_loras`), since a
 slot beyond the adapter count could never be used while a LoRA step's fused GEMM would stream
-its A rows every step. Linears no adapter targets get no hook and launch nothing. Loading an
+its A rows every step. Linears no adapter targets get no hook and launch nothing. A
+mixture-of-experts block's router and stacked experts that an adapter targets (peft's
+target_parameters) get `ExpertLoRA` slot buffers instead (lora/experts.py; CPU engine only). Loading an
 adapter into a slot copies into those buffers in place; they are never reallocated, because
 captured CUDA graphs hold their addresses.
 

@@ -157,11 +157,12 @@ class SparseMoE(nn.Module):
         # x: [T, H] -> ([T, H], None: no LoRA delta pending)
         lora = self.lora if step.lora is not None else {}
         slots = step.lora.token_slots[:x.shape[0]] if lora else None
-        logits = linear(x, self.gate.weight, None, None)  # [T, E], in x's dtype as HF's router
-        if ROUTER in lora:
+        if ROUTER in lora:  # the router's delta added in fp32 before the logits' one rounding
             hook = lora[ROUTER]
             logits = (x.float() @ self.gate.weight.float().t()
                       + lora_delta(x, slots, hook.lora_a, hook.lora_b)).to(x.dtype)
+        else:
+            logits = linear(x, self.gate.weight, None, None)  # [T, E] in x's dtype, as HF's
         weights, ids = route(logits, self.top_k, self.norm_topk_prob,
                              x.dtype if self.round_weights else None)
         w = self.experts
