@@ -63,3 +63,37 @@ def test_activation_reserve_counts_the_routed_experts():
     assert kv_sizing._mlp_activations(cfg) == 8 * (3 * 768 + 2048) + 2 * 128
     dense = dataclasses.replace(cfg, experts=None)
     assert kv_sizing._mlp_activations(dense) == 3 * 6144
+
+
+def test_decode_roofline_counts_the_experts_a_step_reads(tmp_path):
+    # bench latency's bytes per decode step: of a routed layer only the experts its rows reach
+    # (expected under uniform routing), the rest of the weights as a dense model's
+    from batchrun.bench.roofline import decode_bytes_per_step, experts_read
+    from batchrun.engine.engine import Engine
+    from tests.helpers.models import save_hf_model
+    save_hf_model("qwen3_moe", tmp_path / "m")  # 8 experts, top 3; layer 1 dense
+    engine = Engine.from_config(EngineConfig(model=str(tmp_path / "m"), device="cpu", max_model_len=64))
+    cfg = engine.model.config
+    named = dict(engine.model.named_parameters())
+    per_expert = 3 * 64 * 48 * 4
+    everything = sum(p.numel() * 4 for n, p in named.items() if n != "model.embed_tokens.weight")
+    assert experts_read(cfg, 1) == pytest.approx(3)
+    assert experts_read(cfg, 8) == pytest.approx(8 * (1 - (5 / 8) ** 8))
+    for batch in (1, 8):
+        b = decode_bytes_per_step(engine, batch_size=batch, avg_context=10)
+        read = experts_read(cfg, batch)
+        assert b["experts_bytes"] == int(read * per_expert)
+        assert b["weights_bytes"] == everything - int((8 - read) * per_expert)
+
+
+def test_offline_floor_of_an_moe_model():
+    # prefill FLOPs of the parameters a token meets (top 8 of 128 experts), not of all 30.5B
+    from batchrun.bench.roofline import offline_floor
+    cfg = preset_config("qwen3-30b-a3b")
+    r = offline_floor(cfg, 1024, 256, 128, 256, "NVIDIA H100 80GB HBM3")
+    matmul = active_params(cfg) - cfg.vocab_size * cfg.hidden_size
+    attn = 4 * 48 * 32 * 128
+    assert r["prefill_s"] == pytest.approx(1024 * (2 * matmul * 256 + attn * 256 * 257 / 2) / 989e12)
+    # a decode step of 256 rows reaches nearly every expert: at least all weights' read time
+    steps = 4 * 128
+    assert r["decode_s"] > steps * 0.99 * (num_params(cfg) - cfg.vocab_size * 2048) * 2 / 3.35e12
