@@ -15,6 +15,7 @@ from batchrun.engine.engine import Engine, max_position, resolve_device
 from batchrun.engine.request import Request
 from batchrun.errors import ConfigError
 from batchrun.engine.models.config import ModelConfig
+from batchrun.engine.kv_sizing import check_weights_fit
 from batchrun.engine.models.loader import random_model, resolve_dtype
 
 
@@ -55,6 +56,7 @@ def build_engine(config: EngineConfig, num_adapters: int = 0, lora_rank: int = 1
     try:
         if is_preset(config.model):
             dtype = resolve_dtype(config.dtype, mcfg, device)
+            check_weights_fit(mcfg, config, device, dtype)  # as a model directory's start-up
             model = random_model(mcfg, device, dtype, max_position(config, mcfg), seed=config.seed)
             engine = Engine.from_model(config, model, None, adapters or None)
             weights = "random"
