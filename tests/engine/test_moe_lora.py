@@ -214,3 +214,18 @@ def test_lora_memory_report_counts_expert_slots(tmp_path):
     q = engine.lora.hooks[(0, "qkv_proj")]
     want_a = 4 * (hook.lora_a.numel() + 2 * q.lora_a.numel())  # layer 0 and 1's qkv, fp32
     assert mem["slots_a"] == want_a and mem["hooked_linears"] == 3
+
+
+def test_a_cuda_engine_refuses_expert_lora_before_loading_weights(tmp_path, monkeypatch):
+    import torch
+    import batchrun.engine.engine as engine_mod
+    save_hf_model("qwen3_moe", tmp_path / "base")
+    path = _expert_adapter(tmp_path)
+    monkeypatch.setattr(engine_mod, "resolve_device", lambda d: torch.device("cuda"))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (80 << 30, 80 << 30))
+    monkeypatch.setattr(engine_mod, "load_model", lambda *a, **k: pytest.fail("weights loaded"))
+    with pytest.raises(AdapterError, match=r"LoRA adapter 'ad' .* targets model\.layers\.0\.mlp\.experts"
+                                           r"\.down_proj .* CPU engine only"):
+        Engine.from_config(EngineConfig(model=str(tmp_path / "base"), device="cuda", max_model_len=64,
+                                        enable_lora=True, max_loras=1, max_lora_rank=8),
+                           adapters={"ad": str(path)})

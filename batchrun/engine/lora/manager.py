@@ -44,10 +44,9 @@ from batchrun.engine.layers.linear import Linear
 from batchrun.engine.layers.step import LoRAStep
 from batchrun.engine.lora.adapters import AdapterInfo, LoRAWeights, inspect_adapter, load_adapter
 from batchrun.engine.lora.expert_layer import ExpertLoRA
-from batchrun.engine.lora.experts import EXPERT_MODULES
+from batchrun.engine.lora.experts import refuse_expert_lora_on_gpu
 from batchrun.engine.lora.layer import LoRALinear
 from batchrun.engine.models.decoder import SparseMoE
-from batchrun.errors import AdapterError
 
 MAX_SHRINK_SPLITS = 32  # kernels.lora_shrink.MAX_SPLITS (a test checks they agree)
 _MOE = re.compile(r"(?:^|.*\.)layers\.(\d+)\.mlp$")
@@ -79,7 +78,7 @@ class LoRAManager:
         self.slot_bounds = tuple(sorted({1, max_loras}))
         targeted = {m for info in self.infos.values() for m in info.modules}
         if torch.device(device).type == "cuda":
-            _refuse_expert_lora_on_gpu(self.infos)
+            refuse_expert_lora_on_gpu(self.infos)
 
         # Static buffers, allocated once (captured graphs hold their addresses). What a step
         # runs is not kept here: lora_step() returns it as a frozen LoRAStep (layers/step.py).
@@ -293,18 +292,3 @@ class LoRAManager:
             else:
                 hook.clear_slot(slot)
 
-
-def _refuse_expert_lora_on_gpu(infos: dict[str, AdapterInfo]) -> None:
-    """LoRA on a mixture-of-experts block runs in torch (layers/moe.py), which a CUDA graph
-    cannot capture and the GPU's fused MoE kernel does not apply: refused on CUDA, naming the
-    first such module."""
-    for name, info in sorted(infos.items()):
-        for t in info.targets:
-            if t.module in EXPERT_MODULES:
-                raise AdapterError(
-                    f"LoRA adapter {name!r} ({info.path}) targets model.layers.{t.layer}."
-                    f"{EXPERT_MODULES[t.module]} (adapter_config.json target_parameters): LoRA on a "
-                    "mixture-of-experts block's router and experts runs on the CPU engine only, the "
-                    "GPU's fused MoE kernel does not apply it yet; use an adapter on the attention "
-                    "projections (target_modules q/k/v/o_proj, no target_parameters), or merge this "
-                    "one into the base model")
