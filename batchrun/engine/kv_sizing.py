@@ -70,7 +70,8 @@ def check_weights_fit(cfg: ModelConfig, config: EngineConfig, device: torch.devi
     seqs = 1 if config.max_num_seqs == "auto" else config.max_num_seqs
     one = dataclasses.replace(config, max_num_seqs=seqs)
     blocks = 2 if config.max_model_len == "auto" else -(-config.max_model_len // config.block_size) + 1
-    need = weights + activation_reserve(cfg, one, dtype) + blocks * bytes_per_block(cfg, config.block_size, dtype)
+    kv = blocks * bytes_per_block(cfg, config.block_size, dtype)
+    need = weights + activation_reserve(cfg, one, dtype) + kv
     total = torch.cuda.mem_get_info(device)[1]
     budget = total * config.gpu_memory_utilization
     if need > budget:

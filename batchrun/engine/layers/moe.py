@@ -66,13 +66,17 @@ def moe_with_lora(x: Tensor, w_gate_up: Tensor, w_down: Tensor, topk_weights: Te
     ids = topk_ids.to(device=x.device, dtype=torch.long)
     for e in ids.unique().tolist():
         tok, j = (ids == e).nonzero(as_tuple=True)
-        xs, ss = x[tok], slots[tok]
-        gu = ref_linear(xs, w_gate_up[e])
-        if gate_up is not None:
-            gu = (xs.float() @ w_gate_up[e].float().t() + lora_delta(xs, ss, *gate_up, e)).to(x.dtype)
-        h = ref_act_and_mul(gu, activation)
-        y = ref_linear(h, w_down[e])
-        if down is not None:
-            y = (h.float() @ w_down[e].float().t() + lora_delta(h, ss, *down, e)).to(x.dtype)
+        ss = slots[tok]
+        h = ref_act_and_mul(_project(x[tok], w_gate_up[e], gate_up, ss, e), activation)
+        y = _project(h, w_down[e], down, ss, e)
         out.index_add_(0, tok, y.float() * topk_weights[tok, j].float().unsqueeze(1))
     return out.to(x.dtype)
+
+
+def _project(x: Tensor, w: Tensor, lora: tuple[Tensor, Tensor] | None, slots: Tensor,
+             expert: int) -> Tensor:
+    # x [n, K] @ w [N, K]^T, plus expert `expert`'s LoRA delta of each row's slot, in fp32
+    # before the one rounding to x's dtype (ref_linear's arithmetic)
+    if lora is None:
+        return ref_linear(x, w)
+    return (x.float() @ w.float().t() + lora_delta(x, slots, *lora, expert)).to(x.dtype)

@@ -26,10 +26,10 @@ from batchrun.engine.layers.attention import PagedAttention
 from batchrun.engine.layers.gemm import gate_up_silu, linear
 from batchrun.engine.layers.linear import Linear
 from batchrun.engine.layers.moe import fused_moe, lora_delta, moe_with_lora, route
-from batchrun.engine.lora.experts import DOWN, GATE_UP, ROUTER
 from batchrun.engine.layers.norm import RMSNorm
 from batchrun.engine.layers.rotary import RotaryEmbedding
 from batchrun.engine.layers.step import Step
+from batchrun.engine.lora.experts import DOWN, GATE_UP, ROUTER
 from batchrun.engine.models.config import ModelConfig, Rope
 from batchrun.kernels.lora_meta import LoRAShrink
 
@@ -141,7 +141,7 @@ class SparseMoE(nn.Module):
         if e.shared_expert_intermediate_size:  # Qwen2-MoE
             self.shared_expert = MLP(cfg, e.shared_expert_intermediate_size)
             self.shared_expert_gate = Router(cfg.hidden_size, 1)
-        # LoRA hooks (lora/experts.py's ExpertLoRA) of the router and expert tensors some
+        # LoRA hooks (lora/expert_layer.py's ExpertLoRA) of the router and expert tensors some
         # adapter targets, set by the LoRA manager; read only on steps with adapter rows
         self.lora: dict = {}
 
