@@ -21,7 +21,8 @@ def write_random_adapter(path: str | Path, cfg: ModelConfig, rank: int, *, seed:
                          base_model: str = "random", std: float = 0.01,
                          dtype: torch.dtype = torch.bfloat16) -> Path:
     """adapter_config.json + adapter_model.safetensors with lora_A [r, in], lora_B [out, r]
-    ~ N(0, std) for every Linear of every layer, named as the family's transformers class
+    ~ N(0, std) for every Linear of every layer (a routed layer's: its attention's), named as
+    the family's transformers class
     names them (q/k/v/o/gate/up/down_proj; Phi-3: qkv/o/gate_up/down_proj); lora_alpha = 2r
     (scaling 2)."""
     if rank < 1:
@@ -31,8 +32,13 @@ def write_random_adapter(path: str | Path, cfg: ModelConfig, rank: int, *, seed:
     gen = torch.Generator().manual_seed(seed)
     tensors = {}
     modules, shapes = peft_modules(cfg), module_shapes(cfg)
+    if cfg.experts is not None and all(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers)):
+        # every layer routed: no dense MLP Linear to target (expert LoRA is not written here)
+        modules = {p: m for p, m in modules.items() if m[0] != "mlp"}
     for layer in range(cfg.num_hidden_layers):
         for proj in modules:
+            if modules[proj][0] == "mlp" and cfg.is_moe_layer(layer):
+                continue  # a routed layer has no dense MLP
             fan_in, fan_out = shapes[proj]
             prefix = f"base_model.model.{module_key(layer, proj)}"
             tensors[f"{prefix}.lora_A.weight"] = \

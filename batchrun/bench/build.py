@@ -16,6 +16,7 @@ from batchrun.engine.request import Request
 from batchrun.errors import ConfigError
 from batchrun.engine.models.config import ModelConfig
 from batchrun.engine.models.quant import with_quantization
+from batchrun.engine.kv_sizing import check_weights_fit
 from batchrun.engine.models.loader import random_model, resolve_dtype
 
 
@@ -56,6 +57,7 @@ def build_engine(config: EngineConfig, num_adapters: int = 0, lora_rank: int = 1
     try:
         if is_preset(config.model):
             dtype = resolve_dtype(config.dtype, mcfg, device)
+            check_weights_fit(mcfg, config, device, dtype)  # as a model directory's start-up
             model = random_model(mcfg, device, dtype, max_position(config, mcfg), seed=config.seed)
             engine = Engine.from_model(config, model, None, adapters or None)
             weights = "random"

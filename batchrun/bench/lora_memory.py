@@ -34,7 +34,8 @@ def lora_memory(engine) -> dict | None:
         a = _nbytes(hook.lora_a)
         out["slots_a"] += a
         out["slots_b"] += _nbytes(hook.lora_b)
-        out["stacked_base"] += _nbytes(hook.weight_full) - a
+        if hasattr(hook, "weight_full"):  # a Linear's A rows live under its weight (an MoE
+            out["stacked_base"] += _nbytes(hook.weight_full) - a  # block's hooks: A alone)
         if hook.bias_full is not None:
             n = hook.slice_offsets[-1]
             out["bias_extra"] += (hook.bias_full.numel() - n) * hook.bias_full.element_size()

@@ -5,6 +5,7 @@ real checkpoint, so a preset model is built exactly like a loaded one (only the 
 """
 from __future__ import annotations
 
+from batchrun.engine.models import size
 from batchrun.engine.models.config import ModelConfig
 
 _LLAMA = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_act="silu",
@@ -49,6 +50,15 @@ PRESETS: dict[str, dict] = {
                   num_attention_heads=40, num_key_value_heads=10, max_position_embeddings=16384,
                   rms_norm_eps=1e-5, rope_theta=250000.0, sliding_window=None,
                   bos_token_id=100257, eos_token_id=100265),
+    # Qwen3-30B-A3B: 128 experts of 768, 8 routed a token (normalised), every layer routed
+    "qwen3-30b-a3b": dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe",
+                          hidden_act="silu", torch_dtype="bfloat16", tie_word_embeddings=False,
+                          vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+                          num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
+                          head_dim=128, num_experts=128, num_experts_per_tok=8,
+                          moe_intermediate_size=768, norm_topk_prob=True, decoder_sparse_step=1,
+                          mlp_only_layers=[], max_position_embeddings=40960, rms_norm_eps=1e-6,
+                          rope_theta=1000000.0, bos_token_id=151643, eos_token_id=151645),
     # CPU tests: GQA like llama-3, vocab large enough for prompt ids in [100, vocab)
     "tiny": dict(_LLAMA, vocab_size=512, hidden_size=64, intermediate_size=128,
                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -74,10 +84,5 @@ def preset_config(name: str) -> ModelConfig:
 
 
 def num_params(cfg: ModelConfig) -> int:
-    h, i, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
-    q, kv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
-    layer = h * (q + 2 * kv) + q * h + 3 * h * i + (4 if cfg.sandwich_norms else 2) * h
-    layer += (q + 2 * kv if cfg.attention_bias else 0) + (h if cfg.o_proj_bias else 0)
-    layer += 2 * d if cfg.qk_norm else 0
-    head = 0 if cfg.tie_word_embeddings else cfg.vocab_size * h
-    return cfg.vocab_size * h + cfg.num_hidden_layers * layer + h + head
+    """Every parameter of a preset's model (all experts of a mixture-of-experts model)."""
+    return size.num_params(cfg)

@@ -29,18 +29,37 @@ def bf16_peak(device_name: str) -> float | None:
     return next((peak for key, peak in BF16_PEAK if key in device_name), None)
 
 
+def experts_read(cfg, batch_size: int) -> float:
+    """How many of a routed layer's experts a decode step of `batch_size` rows reads, expected
+    under uniform routing (each row picks top_k of num_experts; random weights route close to
+    uniformly): E * (1 - (1 - k/E)^B). 0 for a dense model."""
+    e = cfg.experts
+    if e is None:
+        return 0.0
+    return e.num_experts * (1 - (1 - e.top_k / e.num_experts) ** batch_size)
+
+
 def decode_bytes_per_step(engine, batch_size: int, avg_context: float) -> dict:
     """Bytes one decode step of `batch_size` rows must read: the weights of every projection
-    and lm_head (a tied lm_head reads the embedding table), and each row's K/V."""
+    and lm_head (a tied lm_head reads the embedding table), of a mixture-of-experts model only
+    the experts its rows route to (`experts_read`), and each row's K/V."""
     model = engine.model
     embed = model.model.embed_tokens.weight
     weights = weight_bytes(model)  # the embedding table once: read by a tied lm_head only
     if model.lm_head.weight.data_ptr() != embed.data_ptr():
         weights -= embed.numel() * embed.element_size()
     cfg = model.config
+    out = {}
+    if cfg.experts is not None:  # the experts no row routes to are not read
+        e, elem = cfg.experts, embed.element_size()
+        per_expert = 3 * cfg.hidden_size * e.intermediate_size * elem
+        routed = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
+        read = experts_read(cfg, batch_size)
+        weights -= int(routed * (e.num_experts - read) * per_expert)
+        out = {"experts_read_per_layer": read, "experts_bytes": int(routed * read * per_expert)}
     kv_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * \
         engine.runner.kv_cache.element_size()
-    return {"weights_bytes": weights, "kv_bytes": int(batch_size * avg_context * kv_per_token)}
+    return {"weights_bytes": weights, "kv_bytes": int(batch_size * avg_context * kv_per_token), **out}
 
 
 def decode_roofline(engine, device_name: str, batch_size: int, input_len: int, output_len: int,
@@ -76,22 +95,30 @@ def offline_floor(cfg, num_prompts: int, prompt_len: int, output_len: int, max_n
     projections' and attention's FLOPs), then waves of max_num_seqs rows decoding, each step
     max(its FLOPs at the dense peak, its weights at HBM peak) + its rows' K/V at HBM peak (the
     step floor benchmarks/offline_step_profile.py measures against). Contexts shorter than
-    any sliding window are assumed (the benchmark's 384 tokens). fp8_weights: the projections
-    are 1 byte each and multiply at the FP8 peak (twice bf16's); lm_head stays bf16 (counted
-    at 2 bytes and the bf16 peak within the average); fp8_kv: K/V 1 byte each."""
-    from batchrun.bench.presets import num_params
+    any sliding window are assumed (the benchmark's 384 tokens). fp8_weights: the decoder's
+    projections (experts included) are 1 byte each and multiply at twice the bf16 rate; lm_head
+    stays bf16; fp8_kv: K/V 1 byte each."""
+    from batchrun.engine.models.size import active_params, expert_params, num_params
     peak, hbm = bf16_peak(device_name), hbm_peak(device_name)
     if peak is None or hbm is None:
         return None
     dtype_bytes = 2
     h, v, layers = cfg.hidden_size, cfg.vocab_size, cfg.num_hidden_layers
     # matmul parameters a token meets: everything but the embedding lookup (a tied lm_head
-    # multiplies by the embedding table, so it counts once either way)
-    matmul = num_params(cfg) - (0 if cfg.tie_word_embeddings else v * h)
-    weights = matmul * dtype_bytes
-    if fp8_weights:  # the decoder's projections in e4m3 at twice the FLOP rate; lm_head bf16
-        head = v * h
-        weights = (matmul - head) + head * dtype_bytes
+    # multiplies by the embedding table, so it counts once either way); of a mixture-of-experts
+    # model its top_k experts a layer
+    embed = 0 if cfg.tie_word_embeddings else v * h
+    head = v * h  # lm_head's weights (the embedding table when tied): bf16 either way
+    matmul = active_params(cfg) - embed
+    experts = expert_params(cfg)
+    per_expert_read = 0 if cfg.experts is None else experts / cfg.experts.num_experts
+    w_bytes = 1 if fp8_weights else dtype_bytes
+
+    def weights(rows: int) -> float:  # bytes a step of `rows` rows reads: the experts they reach
+        body = num_params(cfg) - embed - head - experts + experts_read(cfg, rows) * per_expert_read
+        return body * w_bytes + head * dtype_bytes
+
+    if fp8_weights:  # the projections at twice the FLOP rate, lm_head at bf16's
         peak = peak * matmul / ((matmul - head) / 2 + head)
     attn = 4 * layers * cfg.num_attention_heads * cfg.head_dim  # FLOPs per (query, key) pair
     kv_token = 2 * layers * cfg.num_key_value_heads * cfg.head_dim * (1 if fp8_kv else dtype_bytes)
@@ -103,7 +130,7 @@ def offline_floor(cfg, num_prompts: int, prompt_len: int, output_len: int, max_n
         for i in range(output_len):
             ctx = prompt_len + i + 1
             flops = rows * (2 * matmul + attn * ctx)
-            decode_s += max(flops / peak, weights / hbm) + rows * ctx * kv_token / hbm
+            decode_s += max(flops / peak, weights(rows) / hbm) + rows * ctx * kv_token / hbm
         left -= rows
     total = prefill_s + decode_s
     return {"prefill_s": prefill_s, "decode_s": decode_s, "floor_s": total,

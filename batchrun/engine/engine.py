@@ -21,8 +21,8 @@ import torch
 from batchrun.engine.config import EngineConfig, context_max_model_len
 from batchrun.engine.block_manager import BlockManager
 from batchrun.engine.cpu_threads import limit_cpu_threads
-from batchrun.engine.kv_sizing import (check_one_sequence_fits, num_kv_blocks, resolve_max_model_len,
-                                       resolve_max_num_seqs)
+from batchrun.engine.kv_sizing import (check_one_sequence_fits, check_weights_fit, num_kv_blocks,
+                                       resolve_max_model_len, resolve_max_num_seqs)
 from batchrun.engine.model_runner import ModelRunner
 from batchrun.engine.request import Request, Result
 from batchrun.engine.stop import finished_result
@@ -97,6 +97,12 @@ class Engine:
         if config.max_model_len != "auto":  # auto is at most the context, sized after the weights
             check_context_length(mcfg, config.max_model_len, config.model)
             check_one_sequence_fits(mcfg, config, device, dtype)  # before the rotary table and weights
+        check_weights_fit(mcfg, config, device, dtype)  # a model too big says by how much
+        if device.type == "cuda" and config.enable_lora and adapters:  # before the weights load
+            from batchrun.engine.lora.adapters import inspect_adapter
+            from batchrun.engine.lora.experts import refuse_expert_lora_on_gpu
+            refuse_expert_lora_on_gpu({n: inspect_adapter(n, p, mcfg, config.max_lora_rank)
+                                       for n, p in adapters.items()})
         tokenizer = load_tokenizer(config.model)
         model = load_model(config.model, device, dtype, max_position(config, mcfg),
                            config.quantization)

@@ -22,6 +22,7 @@ import torch
 
 from batchrun.engine.config import AUTO_MAX_NUM_SEQS, EngineConfig
 from batchrun.errors import ConfigError
+from batchrun.engine.models import size
 from batchrun.engine.models.config import ModelConfig
 
 logger = logging.getLogger("batchrun.engine")
@@ -44,9 +45,52 @@ def activation_reserve(cfg: ModelConfig, config: EngineConfig, dtype: torch.dtyp
     elem = torch.empty((), dtype=dtype).element_size()
     t = max(config.max_num_batched_tokens, config.max_num_seqs)
     q = cfg.num_attention_heads * cfg.head_dim
-    per_token = (4 * cfg.hidden_size + 3 * cfg.intermediate_size + 2 * q) * elem
+    per_token = (4 * cfg.hidden_size + _mlp_activations(cfg) + 2 * q) * elem
     logits = config.max_num_seqs * cfg.vocab_size * 4 * 4  # fp32 logits, sort, softmax copies
     return 2 * t * per_token + logits + (1 << 30)
+
+
+def _mlp_activations(cfg: ModelConfig) -> int:
+    """Elements a token's widest MLP holds at once: gate_up and its activation (3 x
+    intermediate) in a dense MLP; in an expert block, that for each of its top_k experts plus
+    each expert's output before the weighted sum, the fp32 router logits (2 elements each), and
+    a shared expert's gate_up and activation (Qwen2-MoE)."""
+    n = cfg.num_hidden_layers
+    dense = 3 * cfg.intermediate_size if any(not cfg.is_moe_layer(i) for i in range(n)) else 0
+    e = cfg.experts
+    if e is None:
+        return dense
+    routed = e.top_k * (3 * e.intermediate_size + cfg.hidden_size) + 2 * e.num_experts
+    return max(dense, routed + 3 * e.shared_expert_intermediate_size)
+
+
+def check_weights_fit(cfg: ModelConfig, config: EngineConfig, device: torch.device,
+                      dtype: torch.dtype) -> None:
+    """Before the weights load on a GPU: the weights (every expert of a mixture-of-experts
+    model), one step's activations and one max_model_len sequence's KV must fit the memory
+    engine.gpu_memory_utilization gives; else say by how much they do not."""
+    if device.type != "cuda":
+        return  # the CPU engine's weights live in host memory, outside the KV budget
+    elem = torch.empty((), dtype=dtype).element_size()
+    weights = size.num_params(cfg) * elem
+    seqs = 1 if config.max_num_seqs == "auto" else config.max_num_seqs
+    one = dataclasses.replace(config, max_num_seqs=seqs)
+    blocks = 2 if config.max_model_len == "auto" else -(-config.max_model_len // config.block_size) + 1
+    kv = blocks * bytes_per_block(cfg, config.block_size, dtype)
+    need = weights + activation_reserve(cfg, one, dtype) + kv
+    total = torch.cuda.mem_get_info(device)[1]
+    budget = total * config.gpu_memory_utilization
+    if need > budget:
+        gib = 1 << 30
+        experts = ("" if cfg.experts is None else
+                   f" ({size.expert_params(cfg) * elem / gib:.1f} GiB of it experts)")
+        raise ConfigError(
+            f"engine: the model does not fit: its {size.num_params(cfg) / 1e9:.2f}B parameters take "
+            f"{weights / gib:.1f} GiB in {str(dtype).removeprefix('torch.')}{experts}, and with one "
+            f"step's activations and one sequence's KV cache it needs {need / gib:.1f} GiB, "
+            f"{(need - budget) / gib:.1f} GiB more than the {budget / gib:.1f} GiB that "
+            f"engine.gpu_memory_utilization={config.gpu_memory_utilization} gives of this GPU's "
+            f"{total / gib:.1f} GiB; use a GPU with more memory, a smaller dtype or model")
 
 
 def _budget_blocks(cfg: ModelConfig, config: EngineConfig, device: torch.device, dtype: torch.dtype) -> int:

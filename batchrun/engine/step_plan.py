@@ -67,14 +67,24 @@ def plan_gemms(enabled: bool, rows: int, probe: torch.Tensor,
 
 
 def _linears(model) -> dict:
-    layer = model.model.layers[0]
-    return {"qkv_proj": layer.self_attn.qkv_proj, "o_proj": layer.self_attn.o_proj,
-            "gate_up_proj": layer.mlp.gate_up_proj, "down_proj": layer.mlp.down_proj}
+    """Each projection kind's Linear: layer 0's attention, the first dense MLP's (a
+    mixture-of-experts model whose every layer routes has no gate_up/down Linear)."""
+    layers = model.model.layers
+    attn = layers[0].self_attn
+    dense = next((layer.mlp for layer in layers if hasattr(layer.mlp, "gate_up_proj")), None)
+    linears = {"qkv_proj": attn.qkv_proj, "o_proj": attn.o_proj}
+    if dense is not None:
+        linears.update({"gate_up_proj": dense.gate_up_proj, "down_proj": dense.down_proj})
+    return linears
 
 
 def weight_shapes(model) -> dict[str, tuple[int, int]]:
-    """Each projection kind's weight shape [N, K] (layer 0's; the layers are alike)."""
+    """Each projection kind's weight shape [N, K] (layer 0's; the layers are alike). A
+    mixture-of-experts model's dense MLP shapes are those of its first layer with a dense MLP;
+    with none (every layer routed: no gate_up/down Linear runs), (0, 0), which takes cuBLAS."""
     shapes = {kind: (m.out_features, m.in_features) for kind, m in _linears(model).items()}
+    shapes.setdefault("gate_up_proj", (0, 0))
+    shapes.setdefault("down_proj", (0, 0))
     shapes["lm_head"] = tuple(model.lm_head.weight.shape)
     return shapes
 

@@ -11,6 +11,7 @@ from batchrun.bench.build import build_engine, make_requests, random_prompts
 from batchrun.engine.config import EngineConfig
 from batchrun.bench.presets import PRESETS, num_params, preset_config
 from batchrun.engine.lora.adapters import inspect_adapter
+from batchrun.engine.models.size import active_params
 
 
 def test_presets_have_the_real_shapes():
@@ -24,6 +25,13 @@ def test_presets_have_the_real_shapes():
     sizes = {n: round(num_params(preset_config(n)) / 1e9, 2)
              for n in ("qwen3-8b", "gemma-2-9b", "gemma-3-12b", "phi-4")}
     assert sizes == {"qwen3-8b": 8.19, "gemma-2-9b": 9.24, "gemma-3-12b": 11.77, "phi-4": 14.66}
+    # Qwen3-30B-A3B: 30.5B parameters (its model card's figure); a token reads 8 of 128 experts
+    # a layer, 3.35B with the embedding and lm_head (the card's "3.3B activated")
+    moe = preset_config("qwen3-30b-a3b")
+    assert round(num_params(moe) / 1e9, 2) == 30.53
+    assert round(active_params(moe) / 1e9, 2) == 3.35
+    assert (moe.experts.num_experts, moe.experts.top_k, moe.experts.intermediate_size) == (128, 8, 768)
+    assert moe.experts.norm_topk_prob and all(moe.is_moe_layer(i) for i in range(48))
 
 
 def test_random_adapters_name_the_family_modules(tmp_path):

@@ -1,7 +1,8 @@
 """The one tiny-model factory: random Hugging Face models in a few named shapes, built and saved
 with transformers (CPU, fp32).
 
-A shape is (architecture, config, weight init). ``init_std`` redraws every matrix N(0, init_std)
+A shape is (architecture, config, weight init). ``init_std`` redraws every matrix (and stacked
+expert weights) N(0, init_std)
 and every bias N(0, bias_std) after transformers' own init, because that init has tiny weights and
 near-uniform logits, and greedy parity tests need clear choices; ``init_std=None`` keeps
 transformers' init. The same (shape, seed, overrides) always gives the same weights.
@@ -72,6 +73,25 @@ SHAPES = {
                           **_SCALED),
     "phi3_window": dict(arch="phi3", **_PARITY, num_key_value_heads=4, sliding_window=_WINDOW,
                         **_SCALED),
+    # mixture of experts (every layer routed unless said otherwise): prompts of 200 tokens send
+    # rows to every expert; decode steps of a few rows over 16 top-1 experts leave most empty
+    "mixtral": dict(arch="mixtral", **_PARITY, num_key_value_heads=2, num_local_experts=4,
+                    num_experts_per_tok=2, **_SCALED),
+    "mixtral_16x1_window": dict(arch="mixtral", **_PARITY, num_key_value_heads=1, num_local_experts=16,
+                                num_experts_per_tok=1, sliding_window=_WINDOW, **_SCALED),
+    # Qwen3-MoE: q/k norms, experts of moe_intermediate_size; top-k weights as they come
+    # (norm_topk_prob false), and layer 1 a dense MLP (mlp_only_layers)
+    "qwen3_moe": dict(arch="qwen3_moe", **_PARITY, num_key_value_heads=2, head_dim=32, num_experts=8,
+                      num_experts_per_tok=3, moe_intermediate_size=48, norm_topk_prob=False,
+                      mlp_only_layers=[1], **_NORMS),
+    # normalised top-k weights; decoder_sparse_step 2 routes only every second layer (layer 1)
+    "qwen3_moe_sparse_step": dict(arch="qwen3_moe", **_PARITY, num_key_value_heads=2, num_experts=5,
+                                  num_experts_per_tok=2, moe_intermediate_size=40, norm_topk_prob=True,
+                                  decoder_sparse_step=2, **_NORMS),
+    # Qwen2-MoE: q/k/v bias, a sigmoid-gated shared expert beside 6 routed ones (top 2)
+    "qwen2_moe": dict(arch="qwen2_moe", **_PARITY, num_key_value_heads=2, num_experts=6,
+                      num_experts_per_tok=2, moe_intermediate_size=48,
+                      shared_expert_intermediate_size=96, **_SCALED),
     # the job-side tests' model: one layer over the character vocabulary of tests.helpers.tokenizer
     # (one id per special and character), transformers' init
     "char_llama": dict(arch="llama", vocab_size=len(SPECIALS) + len(CHARS), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
@@ -86,7 +106,8 @@ SHAPES = {
 VARIANTS = {name: SHAPES[name] for name in (
     "llama_mha", "llama3_gqa", "llama_tied", "qwen2_bias", "mistral", "llama_linear_rope", "qwen2_yarn",
     "mistral_window", "qwen2_window", "llama_dynamic_rope", "qwen3", "qwen3_tied_window", "gemma2", "gemma3",
-    "phi3_longrope", "phi3_window")}
+    "phi3_longrope", "phi3_window", "mixtral", "mixtral_16x1_window", "qwen3_moe",
+    "qwen3_moe_sparse_step", "qwen2_moe")}
 # transformers class names of each family (config class, model class, architecture)
 FAMILIES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
@@ -96,6 +117,9 @@ FAMILIES = {
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
     "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
     "phi3": ("Phi3Config", "Phi3ForCausalLM"),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
 }
 
 
@@ -130,7 +154,7 @@ def make_hf_model(variant: str, seed: int = 0, **over):
     if init["init_std"] is not None:
         with torch.no_grad():
             for name, p in model.named_parameters():
-                if p.dim() == 2:
+                if p.dim() >= 2:  # matrices, and the stacked experts [E, out, in]
                     p.normal_(0.0, init["init_std"])
                 elif "bias" in name:
                     p.normal_(0.0, init["bias_std"])

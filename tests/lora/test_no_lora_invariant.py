@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import batchrun.engine.model_runner as model_runner
+import batchrun.engine.models.decoder as decoder
 from batchrun.engine.config import EngineConfig, SamplingParams
 from batchrun.engine.engine import Engine
 from batchrun.engine.request import Request
@@ -27,15 +28,19 @@ def _forbidden(*a, **k):
 
 
 # every family: Qwen3 (q/k norms: qkv's delta is added in the projection), Gemma 2 (its norms
-# take the deltas), Phi-3 (fused adapters); and an FP8 base (its adapters' A rows apart)
-@pytest.mark.parametrize("variant", ["llama3_gqa", "qwen3", "gemma2", "phi3_longrope", "llama3_gqa+fp8"])
+# take the deltas), Phi-3 (fused adapters), Mixtral and Qwen3-MoE (all-linear is also LoRA on
+# the routers and experts there: lora/experts.py); and an FP8 base (its adapters' A rows apart)
+@pytest.mark.parametrize("variant", ["llama3_gqa", "qwen3", "gemma2", "phi3_longrope", "mixtral",
+                                     "qwen3_moe", "llama3_gqa+fp8"])
 @pytest.mark.parametrize("path", ["unfused", "fused_ref"])  # CPU path; GPU decode plumbing
 def test_base_rows_never_touch_lora(tmp_path, path, variant, monkeypatch):
     if path == "fused_ref":
         monkeypatch.setattr(model_runner, "use_triton", lambda t: True)
     variant, fp8 = variant.split("+")[0], variant.endswith("+fp8")
     base = save_hf_model(variant, tmp_path / "base")
-    parity_adapter(variant, tmp_path / "all", 7, dict(r=8, lora_alpha=16, target_modules="all-linear"))
+    # peft gives an MoE's stacked gate_up_proj twice the rank: 2 x 4 fits max_lora_rank 8
+    r = 4 if variant in ("mixtral", "qwen3_moe") else 8
+    parity_adapter(variant, tmp_path / "all", 7, dict(r=r, lora_alpha=2 * r, target_modules="all-linear"))
     prompts = random_prompts(6, [5, 17, 40, 3, 29, 11], base.config.vocab_size, seed=5)
     sp = SamplingParams(max_tokens=6, ignore_eos=True)
     kw = dict(model=str(tmp_path / "base"), device="cpu", max_model_len=128, max_num_batched_tokens=32,
@@ -56,6 +61,8 @@ def test_base_rows_never_touch_lora(tmp_path, path, variant, monkeypatch):
                 h.bias_full[h.slice_offsets[-1]:].fill_(float("nan"))  # past the N base outputs
     monkeypatch.setattr(punica, "add_lora", _forbidden)
     monkeypatch.setattr(LoRADelta, "__init__", _forbidden)
+    monkeypatch.setattr(decoder, "moe_with_lora", _forbidden)
+    monkeypatch.setattr(decoder, "lora_delta", _forbidden)
     got = [r.output_token_ids for r in engine.generate([Request(i, p, sp) for i, p in enumerate(prompts)])]
     assert got == want
     assert all(torch.isnan(h.lora_a).all() for h in hooks)  # the poison was really in place

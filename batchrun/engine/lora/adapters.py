@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 from safetensors import safe_open
 
+from batchrun.engine.lora.experts import EXPERT_MODULES, expert_targets, is_expert_key, per_expert
 from batchrun.engine.lora.peft_config import (EMBEDDING_MODULES, PeftLoraConfig, adapter_error,
                                               module_key, peft_modules)
 from batchrun.engine.models.checkpoint import VISION, text_tower_name
@@ -84,6 +85,12 @@ def module_shapes(cfg) -> dict[str, tuple[int, int]]:
             "qkv_proj": (h, q + 2 * kv), "gate_up_proj": (h, 2 * i)}
 
 
+def _routed(cfg, layer: int) -> bool:
+    """Whether `layer` of the base runs routed experts in place of the dense MLP."""
+    is_moe = getattr(cfg, "is_moe_layer", None)
+    return is_moe is not None and is_moe(layer)
+
+
 def _base_desc(cfg) -> str:
     return (f"{getattr(cfg, 'model_type', '?')} base with hidden_size={cfg.hidden_size}, "
             f"intermediate_size={cfg.intermediate_size}, num_hidden_layers={cfg.num_hidden_layers}")
@@ -118,6 +125,11 @@ def _refuse_key(name: str, path: Path, key: str, cfg) -> None:
     if VISION.match(key.removeprefix("base_model.model.")):
         why = ("is LoRA on the vision tower or projector; batchrun runs the text tower of an "
                "image-text model only (retrain with target_modules limited to the language model)")
+    elif ".mlp.shared_expert" in key:
+        module = key.removeprefix("base_model.model.").split(".lora_")[0]
+        why = (f"is LoRA on {module}, a Qwen2-MoE shared expert, which batchrun does not apply "
+               "yet; use an adapter on the attention projections (target_modules q/k/v/o_proj), "
+               "or merge this one into the base model")
     elif "lora_magnitude_vector" in key:
         why = "is a DoRA magnitude vector; DoRA is not supported (merge the adapter into the base)"
     elif "lora_" in key and any(f".{m}." in key for m in EMBEDDING_MODULES):
@@ -151,6 +163,12 @@ def inspect_adapter(name: str, path, model_config, max_lora_rank: int) -> Adapte
             raise adapter_error(name, path, f"adapter_config.json says it was trained on a "
                                 f"{pc.base_model_class}, but the base model is {model_type!r}; "
                                 "use an adapter trained for this base model")
+    if pc.target_parameters and getattr(cfg, "experts", None) is None:
+        raise adapter_error(name, path, f"adapter_config.json target_parameters="
+                            f"{list(pc.target_parameters)!r}: LoRA on raw parameters is supported on "
+                            "a mixture-of-experts block's router and experts only, and this base "
+                            f"({getattr(cfg, 'model_type', '?')}) has none; use an adapter on "
+                            "Linear modules (target_modules)")
     header, stored, prefix = {}, {}, "model."
     for k, v in _read_header(name, path).items():
         if not pc.ignores(k):
@@ -175,21 +193,33 @@ def inspect_adapter(name: str, path, model_config, max_lora_rank: int) -> Adapte
         lm = _LAYER_MODULE.match(m.group("module")) if m else None
         if lm is not None and modules.get(lm.group("proj"), ("",))[0] == lm.group("parent"):
             parsed[key] = (m, lm)
-    bad = [k for k in header if k not in parsed]
+    moe_targets = expert_targets(name, path, cfg, pc, header, stored, max_lora_rank)
+    bad = [k for k in header if k not in parsed and not is_expert_key(k)]
     if bad:  # explain a LoRA-looking key first (e.g. embedding LoRA, not its saved base weight)
         _refuse_key(name, path, min(bad, key=lambda k: ("lora_" not in k, k)), cfg)
-    for key in sorted(header):
+    for key in sorted(parsed):
         m, lm = parsed[key]
         layer = int(lm.group("layer"))
         if layer >= n_layers:
             raise adapter_error(name, path, f"tensor {key!r} is for layer {layer}, but the base "
                                 f"model has {n_layers} layers ({_base_desc(cfg)}): the adapter "
                                 "was made for a different base model")
+        if lm.group("parent") == "mlp" and _routed(cfg, layer):
+            raise adapter_error(name, path, f"tensor {key!r} is LoRA on {peft_key(layer, lm.group('proj'))}, "
+                                f"but layer {layer} of this {cfg.model_type} base routes through "
+                                "experts and has no such Linear: the adapter was made for a "
+                                "different base model")
         found.setdefault((layer, lm.group("proj")), {})[m.group("ab")] = key
 
-    if not found:
+    if not found and not moe_targets:
         raise adapter_error(name, path, f"{_WEIGHTS} holds no LoRA weights")
-    targets = []
+    for t in moe_targets:
+        pkey = f"model.layers.{t.layer}.{t.peft_module}"
+        if not pc.targets_parameter(pkey):
+            raise adapter_error(name, path, f"{_WEIGHTS} has weights for {pkey}, which "
+                                "adapter_config.json target_parameters do not select; the config "
+                                "does not belong to these weights")
+    targets = list(moe_targets)
     for (layer, proj), ab in sorted(found.items()):
         mkey = peft_key(layer, proj)
         if set(ab) != {"A", "B"}:
@@ -230,6 +260,8 @@ def inspect_adapter(name: str, path, model_config, max_lora_rank: int) -> Adapte
     if pc.target_modules is not None:  # a selected module without weights: file incomplete
         for layer in range(n_layers):
             for proj in modules:
+                if modules[proj][0] == "mlp" and _routed(cfg, layer):
+                    continue  # a routed layer has no dense MLP for a target name to select
                 if (layer, proj) not in found and pc.is_target(peft_key(layer, proj), n_layers,
                                                                modules):
                     raise adapter_error(name, path, f"adapter_config.json selects "
@@ -250,6 +282,8 @@ def load_adapter(name: str, path, model_config, max_lora_rank: int,
             a, b = f.get_tensor(t.key_a), f.get_tensor(t.key_b)
             if t.rows is not None:
                 b = b[t.rows[0]:t.rows[1]]
+            if t.module in EXPERT_MODULES:  # [E, r, in], [E, out, r] (the router: E = 1)
+                a, b = per_expert(a, b, t.rank)
             out_dtype = dtype or b.dtype
             b = (b.float() * t.scaling).to(out_dtype).contiguous()
             weights[(t.layer, t.module, t.slice)] = (a.to(out_dtype).contiguous(), b)

@@ -8,7 +8,9 @@ largest rank among the adapters (<= max_lora_rank): the adapter set is fixed for
 life, and a smaller R means smaller buffers and cheaper kernels. For the same reason max_loras
 is a cap: an engine with fewer adapters gets one slot per adapter (`self.max_loras`), since a
 slot beyond the adapter count could never be used while a LoRA step's fused GEMM would stream
-its A rows every step. Linears no adapter targets get no hook and launch nothing. Loading an
+its A rows every step. Linears no adapter targets get no hook and launch nothing. A
+mixture-of-experts block's router and stacked experts that an adapter targets (peft's
+target_parameters) get `ExpertLoRA` slot buffers instead (lora/experts.py; CPU engine only). Loading an
 adapter into a slot copies into those buffers in place; they are never reallocated, because
 captured CUDA graphs hold their addresses.
 
@@ -41,9 +43,13 @@ from batchrun.kernels.lora_meta import LoRAKernelMeta
 from batchrun.engine.layers.linear import Linear
 from batchrun.engine.layers.step import LoRAStep
 from batchrun.engine.lora.adapters import AdapterInfo, LoRAWeights, inspect_adapter, load_adapter
+from batchrun.engine.lora.expert_layer import ExpertLoRA
+from batchrun.engine.lora.experts import refuse_expert_lora_on_gpu
 from batchrun.engine.lora.layer import LoRALinear
+from batchrun.engine.models.decoder import SparseMoE
 
 MAX_SHRINK_SPLITS = 32  # kernels.lora_shrink.MAX_SPLITS (a test checks they agree)
+_MOE = re.compile(r"(?:^|.*\.)layers\.(\d+)\.mlp$")
 _LINEAR = re.compile(r"(?:^|.*\.)layers\.(\d+)\.(?:self_attn|mlp)\.(qkv_proj|o_proj|gate_up_proj|down_proj)$")
 
 
@@ -71,12 +77,18 @@ class LoRAManager:
         # docs/benchmarks.md); 1 and 8: three sets with the no-LoRA one
         self.slot_bounds = tuple(sorted({1, max_loras}))
         targeted = {m for info in self.infos.values() for m in info.modules}
+        if torch.device(device).type == "cuda":
+            refuse_expert_lora_on_gpu(self.infos)
 
         # Static buffers, allocated once (captured graphs hold their addresses). What a step
         # runs is not kept here: lora_step() returns it as a frozen LoRAStep (layers/step.py).
         self.meta = LoRAKernelMeta.allocate(max_num_tokens, max_loras, device)
         self.hooks: dict[tuple[int, str], LoRALinear] = {}
         for mod_name, mod in model.named_modules():
+            moe = _MOE.match(mod_name)
+            if moe is not None and isinstance(mod, SparseMoE):
+                self._hook_experts(int(moe.group(1)), mod, targeted, device)
+                continue
             m = _LINEAR.match(mod_name)
             if m is None or not isinstance(mod, Linear):
                 continue
@@ -211,6 +223,17 @@ class LoRAManager:
         return LoRAStep(self.meta, self.meta.token_lora_slot, fuse, num_slots=k)
 
     # ---- internals ----------------------------------------------------------------------
+    def _hook_experts(self, layer: int, block: SparseMoE, targeted, device) -> None:
+        """ExpertLoRA hooks for the router and expert tensors of `block` some adapter targets."""
+        shapes = block.lora_shapes()  # module -> (experts, in, out)
+        for module, (experts, fan_in, fan_out) in shapes.items():
+            if (layer, module) not in targeted:
+                continue
+            hook = ExpertLoRA(experts, fan_in, fan_out, self.max_loras, self.rank, device,
+                              block.gate.weight.dtype)
+            block.lora[module] = hook
+            self.hooks[(layer, module)] = hook
+
     def _check_name(self, name: str) -> None:
         if name not in self.infos:
             raise KeyError(f"unknown LoRA adapter {name!r}; known: {sorted(self.infos)}")
@@ -268,3 +291,4 @@ class LoRAManager:
                 hook.set_slot(slot, per_linear[key])
             else:
                 hook.clear_slot(slot)
+

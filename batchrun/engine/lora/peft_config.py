@@ -66,8 +66,6 @@ _REFUSED = {
     "modules_to_save": "fully trained modules (modules_to_save) are not supported; merge the "
                        "adapter into a new base model, or retrain without modules_to_save",
     "lora_bias": "LoRA bias terms (lora_bias=true) are not supported; retrain with lora_bias=false",
-    "target_parameters": "LoRA on raw parameters (target_parameters, e.g. MoE experts) is not "
-                         "supported; use an adapter on Linear modules",
     "trainable_token_indices": "trainable token embeddings are not supported; merge the adapter "
                                "into the base model",
     "layer_replication": "layer_replication changes the base model's layers and is not supported",
@@ -101,6 +99,13 @@ class PeftLoraConfig:
     layers_pattern: object  # str | list[str] | None
     base_model_class: str | None
     training_only: tuple[str, ...] = ()  # tensor-name parts of training-only variant state (skipped)
+    # parameters LoRA wraps directly (a mixture-of-experts block's router and stacked experts,
+    # lora/experts.py), as PEFT matches them: a full name or its dotted suffix
+    target_parameters: tuple[str, ...] = ()
+
+    def targets_parameter(self, key: str) -> bool:
+        """peft's target_parameters match for parameter `key` (model.layers.0.mlp.gate.weight)."""
+        return any(key == t or key.endswith(f".{t}") for t in self.target_parameters)
 
     def ignores(self, key: str) -> bool:
         """Whether tensor ``key`` is a training-only tensor of an inference-plain variant."""
@@ -147,6 +152,10 @@ class PeftLoraConfig:
         for key in ("rank_pattern", "alpha_pattern"):
             if not isinstance(raw.get(key) or {}, dict):
                 raise adapter_error(name, path, f"adapter_config.json {key} must be an object")
+        params = raw.get("target_parameters") or []
+        if not isinstance(params, list) or any(not isinstance(p, str) for p in params):
+            raise adapter_error(name, path, f"adapter_config.json target_parameters={params!r} "
+                                "must be a list of parameter names")
         auto = raw.get("auto_mapping") or {}
         return cls(
             r=r, lora_alpha=float(alpha), use_rslora=bool(raw.get("use_rslora", False)),
@@ -158,6 +167,7 @@ class PeftLoraConfig:
             base_model_class=auto.get("base_model_class") if isinstance(auto, dict) else None,
             training_only=tuple(part for key, parts in _TRAINING_ONLY_TENSORS.items() if raw.get(key)
                                 for part in parts),
+            target_parameters=tuple(params),
         )
 
     def resolved_targets(self, num_layers: int, modules=PEFT_MODULES):

@@ -26,6 +26,15 @@ _TEXT_TOWER = (("model.language_model.", "model."), ("language_model.model.", "m
                ("language_model.lm_head.", "lm_head."))
 
 
+# Mixtral's published checkpoints: block_sparse_moe.{gate, experts.E.w1 (gate) / w3 (up) / w2
+# (down)}; the canonical names are the Qwen MoE ones, mlp.{gate, experts.E.gate_proj/...}
+_MIXTRAL = re.compile(r"^(model\.layers\.\d+\.)block_sparse_moe\.(gate\.weight|experts\.\d+\.)(w[123])?"
+                      r"(\.weight)?$")
+_MIXTRAL_EXPERT = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+# transformers 5's in-memory (and fused-layout) names of the stacked experts
+FUSED_EXPERTS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+
+
 def text_tower_name(name: str) -> str:
     """An image-text model's module or tensor name in its text tower as a causal LM's
     (model.layers.N...., lm_head...); other names as they are."""
@@ -40,6 +49,12 @@ def canonical_name(name: str, cfg: ModelConfig) -> str | None:
     None for tensors that are not loaded (recomputed rotary tables, a vision tower)."""
     if IGNORED.match(name):
         return None
+    m = _MIXTRAL.match(name) if cfg.experts is not None else None
+    if m:
+        layer, what, w, weight = m.groups()
+        if w is None:
+            return f"{layer}mlp.{what}{weight or ''}"
+        return f"{layer}mlp.{what}{_MIXTRAL_EXPERT[w]}{weight or ''}"
     if cfg.weight_prefix != "model.":
         return None if VISION.match(name) else text_tower_name(name)
     return name
@@ -72,8 +87,10 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     raise ModelLoadError(f"{model_dir}: no *.safetensors weights found")
 
 
-def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Tensor name (canonical_name) -> shape, for every tensor the checkpoint must hold."""
+def expected_shapes(cfg: ModelConfig, fused_experts: bool = False) -> dict[str, tuple[int, ...]]:
+    """Tensor name (canonical_name) -> shape, for every tensor the checkpoint must hold.
+    fused_experts: the experts are stored stacked (transformers 5's mlp.experts.gate_up_proj
+    [E, 2I, H] and down_proj [E, H, I]), not one gate/up/down_proj per expert."""
     h, i, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     q, kv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
     shapes = {"model.embed_tokens.weight": (cfg.vocab_size, h), "model.norm.weight": (h,)}
@@ -98,9 +115,37 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     if cfg.sandwich_norms:
         per_layer.update({"pre_feedforward_layernorm.weight": (h,),
                           "post_feedforward_layernorm.weight": (h,)})
+    moe = {} if cfg.experts is None else _expert_shapes(cfg, fused_experts)
+    dense = ("mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.gate_up_proj.weight",
+             "mlp.down_proj.weight")
     for n in range(cfg.num_hidden_layers):
+        routed = cfg.is_moe_layer(n)
         for k, s in per_layer.items():
-            shapes[f"model.layers.{n}.{k}"] = s
+            if not (routed and k in dense):
+                shapes[f"model.layers.{n}.{k}"] = s
+        if routed:
+            for k, s in moe.items():
+                shapes[f"model.layers.{n}.{k}"] = s
+    return shapes
+
+
+def _expert_shapes(cfg: ModelConfig, fused: bool) -> dict[str, tuple[int, ...]]:
+    h, e = cfg.hidden_size, cfg.experts
+    i, n = e.intermediate_size, e.num_experts
+    shapes = {"mlp.gate.weight": (n, h)}
+    shared = e.shared_expert_intermediate_size
+    if shared:
+        shapes.update({"mlp.shared_expert.gate_proj.weight": (shared, h),
+                       "mlp.shared_expert.up_proj.weight": (shared, h),
+                       "mlp.shared_expert.down_proj.weight": (h, shared),
+                       "mlp.shared_expert_gate.weight": (1, h)})
+    if fused:
+        shapes.update({FUSED_EXPERTS[0]: (n, 2 * i, h), FUSED_EXPERTS[1]: (n, h, i)})
+        return shapes
+    for x in range(n):
+        shapes.update({f"mlp.experts.{x}.gate_proj.weight": (i, h),
+                       f"mlp.experts.{x}.up_proj.weight": (i, h),
+                       f"mlp.experts.{x}.down_proj.weight": (h, i)})
     return shapes
 
 
@@ -123,9 +168,9 @@ def check_checkpoint(model_dir: Path, cfg: ModelConfig) -> dict[str, tuple[Path,
         name = canonical_name(stored, cfg)
         if name is not None:
             found[name] = (f, shape, stored, dtype)
+    want = expected_shapes(cfg, fused_experts=any(n.endswith(FUSED_EXPERTS[0]) for n in found))
     # an FP8 checkpoint's weights are e4m3 where its scheme says, with their scales beside them
-    want = check_quantized_tensors(cfg.quant, expected_shapes(cfg), found,
-                                   str(model_dir / "config.json"))
+    want = check_quantized_tensors(cfg.quant, want, found, str(model_dir / "config.json"))
     for name, (f, shape, _, _) in found.items():
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue  # tied: we use embed_tokens, an explicit copy is harmless

@@ -3,7 +3,9 @@
 One decoder runs every family; a family is a handful of fields here (norm offset, activation,
 q/k norms, the extra Gemma norms, embedding scale, attention scale and soft-caps, per-layer
 attention windows, local rope, partial rotary, fused checkpoint names), never a copy of the
-model. Reads both transformers 4.x (`rope_theta` + `rope_scaling`) and 5.x (`rope_parameters`)
+model. Mixture-of-experts families (Mixtral, Qwen2-MoE, Qwen3-MoE) are the same decoder with a routed
+expert block in place of the MLP on the layers that have one (`Experts`). Reads both
+transformers 4.x (`rope_theta` + `rope_scaling`) and 5.x (`rope_parameters`)
 layouts.
 """
 from __future__ import annotations
@@ -13,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from batchrun.errors import ModelLoadError
-from batchrun.engine.models.quant import QuantScheme, scheme_from_config
+from batchrun.engine.models.quant import MOE_FP8, QuantScheme, scheme_from_config
 
 # architecture -> model_type (the family)
 SUPPORTED = {
@@ -25,10 +27,14 @@ SUPPORTED = {
     "Gemma3ForCausalLM": "gemma3_text",
     "Gemma3ForConditionalGeneration": "gemma3",  # its text tower (text_config)
     "Phi3ForCausalLM": "phi3",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
 }
 ROPE_TYPES = ("default", "llama3", "linear", "dynamic", "yarn", "longrope")
 _ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 _GEMMA = ("gemma2", "gemma3_text")
+_MOE = ("mixtral", "qwen3_moe", "qwen2_moe")
 FULL, SLIDING = "full_attention", "sliding_attention"
 
 
@@ -40,9 +46,30 @@ class Rope:
     rotary_dim: int
 
 
+@dataclass(frozen=True)
+class Experts:
+    """A mixture-of-experts block: the router picks `top_k` of `num_experts` gated MLPs (each of
+    `intermediate_size`) per token, softmax over all experts in fp32, then the top k."""
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    # divide the top-k probabilities by their sum (Mixtral always; Qwen3-MoE per norm_topk_prob)
+    norm_topk_prob: bool
+    # round the top-k weights to the model's dtype before they scale the experts' outputs (the
+    # Qwen MoE routers do; Mixtral's keeps them in fp32)
+    round_weights: bool
+    # the layers that run a dense MLP of the model's intermediate_size instead (Qwen3-MoE's
+    # mlp_only_layers, and the layers decoder_sparse_step skips)
+    dense_layers: tuple[int, ...] = ()
+    # Qwen2-MoE: a dense MLP of this width beside the routed experts, its output scaled by
+    # sigmoid(shared_expert_gate(x)) and added (0: none)
+    shared_expert_intermediate_size: int = 0
+
+
 @dataclass
 class ModelConfig:
-    model_type: str  # the family: llama, mistral, qwen2, qwen3, gemma2, gemma3_text, phi3
+    model_type: str  # the family: llama, mistral, qwen2, qwen3, gemma2, gemma3_text, phi3,
+    # mixtral, qwen2_moe, qwen3_moe
     architectures: list[str]
     vocab_size: int
     hidden_size: int
@@ -79,6 +106,11 @@ class ModelConfig:
     # FP8 linear layers (models/quant.py): the checkpoint's scheme, or the on-the-fly one the
     # engine sets for engine.quantization: fp8; None = the model dtype throughout
     quant: QuantScheme | None = None
+    experts: Experts | None = None  # None: every layer's MLP is dense
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether layer `layer` runs the routed experts (else the dense MLP)."""
+        return self.experts is not None and layer not in self.experts.dense_layers
 
     @property
     def rotary_dim(self) -> int:
@@ -127,6 +159,8 @@ class ModelConfig:
                                  f"never executes; use a standard {', '.join(SUPPORTED)} checkpoint")
         quant = raw.get("quantization_config")
         quant = None if quant is None else scheme_from_config(quant, where)
+        if quant is not None and model_type in _MOE:
+            raise ModelLoadError(f"{where}: {MOE_FP8}")
         prefix = "model."
         if model_type == "gemma3":  # image-text checkpoint: run its text tower on text prompts
             text = raw.get("text_config")
@@ -158,6 +192,8 @@ class ModelConfig:
         eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
         window, layer_types = _windows(raw, model_type, layers, where)
         bias = bool(raw.get("attention_bias", False))
+        if model_type == "qwen2_moe":  # q/k/v bias under its own name (o_proj has none)
+            bias = bool(raw.get("qkv_bias", True))
         scalar = raw.get("query_pre_attn_scalar") if gemma else None
         return cls(
             model_type=model_type,
@@ -181,9 +217,9 @@ class ModelConfig:
             bos_token_id=raw.get("bos_token_id"),
             hidden_act=_ACTIVATIONS[act],
             norm_offset=1.0 if gemma else 0.0,
-            qk_norm=model_type in ("qwen3", "gemma3_text"),
+            qk_norm=model_type in ("qwen3", "gemma3_text", "qwen3_moe"),
             sandwich_norms=gemma,
-            o_proj_bias=bias and model_type != "qwen2",
+            o_proj_bias=bias and model_type not in ("qwen2", "qwen2_moe"),
             embed_scale=raw["hidden_size"] ** 0.5 if gemma else None,
             attn_scale=None if scalar is None else float(scalar) ** -0.5,
             attn_logit_softcap=raw.get("attn_logit_softcapping") if gemma else None,
@@ -194,25 +230,67 @@ class ModelConfig:
             fused_checkpoint=model_type == "phi3",
             weight_prefix=prefix,
             quant=quant,
+            experts=_experts(raw, model_type, layers, where) if model_type in _MOE else None,
         )
+
+
+def _positive_int(raw: dict, keys: tuple[str, ...], where: str, default=None) -> int:
+    """The first of `keys` present in `raw` (transformers has saved the same field under
+    different names), which must be an integer >= 1."""
+    key = next((k for k in keys if raw.get(k) is not None), keys[0])
+    value = raw.get(key, default)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ModelLoadError(f"{where}: {key} must be an integer >= 1, got {value!r}")
+    return value
+
+
+def _experts(raw: dict, model_type: str, layers: int, where: str) -> Experts:
+    """The expert block of a Mixtral, Qwen2-MoE or Qwen3-MoE config, as transformers 5.17
+    builds it."""
+    # Qwen3MoeConfig maps num_experts onto num_local_experts when it saves
+    experts = _positive_int(raw, ("num_local_experts", "num_experts"), where)
+    top_k = _positive_int(raw, ("num_experts_per_tok",), where)
+    if top_k > experts:
+        raise ModelLoadError(f"{where}: num_experts_per_tok {top_k} is more than the "
+                             f"{experts} experts")
+    if model_type == "mixtral":  # every layer routed; the experts are intermediate_size wide
+        return Experts(experts, top_k, raw["intermediate_size"], norm_topk_prob=True,
+                       round_weights=False)
+    step = _positive_int(raw, ("decoder_sparse_step",), where, default=1)
+    only = raw.get("mlp_only_layers") or []
+    if not isinstance(only, list) or any(not isinstance(i, int) for i in only):
+        raise ModelLoadError(f"{where}: mlp_only_layers must be a list of layer indices, "
+                             f"got {only!r}")
+    dense = tuple(i for i in range(layers) if i in only or (i + 1) % step)
+    shared = 0
+    if model_type == "qwen2_moe":
+        shared = _positive_int(raw, ("shared_expert_intermediate_size",), where)
+    return Experts(experts, top_k, _positive_int(raw, ("moe_intermediate_size",), where),
+                   norm_topk_prob=bool(raw.get("norm_topk_prob", False)), round_weights=True,
+                   dense_layers=dense, shared_expert_intermediate_size=shared)
 
 
 def _windows(raw: dict, model_type: str, layers: int, where: str) -> tuple[int | None, list[str]]:
     """(window, per-layer FULL/SLIDING) as transformers derives them for each family."""
     window = raw.get("sliding_window")
-    if model_type in ("qwen2", "qwen3") and not raw.get("use_sliding_window"):
+    if model_type in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe") and not raw.get("use_sliding_window"):
         window = None  # transformers sets it to None too
     if window is not None and (not isinstance(window, int) or window < 1):
         raise ModelLoadError(f"{where}: sliding_window must be a positive integer, got {window!r}")
     types = raw.get("layer_types")
     if types is None:
-        if model_type in ("qwen2", "qwen3"):
+        if model_type == "qwen2_moe":  # what Qwen2MoeConfig writes into layer_types
+            first = raw.get("max_window_layers", 28)
+            types = [SLIDING if window is not None and (i + 1) % 2 and i < first else FULL
+                     for i in range(layers)]
+        elif model_type in ("qwen2", "qwen3"):
             first = raw.get("max_window_layers", 28)
             types = [SLIDING if window is not None and i >= first else FULL for i in range(layers)]
         elif model_type in _GEMMA:  # every pattern-th layer global: Gemma 2 alternates, Gemma 3 1 in 6
             pattern = 2 if model_type == "gemma2" else raw.get("sliding_window_pattern", 6)
             types = [SLIDING if (i + 1) % pattern else FULL for i in range(layers)]
-        else:  # Mistral, Phi-3 (and Llama, which has no window): one window for every layer
+        else:  # Mistral, Phi-3, Mixtral, Qwen3-MoE (and Llama, which has no window): one window
+            # for every layer
             types = [SLIDING if window is not None else FULL] * layers
     if len(types) != layers or any(t not in (FULL, SLIDING) for t in types):
         raise ModelLoadError(f"{where}: layer_types must list {layers} entries of "

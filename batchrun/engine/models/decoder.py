@@ -1,8 +1,11 @@
 """The decoder every supported family runs (Llama 2/3.x, Mistral, Qwen2, Qwen3, Gemma 2/3,
-Phi-3/4), with fused projections and paged KV; the family is config (models/config.py).
+Phi-3/4, Mixtral, Qwen2-MoE, Qwen3-MoE), with fused projections and paged KV; the family is config
+(models/config.py).
 
 The block is two lines of math, as in every family:
     h = x + attention(norm(x));  out = h + mlp(norm(h))
+In a mixture-of-experts model `mlp` is the routed expert block (`SparseMoE`) on the layers that
+have one, the dense MLP on the others.
 Gemma adds a norm after each sublayer before its residual add (`sandwich_norms`); Qwen3 and
 Gemma 3 normalise each q and k head before the rotary (`qk_norm`). Everything else a family
 changes is a constant of a layer (norm offset, activation, attention scale, soft-caps, window,
@@ -22,9 +25,11 @@ from batchrun.engine.layers.activation import act_and_mul
 from batchrun.engine.layers.attention import PagedAttention
 from batchrun.engine.layers.gemm import gate_up_silu, linear
 from batchrun.engine.layers.linear import Linear
+from batchrun.engine.layers.moe import fused_moe, lora_delta, moe_with_lora, route
 from batchrun.engine.layers.norm import RMSNorm
 from batchrun.engine.layers.rotary import RotaryEmbedding
 from batchrun.engine.layers.step import Step
+from batchrun.engine.lora.experts import DOWN, GATE_UP, ROUTER
 from batchrun.engine.models.config import ModelConfig, Rope
 from batchrun.kernels.lora_meta import LoRAShrink
 
@@ -68,9 +73,9 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, intermediate: int | None = None):
         super().__init__()
-        i = cfg.intermediate_size
+        i = cfg.intermediate_size if intermediate is None else intermediate
         self.activation = cfg.hidden_act
         self.gate_up_proj = Linear(cfg.hidden_size, [i, i], name="gate_up_proj")
         self.down_proj = Linear(i, [cfg.hidden_size], name="down_proj")
@@ -104,12 +109,83 @@ class MLP(nn.Module):
         return self.down_proj(h, step, defer=True)
 
 
+class Router(nn.Module):
+    """The router's linear ([num_experts, H], HF's `mlp.gate`)."""
+    def __init__(self, hidden: int, num_experts: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden), requires_grad=False)
+
+
+class ExpertWeights(nn.Module):
+    """Every expert's gated MLP stacked, in transformers 5's fused layout (HF's `mlp.experts`):
+    gate_up_proj [E, 2I, H] (each expert's gate rows, then its up rows), down_proj [E, H, I]."""
+    def __init__(self, num_experts: int, hidden: int, intermediate: int):
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden),
+                                         requires_grad=False)
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate),
+                                      requires_grad=False)
+
+
+class SparseMoE(nn.Module):
+    """A mixture-of-experts block in place of the MLP: each token runs the top-k experts its
+    router picks, their outputs summed with the routing weights (layers/moe.py)."""
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        e = cfg.experts
+        self.top_k, self.norm_topk_prob, self.round_weights = e.top_k, e.norm_topk_prob, e.round_weights
+        self.activation = cfg.hidden_act
+        self.gate = Router(cfg.hidden_size, e.num_experts)
+        self.experts = ExpertWeights(e.num_experts, cfg.hidden_size, e.intermediate_size)
+        self.shared_expert = self.shared_expert_gate = None
+        if e.shared_expert_intermediate_size:  # Qwen2-MoE
+            self.shared_expert = MLP(cfg, e.shared_expert_intermediate_size)
+            self.shared_expert_gate = Router(cfg.hidden_size, 1)
+        # LoRA hooks (lora/expert_layer.py's ExpertLoRA) of the router and expert tensors some
+        # adapter targets, set by the LoRA manager; read only on steps with adapter rows
+        self.lora: dict = {}
+
+    def lora_shapes(self) -> dict[str, tuple[int, int, int]]:
+        """Each LoRA target of the block -> (experts, in_features, out_features)."""
+        (n, h), i = self.gate.weight.shape, self.experts.down_proj.shape[2]
+        return {ROUTER: (1, h, n), GATE_UP: (n, h, 2 * i), DOWN: (n, i, h)}
+
+    def shrink(self, x, step: Step) -> None:
+        return None  # no Linear of this block takes a shrink from the norm before it
+
+    def forward(self, x, step: Step, shrink: None = None):
+        # x: [T, H] -> ([T, H], None: no LoRA delta pending)
+        lora = self.lora if step.lora is not None else {}
+        slots = step.lora.token_slots[:x.shape[0]] if lora else None
+        if ROUTER in lora:  # the router's delta added in fp32 before the logits' one rounding
+            hook = lora[ROUTER]
+            logits = (x.float() @ self.gate.weight.float().t()
+                      + lora_delta(x, slots, hook.lora_a, hook.lora_b)).to(x.dtype)
+        else:
+            logits = linear(x, self.gate.weight, None, None)  # [T, E] in x's dtype, as HF's
+        weights, ids = route(logits, self.top_k, self.norm_topk_prob,
+                             x.dtype if self.round_weights else None)
+        w = self.experts
+        if GATE_UP in lora or DOWN in lora:
+            ab = {k: (h.lora_a, h.lora_b) for k, h in lora.items()}
+            out = moe_with_lora(x, w.gate_up_proj, w.down_proj, weights, ids, self.activation,
+                                slots, ab.get(GATE_UP), ab.get(DOWN))
+        else:
+            out = fused_moe(x, w.gate_up_proj, w.down_proj, weights, ids, self.activation)
+        if self.shared_expert is not None:  # out + sigmoid(gate(x)) * shared(x), in x's dtype
+            shared, delta = self.shared_expert(x, step)
+            assert delta is None  # no LoRA hook on the shared expert (adapters.py refuses it)
+            gate = torch.sigmoid(linear(x, self.shared_expert_gate.weight, None, None))
+            out = out + gate * shared
+        return out, None
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, rotary: RotaryEmbedding):
         super().__init__()
         h, eps, offset = cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset
         self.self_attn = Attention(cfg, layer, rotary)
-        self.mlp = MLP(cfg)
+        self.mlp = SparseMoE(cfg) if cfg.is_moe_layer(layer) else MLP(cfg)
         self.input_layernorm = RMSNorm(h, eps, offset)
         # Llama: the norm before the MLP. Gemma: the norm of the attention output, and two more
         # norms around the MLP (HF's names)

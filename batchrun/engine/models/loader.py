@@ -35,6 +35,8 @@ FUSED = {
     "self_attn.v_proj": ("self_attn.qkv_proj", 2),
     "mlp.gate_proj": ("mlp.gate_up_proj", 0),
     "mlp.up_proj": ("mlp.gate_up_proj", 1),
+    "mlp.shared_expert.gate_proj": ("mlp.shared_expert.gate_up_proj", 0),  # Qwen2-MoE
+    "mlp.shared_expert.up_proj": ("mlp.shared_expert.gate_up_proj", 1),
 }
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias|weight_scale|weight_scale_inv|"
                     r"input_scale)$")
@@ -42,6 +44,10 @@ _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias|weight_scale|wei
 _KV_SCALE = re.compile(r"^model\.layers\.(\d+)\.self_attn\.(k|v)_scale$")
 # FP8 tensor names -> ours (HF fp8 checkpoints call the dequantization scale weight_scale_inv)
 _SCALE = {"weight_scale_inv": "weight_scale"}
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
+# one expert's projection in a per-expert checkpoint (canonical names, checkpoint.py) -> its
+# part of the stacked weights: gate = rows [0, I) of gate_up_proj[e], up = rows [I, 2I)
+_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
 
 
 def resolve_dtype(name: str, cfg: ModelConfig, device: torch.device) -> torch.dtype:
@@ -210,7 +216,16 @@ def fit_scale(src: torch.Tensor, target: torch.Tensor, name: str) -> torch.Tenso
 
 def hf_target(model, params: dict, hf_name: str) -> torch.Tensor:
     """The part of our parameter that one HF checkpoint tensor fills (a slice for fused layers:
-    its rows of the weight and of per-row scales, its row blocks of block scales)."""
+    its rows of the weight and of per-row scales, its row blocks of block scales; one expert's
+    rows of the stacked experts)."""
+    m = _EXPERT.match(hf_name)
+    if m:
+        experts, e, proj = m.groups()
+        if proj == "down":
+            return params[f"{experts}.down_proj"][int(e)]
+        gate_up = params[f"{experts}.gate_up_proj"][int(e)]
+        half = gate_up.shape[0] // 2
+        return gate_up[:half] if proj == "gate" else gate_up[half:]
     ours, idx = our_name(hf_name)
     param = params[ours]
     if idx is None:

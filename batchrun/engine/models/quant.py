@@ -28,6 +28,9 @@ from dataclasses import dataclass
 from batchrun.errors import ModelLoadError
 
 FP8_METHODS = ("compressed-tensors", "fp8")
+MOE_FP8 = ("engine.quantization: fp8 and FP8 checkpoints are not supported for mixture-of-experts "
+           "models yet (the fused MoE kernel runs experts in bf16/fp16); run the model's bf16 "
+           "release without engine.quantization")
 ON_THE_FLY = ("fp8",)  # engine.quantization values
 # our fused Linear -> the HF modules it holds, in slice order (models/loader.py FUSED)
 HF_SLICES = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
@@ -84,6 +87,8 @@ def with_quantization(cfg, quantization: str | None):
         return cfg
     if quantization != "fp8":
         raise ValueError(f"engine.quantization {quantization!r}: fp8 or null")
+    if getattr(cfg, "experts", None) is not None:
+        raise ModelLoadError(MOE_FP8)
     return dataclasses.replace(cfg, quant=on_the_fly_scheme())
 
 
