@@ -21,7 +21,8 @@ one expert's weight tiles. Two ways of forming the blocks, picked on shape alone
 - Sorted (prefill, large batches). `moe_align` sorts the slots by expert and pads each expert's
   run to a multiple of BLOCK_M: sorted_ids [P] holds slot ids, padding = M, and expert_ids[b]
   the expert of block b (-1 past the last run). P is the fixed bound
-  M + min(E, M) * (BLOCK_M - 1) (each used expert pads at most BLOCK_M - 1 slots), so the grid
+  M + min(E, M) * (BLOCK_M - 1) (each used expert pads at most BLOCK_M - 1 slots) rounded up
+  to whole blocks, so the grid
   depends only on shapes and the whole op, align included, runs on the GPU without a host sync
   and can be captured in a CUDA graph (torch ops: scatter_add, cumsum, a stable argsort,
   scatter, searchsorted). Blocks past the last run exit at once: empty experts cost no blocks
@@ -68,8 +69,10 @@ def sorted_block_m(num_slots: int, num_experts: int) -> int:
 
 
 def padded_bound(num_slots: int, num_experts: int, block_m: int) -> int:
-    """Length of sorted_ids: every slot plus at most BLOCK_M - 1 padding per used expert."""
-    return num_slots + min(num_experts, num_slots) * (block_m - 1)
+    """Length of sorted_ids: every slot plus at most BLOCK_M - 1 padding per used expert,
+    rounded up to whole blocks (every program loads a full block of slot ids)."""
+    bound = num_slots + min(num_experts, num_slots) * (block_m - 1)
+    return triton.cdiv(bound, block_m) * block_m
 
 
 def moe_align(topk_ids: Tensor, num_experts: int, block_m: int) -> tuple[Tensor, Tensor]:
@@ -92,7 +95,7 @@ def moe_align(topk_ids: Tensor, num_experts: int, block_m: int) -> tuple[Tensor,
     rank = torch.arange(M, device=dev) - count_start[expert]
     sorted_ids = torch.full((P,), M, dtype=torch.int32, device=dev)
     sorted_ids.scatter_(0, pad_start[expert] + rank, order.to(torch.int32))
-    block_start = torch.arange(triton.cdiv(P, block_m), device=dev) * block_m
+    block_start = torch.arange(P // block_m, device=dev) * block_m
     expert_ids = torch.searchsorted(pad_end, block_start, right=True)   # E past the last run
     expert_ids = torch.where(expert_ids < num_experts, expert_ids, -1).to(torch.int32)
     return sorted_ids, expert_ids

@@ -158,8 +158,11 @@ def test_moe_align(T, E, k, block_m, routing):
     _, ids = _routing(T, E, k, routing, torch.Generator().manual_seed(T + E))
     sorted_ids, expert_ids = moe_align(ids, E, block_m)
     M = T * k
-    assert sorted_ids.shape == (padded_bound(M, E, block_m),)
-    assert expert_ids.shape == (-(-sorted_ids.shape[0] // block_m),)
+    P = padded_bound(M, E, block_m)
+    assert sorted_ids.shape == (P,) and P >= M + min(E, M) * (block_m - 1)
+    # whole blocks: each program of the sorted path loads BLOCK_M slot ids before it looks at
+    # its expert, so a partial last block would read past sorted_ids
+    assert P % block_m == 0 and expert_ids.shape == (P // block_m,)
     assert sorted_ids.dtype == expert_ids.dtype == torch.int32
     flat = ids.long().flatten().cpu()
     sids, eids = sorted_ids.long().cpu(), expert_ids.long().cpu()
