@@ -248,10 +248,13 @@ def _check_inputs(x, w_gate_up, w_down, topk_weights, topk_ids, activation):
 
 
 def fused_moe(x: Tensor, w_gate_up: Tensor, w_down: Tensor, topk_weights: Tensor,
-              topk_ids: Tensor, activation: str = "silu", *, path: str | None = None) -> Tensor:
+              topk_ids: Tensor, activation: str = "silu", *, path: str | None = None,
+              config: tuple[int, int, int, int] | None = None) -> Tensor:
     # x [T, H], w_gate_up [E, 2I, H], w_down [E, H, I], topk_weights fp32 [T, k], topk_ids int
     # [T, k] in [0, E) -> [T, H] in x's dtype: ref_fused_moe (see the module docstring).
     # path: None picks by use_decode_path; "decode" or "sorted" forces one (tests, benchmarks).
+    # config: (BLOCK_N, BLOCK_K, num_stages, num_warps) of both GEMMs instead of the path's
+    # DECODE_CONFIG / SORTED_CONFIG (benchmarks/fused_moe_micro.py --sweep).
     T, H, E, I, k = _check_inputs(x, w_gate_up, w_down, topk_weights, topk_ids, activation)
     M = T * k
     check(path in (None, "decode", "sorted"), f"path must be None, 'decode' or 'sorted', got {path!r}")
@@ -274,8 +277,10 @@ def fused_moe(x: Tensor, w_gate_up: Tensor, w_down: Tensor, topk_weights: Tensor
         sorted_ids, expert_ids = moe_align(topk_ids, E, bm)
         grid_m = expert_ids.shape[0]
         bn, bk, stages, warps = SORTED_CONFIG
+    if config is not None:
+        bn, bk, stages, warps = config
     ieee = x.dtype == torch.float32
-    if ieee:
+    if ieee and config is None:
         stages = min(stages, 2)                    # fp32 tiles take twice the shared memory
     pdl = pdl_kwargs(x)
     bn_i = max(16, min(bn, triton.next_power_of_2(I)))
