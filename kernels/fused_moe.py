@@ -130,13 +130,59 @@ def _dot(a, b, acc, DOT_IEEE: tl.constexpr):
 
 
 @triton.jit
+def _lora_rows(slot_ptr, tok, valid):
+    # each row's adapter slot (-1: none, or not a row) and the lowest / highest slot >= 0
+    # among them (lo > hi when there is none, so range(lo, hi + 1) is empty)
+    lslot = tl.load(slot_ptr + tok, mask=valid, other=-1)
+    lo = tl.min(tl.where(lslot >= 0, lslot, 1 << 30), axis=0)
+    hi = tl.max(lslot, axis=0)
+    return lslot, lo, hi
+
+
+@triton.jit
+def _lora_shrink_step(acc_s, xt, lslot, lo, hi, a_ptr, e, NE, LR, K, k0,
+                      BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                      DOT_IEEE: tl.constexpr):
+    # acc_s [BLOCK_M, BLOCK_R] += each row's xt [BLOCK_M, BLOCK_K] (columns k0..) times its own
+    # slot's A[slot, e, :, k0:].T; A [L, E, R, K] contiguous. One A tile and dot per slot
+    # present: rows of other slots enter each dot as zeros.
+    offs_r = tl.arange(0, BLOCK_R)
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    mask = (offs_r < LR)[:, None]
+    if not EVEN_K:
+        mask = mask & (offs_k < K)[None, :]
+    for l in range(lo, hi + 1):
+        rows = ((l * NE + e) * LR + offs_r).to(tl.int64)
+        a = tl.load(a_ptr + rows[:, None] * K + offs_k[None, :], mask=mask, other=0.0)
+        acc_s = _dot(tl.where((lslot == l)[:, None], xt, tl.zeros_like(xt)), a, acc_s, DOT_IEEE)
+    return acc_s
+
+
+@triton.jit
+def _lora_expand(s, lslot, lo, hi, b_ptr, e, NE, N, LR, cols, col_mask,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_IEEE: tl.constexpr):
+    # fp32 [BLOCK_M, BLOCK_N]: each row's shrunk s [BLOCK_M, BLOCK_R] (rounded to the dtype)
+    # times its own slot's B[slot, e, cols, :].T; B [L, E, N, R] contiguous
+    offs_r = tl.arange(0, s.shape[1])
+    mask = col_mask[:, None] & (offs_r < LR)[None, :]
+    d = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for l in range(lo, hi + 1):
+        rows = ((l * NE + e) * N + tl.where(col_mask, cols, 0)).to(tl.int64)
+        b = tl.load(b_ptr + rows[:, None] * LR + offs_r[None, :], mask=mask, other=0.0)
+        d = _dot(tl.where((lslot == l)[:, None], s, tl.zeros_like(s)), b, d, DOT_IEEE)
+    return d
+
+
+@triton.jit
 def _moe_gate_up_kernel(
     x_ptr, w_ptr, h_ptr,                 # x [T, H], w_gate_up [E, 2I, H], h [M, I]
     ids_ptr, sorted_ptr, expert_ptr,     # topk_ids [M] (decode); sorted_ids, expert_ids (sorted)
     M, TOPK, I, H, stride_xt, stride_we, stride_wn, stride_hm,
+    slot_ptr, a_ptr, b_ptr, NE, LR,      # HAS_LORA: token_slots [T], A [L, E, R, H], B [L, E, 2I, R]
     ACTIVATION: tl.constexpr, DECODE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr, DOT_IEEE: tl.constexpr, PDL: tl.constexpr,
+    EVEN_K: tl.constexpr, DOT_IEEE: tl.constexpr,
+    HAS_LORA: tl.constexpr, BLOCK_R: tl.constexpr, PDL: tl.constexpr,
 ):
     pdl_enter(PDL)
     e, slots, valid, skip = _block_rows(ids_ptr, sorted_ptr, expert_ptr, M, DECODE, BLOCK_M)
@@ -151,6 +197,9 @@ def _moe_gate_up_kernel(
     u_ptrs = g_ptrs + I * stride_wn
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if HAS_LORA:
+        lslot, lo, hi = _lora_rows(slot_ptr, tok, valid)
+        acc_s = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
     for k0 in range(0, H, BLOCK_K):
         if EVEN_K:
             x_mask, w_mask = valid[:, None], col_mask[:, None]
@@ -160,11 +209,22 @@ def _moe_gate_up_kernel(
         xt = tl.load(x_ptrs, mask=x_mask, other=0.0)
         acc_g = _dot(xt, tl.load(g_ptrs, mask=w_mask, other=0.0), acc_g, DOT_IEEE)
         acc_u = _dot(xt, tl.load(u_ptrs, mask=w_mask, other=0.0), acc_u, DOT_IEEE)
+        if HAS_LORA:
+            acc_s = _lora_shrink_step(acc_s, xt, lslot, lo, hi, a_ptr, e, NE, LR, H, k0,
+                                      BLOCK_R, BLOCK_K, EVEN_K, DOT_IEEE)
         x_ptrs += BLOCK_K
         g_ptrs += BLOCK_K
         u_ptrs += BLOCK_K
     dt = h_ptr.dtype.element_ty
-    h = _act_mul(acc_g.to(dt), acc_u.to(dt), dt, ACTIVATION)   # gate and up rounded first
+    g = acc_g.to(dt)                      # gate and up rounded first
+    u = acc_u.to(dt)
+    if HAS_LORA:  # + the delta of the row's adapter, rounded once (0 for rows without one)
+        s = acc_s.to(dt)
+        g = (g.to(tl.float32) + _lora_expand(s, lslot, lo, hi, b_ptr, e, NE, 2 * I, LR, cols,
+                                             col_mask, BLOCK_M, BLOCK_N, DOT_IEEE)).to(dt)
+        u = (u.to(tl.float32) + _lora_expand(s, lslot, lo, hi, b_ptr, e, NE, 2 * I, LR, cols + I,
+                                             col_mask, BLOCK_M, BLOCK_N, DOT_IEEE)).to(dt)
+    h = _act_mul(g, u, dt, ACTIVATION)
     h_ptrs = h_ptr + slots.to(tl.int64)[:, None] * stride_hm + cols[None, :]
     tl.store(h_ptrs, h, mask=valid[:, None] & col_mask[None, :])
 
@@ -173,10 +233,12 @@ def _moe_gate_up_kernel(
 def _moe_down_kernel(
     h_ptr, w_ptr, y_ptr,                 # h [M, I], w_down [E, H, I], y [M, H]
     ids_ptr, sorted_ptr, expert_ptr,
-    M, H, I, stride_hm, stride_we, stride_wn, stride_ym,
+    M, TOPK, H, I, stride_hm, stride_we, stride_wn, stride_ym,
+    slot_ptr, a_ptr, b_ptr, NE, LR,      # HAS_LORA: token_slots [T], A [L, E, R, I], B [L, E, H, R]
     DECODE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr, DOT_IEEE: tl.constexpr, PDL: tl.constexpr,
+    EVEN_K: tl.constexpr, DOT_IEEE: tl.constexpr,
+    HAS_LORA: tl.constexpr, BLOCK_R: tl.constexpr, PDL: tl.constexpr,
 ):
     pdl_enter(PDL)
     e, slots, valid, skip = _block_rows(ids_ptr, sorted_ptr, expert_ptr, M, DECODE, BLOCK_M)
@@ -189,17 +251,28 @@ def _moe_down_kernel(
     a_ptrs = h_ptr + rows64[:, None] * stride_hm + offs_k[None, :]
     w_ptrs = w_ptr + e * stride_we + cols.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if HAS_LORA:
+        lslot, lo, hi = _lora_rows(slot_ptr, (slots // TOPK).to(tl.int64), valid)
+        acc_s = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
     for k0 in range(0, I, BLOCK_K):
         if EVEN_K:
             a_mask, w_mask = valid[:, None], col_mask[:, None]
         else:
             k_mask = (k0 + offs_k < I)[None, :]
             a_mask, w_mask = valid[:, None] & k_mask, col_mask[:, None] & k_mask
-        acc = _dot(tl.load(a_ptrs, mask=a_mask, other=0.0), tl.load(w_ptrs, mask=w_mask, other=0.0),
-                   acc, DOT_IEEE)
+        ht = tl.load(a_ptrs, mask=a_mask, other=0.0)
+        acc = _dot(ht, tl.load(w_ptrs, mask=w_mask, other=0.0), acc, DOT_IEEE)
+        if HAS_LORA:
+            acc_s = _lora_shrink_step(acc_s, ht, lslot, lo, hi, a_ptr, e, NE, LR, I, k0,
+                                      BLOCK_R, BLOCK_K, EVEN_K, DOT_IEEE)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
-    tl.store(y_ptr + rows64[:, None] * stride_ym + cols[None, :], acc.to(y_ptr.dtype.element_ty),
+    dt = y_ptr.dtype.element_ty
+    y = acc.to(dt)
+    if HAS_LORA:  # + the delta of the row's adapter, rounded once (0 for rows without one)
+        y = (y.to(tl.float32) + _lora_expand(acc_s.to(dt), lslot, lo, hi, b_ptr, e, NE, H, LR,
+                                             cols, col_mask, BLOCK_M, BLOCK_N, DOT_IEEE)).to(dt)
+    tl.store(y_ptr + rows64[:, None] * stride_ym + cols[None, :], y,
              mask=valid[:, None] & col_mask[None, :])
 
 
@@ -255,7 +328,48 @@ def fused_moe(x: Tensor, w_gate_up: Tensor, w_down: Tensor, topk_weights: Tensor
     # path: None picks by use_decode_path; "decode" or "sorted" forces one (tests, benchmarks).
     # config: (BLOCK_N, BLOCK_K, num_stages, num_warps) of both GEMMs instead of the path's
     # DECODE_CONFIG / SORTED_CONFIG (benchmarks/fused_moe_micro.py --sweep).
-    T, H, E, I, k = _check_inputs(x, w_gate_up, w_down, topk_weights, topk_ids, activation)
+    dims = _check_inputs(x, w_gate_up, w_down, topk_weights, topk_ids, activation)
+    return _launch(x, w_gate_up, w_down, topk_weights, topk_ids, activation, dims, path, config,
+                   lora=None)
+
+
+def fused_moe_lora(x: Tensor, w_gate_up: Tensor, w_down: Tensor, topk_weights: Tensor,
+                   topk_ids: Tensor, lora_a_gate_up: Tensor, lora_b_gate_up: Tensor,
+                   lora_a_down: Tensor, lora_b_down: Tensor, token_slots: Tensor,
+                   activation: str = "silu", *, path: str | None = None,
+                   config: tuple[int, int, int, int] | None = None) -> Tensor:
+    # fused_moe with expert LoRA: ref_fused_moe_lora. Adapter slots l < L hold per-expert A and
+    # B (scaling folded into B), contiguous, in x's dtype: lora_a_gate_up [L, E, R, H],
+    # lora_b_gate_up [L, E, 2I, R], lora_a_down [L, E, R, I], lora_b_down [L, E, H, R];
+    # token_slots int [>= T]: token t's slot, -1 = no adapter (its rows get fused_moe's values).
+    # The shrink x . A runs in the grouped GEMM's K loop on the x (h) tiles it already loads,
+    # rounded to the dtype, and the expand in its epilogue (one A / B tile and dot per adapter
+    # slot present in the row block), so a LoRA MoE step launches the same three kernels; each
+    # column tile redoes its block's shrink (R rows of A against the tile's 2 * BLOCK_N
+    # weight rows).
+    T, H, E, I, k = dims = _check_inputs(x, w_gate_up, w_down, topk_weights, topk_ids, activation)
+    check(lora_a_gate_up.dim() == 4, f"lora_a_gate_up must be [L, E, R, H], got "
+          f"{tuple(lora_a_gate_up.shape)}")
+    L, R = lora_a_gate_up.shape[0], lora_a_gate_up.shape[2]
+    want = {"lora_a_gate_up": (L, E, R, H), "lora_b_gate_up": (L, E, 2 * I, R),
+            "lora_a_down": (L, E, R, I), "lora_b_down": (L, E, H, R)}
+    given = {"lora_a_gate_up": lora_a_gate_up, "lora_b_gate_up": lora_b_gate_up,
+             "lora_a_down": lora_a_down, "lora_b_down": lora_b_down}
+    for name, t in given.items():
+        check(tuple(t.shape) == want[name] and t.dtype == x.dtype and t.is_contiguous(),
+              f"{name} must be a contiguous {list(want[name])} {x.dtype} (L slots, E experts, "
+              f"rank R), got {tuple(t.shape)} {t.dtype}")
+    check(R >= 1 and L >= 1, f"the LoRA weights need L >= 1 slots and rank R >= 1, got {L}, {R}")
+    check(token_slots.dim() == 1 and token_slots.shape[0] >= T and
+          token_slots.dtype in (torch.int32, torch.int64) and token_slots.stride(0) == 1,
+          f"token_slots must be a contiguous int [>= {T}], got {tuple(token_slots.shape)} "
+          f"{token_slots.dtype}")
+    return _launch(x, w_gate_up, w_down, topk_weights, topk_ids, activation, dims, path, config,
+                   lora=(token_slots, lora_a_gate_up, lora_b_gate_up, lora_a_down, lora_b_down, R))
+
+
+def _launch(x, w_gate_up, w_down, topk_weights, topk_ids, activation, dims, path, config, lora):
+    T, H, E, I, k = dims
     M = T * k
     check(path in (None, "decode", "sorted"), f"path must be None, 'decode' or 'sorted', got {path!r}")
     decode = use_decode_path(T, k) if path is None else path == "decode"
@@ -282,20 +396,28 @@ def fused_moe(x: Tensor, w_gate_up: Tensor, w_down: Tensor, topk_weights: Tensor
     ieee = x.dtype == torch.float32
     if ieee and config is None:
         stages = min(stages, 2)                    # fp32 tiles take twice the shared memory
+    if lora is None:
+        lora_gu = lora_d = (x, x, x, 0, 0)         # unread: HAS_LORA=False
+        block_r = 16
+    else:
+        slots, a_gu, b_gu, a_d, b_d, R = lora
+        lora_gu, lora_d = (slots, a_gu, b_gu, E, R), (slots, a_d, b_d, E, R)
+        block_r = max(16, triton.next_power_of_2(R))   # tl.dot's minimum K is 16
     pdl = pdl_kwargs(x)
+    common = dict(DECODE=decode, BLOCK_M=bm, DOT_IEEE=ieee, HAS_LORA=lora is not None,
+                  BLOCK_R=block_r, num_stages=stages, num_warps=warps, **pdl)
     bn_i = max(16, min(bn, triton.next_power_of_2(I)))
     bk_h = max(16, min(bk, triton.next_power_of_2(H)))
     _moe_gate_up_kernel[(grid_m, triton.cdiv(I, bn_i))](
         x, w_gate_up, h, ids, sorted_ids, expert_ids, M, k, I, H, x.stride(0),
-        w_gate_up.stride(0), w_gate_up.stride(1), h.stride(0), ACTIVATION=activation,
-        DECODE=decode, BLOCK_M=bm, BLOCK_N=bn_i, BLOCK_K=bk_h, EVEN_K=H % bk_h == 0,
-        DOT_IEEE=ieee, num_stages=stages, num_warps=warps, **pdl)
+        w_gate_up.stride(0), w_gate_up.stride(1), h.stride(0), *lora_gu, ACTIVATION=activation,
+        BLOCK_N=bn_i, BLOCK_K=bk_h, EVEN_K=H % bk_h == 0, **common)
     bn_h = max(16, min(bn, triton.next_power_of_2(H)))
     bk_i = max(16, min(bk, triton.next_power_of_2(I)))
     _moe_down_kernel[(grid_m, triton.cdiv(H, bn_h))](
-        h, w_down, y, ids, sorted_ids, expert_ids, M, H, I, h.stride(0), w_down.stride(0),
-        w_down.stride(1), y.stride(0), DECODE=decode, BLOCK_M=bm, BLOCK_N=bn_h, BLOCK_K=bk_i,
-        EVEN_K=I % bk_i == 0, DOT_IEEE=ieee, num_stages=stages, num_warps=warps, **pdl)
+        h, w_down, y, ids, sorted_ids, expert_ids, M, k, H, I, h.stride(0), w_down.stride(0),
+        w_down.stride(1), y.stride(0), *lora_d, BLOCK_N=bn_h, BLOCK_K=bk_i,
+        EVEN_K=I % bk_i == 0, **common)
     block = min(1024, triton.next_power_of_2(H))
     _moe_sum_kernel[(T, triton.cdiv(H, block))](
         y, topk_weights, out, H, k, y.stride(0), topk_weights.stride(0), topk_weights.stride(1),
