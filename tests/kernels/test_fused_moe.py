@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from batchrun.kernels.act_and_mul import ACTIVATIONS
-from batchrun.kernels.fused_moe import (DECODE_MAX_SLOTS, fused_moe, moe_align, padded_bound,
-                                        use_decode_path)
-from batchrun.kernels.reference import ref_act_and_mul, ref_fused_moe
-from kernel_testutils import DEVICE, randn
+from batchrun.kernels.fused_moe import (DECODE_MAX_SLOTS, fused_moe, fused_moe_lora, moe_align,
+                                        padded_bound, use_decode_path)
+from batchrun.kernels.reference import ref_act_and_mul, ref_fused_moe, ref_fused_moe_lora
+from kernel_testutils import DEVICE, mixed_slots, randn
 
 
 def _routing(T, E, k, pattern, gen):
@@ -42,48 +42,84 @@ def _inputs(T, H, I, E, k, dtype, pattern, seed):
     return x, w_gate_up, w_down, *_routing(T, E, k, pattern, gen)
 
 
-def _moe_tol(x, w_gate_up, w_down, topk_weights, topk_ids, activation):
-    """Elementwise bound on |kernel - reference|, both rounding where the reference does.
-    Per expert: gate and up differ by fp32 summation order (in terms of sum |x*w|) and may then
-    round an ulp apart (a flip near a tie, an ulp of the value); the activation's slope is
-    <= 1.13 for both activations; act, h and the down output may each round an ulp apart; the
-    down GEMM and the sum over k add fp32 order differences; the output rounds once."""
+def _acc(terms):
+    # fp32 summation-order difference over `terms` products, relative to sum |a*b|
+    return 4 * terms ** 0.5 * torch.finfo(torch.float32).eps
+
+
+def _linear_bound(v, dv, w, flip, lora=None):
+    """(y, dy): y = v @ w.T in fp32 from the reference's input values v [n, K], and a bound on
+    |kernel - reference| after both round y to the dtype, where the kernel's input may differ
+    from v by dv: the input difference carried through |w|, fp32 summation order, and a flip
+    of the rounding near a tie (an ulp of the value). lora = (A [n, R, K], B [n, N, R]), each
+    row's own adapter's (zeros for rows without one): the delta rnd(v . A) @ B.T is added to
+    the rounded base in fp32 and the sum rounded once more."""
+    K = v.shape[1]
+    va = v.abs() + dv
+    y = v @ w.t()
+    carried = dv @ w.abs().t()
+    dy = carried + _acc(K) * (va @ w.abs().t()) + flip * (y.abs() + carried)
+    if lora is not None:
+        a, b = lora
+        s = torch.einsum("nk,nrk->nr", v, a)
+        s_carried = torch.einsum("nk,nrk->nr", dv, a.abs())
+        ds = s_carried + _acc(K) * torch.einsum("nk,nrk->nr", va, a.abs()) + \
+            flip * (s.abs() + s_carried)
+        d = torch.einsum("nr,nmr->nm", s, b)
+        dd = torch.einsum("nr,nmr->nm", ds, b.abs()) + \
+            _acc(b.shape[2]) * torch.einsum("nr,nmr->nm", s.abs() + ds, b.abs())
+        y = y + d
+        dy = dy + dd + flip * (y.abs() + dy + dd)
+    return y, dy
+
+
+def _moe_tol(x, w_gate_up, w_down, topk_weights, topk_ids, activation, lora=None):
+    """Elementwise bound on |kernel - reference|, both rounding where the reference does: per
+    expert the gate_up and down projections within _linear_bound; the activation's slope is
+    <= 1.13 for both activations and act and h may each round an ulp apart; the sum over k
+    adds fp32 order differences, and the output rounds once. lora: (A_gu, B_gu, A_d, B_d,
+    token_slots) as fused_moe_lora takes them."""
     dtype = x.dtype
     T, H = x.shape
-    I = w_down.shape[2]
     flip = torch.finfo(dtype).eps if dtype != torch.float32 else 0.0
-
-    def acc(terms):
-        return 4 * terms ** 0.5 * torch.finfo(torch.float32).eps
-
     ids = topk_ids.long()
     bound = torch.zeros(T, H, dtype=torch.float32, device=x.device)
     weighted = torch.zeros(T, H, dtype=torch.float32, device=x.device)
+
+    def rows_lora(a, b, e, tok):
+        if lora is None:
+            return None
+        slot = lora[4][:T].long()[tok]
+        has = (slot >= 0).float()
+        own = slot.clamp(min=0)
+        return (a[own, e].float() * has[:, None, None], b[own, e].float() * has[:, None, None])
+
     for e in ids.unique().tolist():
         tok, j = (ids == e).nonzero(as_tuple=True)
-        xf, w = x[tok].float(), w_gate_up[e].float()
-        g, u = (xf @ w.t()).chunk(2, dim=-1)
-        ga, ua = (xf.abs() @ w.abs().t()).chunk(2, dim=-1)
-        dg, du = acc(H) * ga + flip * g.abs(), acc(H) * ua + flip * u.abs()
+        v = x[tok].float()
+        gu, dgu = _linear_bound(v, torch.zeros_like(v), w_gate_up[e].float(), flip,
+                                rows_lora(lora[0], lora[1], e, tok) if lora else None)
+        (g, u), (dg, du) = gu.chunk(2, dim=-1), dgu.chunk(2, dim=-1)
         act = ref_act_and_mul(torch.cat([g, torch.ones_like(g)], dim=-1), activation)
         dact = 1.13 * dg + flip * act.abs()
         h = act * u
         dh = dact * (u.abs() + du) + act.abs() * du + flip * h.abs()
-        wd = w_down[e].float()
-        y, dy_in = h @ wd.t(), dh @ wd.abs().t()
-        dy = dy_in + acc(I) * ((h.abs() + dh) @ wd.abs().t()) + flip * (y.abs() + dy_in)
+        y, dy = _linear_bound(h, dh, w_down[e].float(), flip,
+                              rows_lora(lora[2], lora[3], e, tok) if lora else None)
         wt = topk_weights[tok, j].float().abs().unsqueeze(1)
         bound.index_add_(0, tok, dy * wt)
         weighted.index_add_(0, tok, (y.abs() + dy) * wt)
-    k = ids.shape[1]
-    return bound + (acc(k) + flip) * weighted + 1e-6
+    return bound + (_acc(ids.shape[1]) + flip) * weighted + 1e-6
 
 
-def _assert_moe_close(out, x, w_gate_up, w_down, topk_weights, topk_ids, activation):
-    ref = ref_fused_moe(x, w_gate_up, w_down, topk_weights, topk_ids, activation)
+def _assert_moe_close(out, x, w_gate_up, w_down, topk_weights, topk_ids, activation, lora=None):
+    if lora is None:
+        ref = ref_fused_moe(x, w_gate_up, w_down, topk_weights, topk_ids, activation)
+    else:
+        ref = ref_fused_moe_lora(x, w_gate_up, w_down, topk_weights, topk_ids, *lora, activation)
     assert out.shape == ref.shape and out.dtype == ref.dtype
     assert not out.isnan().any()
-    tol = _moe_tol(x, w_gate_up, w_down, topk_weights, topk_ids, activation)
+    tol = _moe_tol(x, w_gate_up, w_down, topk_weights, topk_ids, activation, lora)
     err = (out.float() - ref.float()).abs()
     assert (err <= tol).all(), (err - tol).max().item()
 
@@ -200,6 +236,74 @@ def test_bad_args():
     with pytest.raises(ValueError, match="path must be"):
         fused_moe(x, w_gate_up, w_down, weights, ids, path="dense")
     assert fused_moe(x[:0], w_gate_up, w_down, weights[:0], ids[:0]).shape == (0, 32)
+
+
+# --- expert LoRA (fused_moe_lora) ---
+
+def _lora(T, H, I, E, L, R, dtype, pattern, seed):
+    # (A_gu [L, E, R, H], B_gu [L, E, 2I, R], A_d [L, E, R, I], B_d [L, E, H, R], token_slots):
+    # slots "mixed" (-1 and every slot, shuffled), "one" (every token slot L - 1), "none" (-1);
+    # token_slots is longer than T, as the engine's preallocated buffer
+    gen = torch.Generator().manual_seed(seed)
+    weights = (randn(L, E, R, H, dtype=dtype, gen=gen, scale=H ** -0.5),
+               randn(L, E, 2 * I, R, dtype=dtype, gen=gen, scale=R ** -0.5),
+               randn(L, E, R, I, dtype=dtype, gen=gen, scale=I ** -0.5),
+               randn(L, E, H, R, dtype=dtype, gen=gen, scale=R ** -0.5))
+    if pattern == "mixed":
+        slots = mixed_slots(T, L, gen)
+    else:
+        slots = torch.full((T,), L - 1 if pattern == "one" else -1, dtype=torch.int32)
+    return (*weights, torch.cat([slots, torch.full((3,), L - 1, dtype=torch.int32)]).to(DEVICE))
+
+
+# (T, H, I, E, k, L, R, slots, path, dtype, activation): ranks off 16 and above it (R = 20:
+# BLOCK_R 32), one slot and several, tokens without an adapter mixed in
+LORA_CASES = [
+    (1, 64, 32, 3, 2, 1, 4, "one", "decode", F32, "silu"),
+    (7, 70, 40, 8, 2, 3, 5, "mixed", "decode", F16, "gelu_tanh"),
+    (16, 48, 24, 8, 4, 4, 20, "mixed", "decode", F16, "silu"),
+    pytest.param(16, 48, 24, 60, 4, 4, 20, "mixed", "decode", F16, "silu", marks=pytest.mark.slow),
+    (9, 40, 24, 8, 4, 2, 16, "none", "decode", F16, "silu"),
+    (7, 70, 40, 8, 2, 3, 5, "mixed", "sorted", F32, "gelu_tanh"),
+    (33, 48, 40, 8, 4, 4, 16, "mixed", "sorted", F16, "silu"),
+    (33, 40, 24, 3, 3, 1, 1, "one", "sorted", F16, "gelu_tanh"),
+    pytest.param(200, 64, 40, 60, 8, 4, 20, "mixed", "sorted", F16, "silu", marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize("T,H,I,E,k,L,R,slots,path,dtype,activation", LORA_CASES)
+def test_fused_moe_lora(T, H, I, E, k, L, R, slots, path, dtype, activation):
+    seed = T * 100 + H + I + E + k + L + R
+    args = _inputs(T, H, I, E, k, dtype, "every" if T * k >= E else "random", seed=seed)
+    lora = _lora(T, H, I, E, L, R, dtype, slots, seed=seed + 1)
+    out = fused_moe_lora(*args, *lora, activation, path=path)
+    _assert_moe_close(out, *args, activation, lora)
+    # tokens without an adapter get exactly fused_moe's values (on CPU, where both run the
+    # same numpy sums; a GPU compiles the LoRA variant on its own)
+    none = (lora[4][:T] < 0).nonzero().squeeze(1)
+    plain = fused_moe(*args, activation, path=path)
+    assert torch.equal(out[none], plain[none]) or out.is_cuda
+    if slots != "none":
+        assert not torch.equal(out, plain)
+
+
+def test_fused_moe_lora_bad_args():
+    T, H, I, E, k, L, R = 5, 32, 16, 4, 2, 2, 4
+    args = _inputs(T, H, I, E, k, F16, "random", seed=3)
+    a_gu, b_gu, a_d, b_d, slots = _lora(T, H, I, E, L, R, F16, "mixed", seed=4)
+    with pytest.raises(ValueError, match="lora_b_gate_up must be a contiguous \\[2, 4, 32, 4\\]"):
+        fused_moe_lora(*args, a_gu, b_gu[:, :, :16], a_d, b_d, slots)
+    with pytest.raises(ValueError, match="lora_a_down must be"):
+        fused_moe_lora(*args, a_gu, b_gu, a_d.float(), b_d, slots)
+    with pytest.raises(ValueError, match="lora_b_down must be"):
+        fused_moe_lora(*args, a_gu, b_gu, a_d, b_d[:1], slots)             # other slot count
+    strided = a_gu.transpose(2, 3).contiguous().transpose(2, 3)             # same shape
+    with pytest.raises(ValueError, match="lora_a_gate_up must be a contiguous"):
+        fused_moe_lora(*args, strided, b_gu, a_d, b_d, slots)
+    with pytest.raises(ValueError, match="token_slots must be"):
+        fused_moe_lora(*args, a_gu, b_gu, a_d, b_d, slots[:T - 1])
+    with pytest.raises(ValueError, match="lora_a_gate_up must be \\[L, E, R, H\\]"):
+        fused_moe_lora(*args, a_gu[0], b_gu, a_d, b_d, slots)
 
 
 # --- GPU: bf16 at Qwen3-30B-A3B's shapes, CUDA-graph replay ---
