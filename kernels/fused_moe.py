@@ -22,16 +22,19 @@ one expert's weight tiles. Two ways of forming the blocks, picked on shape alone
   run to a multiple of BLOCK_M: sorted_ids [P] holds slot ids, padding = M, and expert_ids[b]
   the expert of block b (-1 past the last run). P is the fixed bound
   M + min(E, M) * (BLOCK_M - 1) (each used expert pads at most BLOCK_M - 1 slots) rounded up
-  to whole blocks, so the grid
-  depends only on shapes and the whole op, align included, runs on the GPU without a host sync
-  and can be captured in a CUDA graph (torch ops: scatter_add, cumsum, a stable argsort,
-  scatter, searchsorted). Blocks past the last run exit at once: empty experts cost no blocks
-  beyond the bound.
+  to whole blocks, so the grid depends only on shapes and the whole op, align included, runs
+  on the GPU without a host sync and can be captured in a CUDA graph (torch ops: scatter_add,
+  cumsum, a stable argsort, scatter, searchsorted). Blocks past the last run exit at once:
+  empty experts cost no blocks beyond the bound.
 - Decode (M <= 64 slots). No align step: program b of the grid (one per slot) takes the expert
   e of slot b; if an earlier slot has the same expert it exits, else its rows are all the slots
   routed to e (one tile of next_power_of_2(M) >= 16 rows, masked). So each selected expert's
   weights are streamed exactly once (per column tile), as kernels/skinny_gemm.py streams a
   dense weight, and no other expert's are read.
+
+`fused_moe_lora` adds expert LoRA (ref_fused_moe_lora) in the same three launches: the
+grouped GEMMs get a HAS_LORA constexpr (off, they are the plain kernels), shrink each row
+against its adapter's A in their K loop and add the expand in their epilogue.
 
 topk_ids are not range-checked (that would need a host sync): the caller's router gives ids in
 [0, E). Launches take the PDL constexpr of kernels/pdl.py.
@@ -48,8 +51,9 @@ from batchrun.kernels.pdl import pdl_enter, pdl_kwargs
 from batchrun.kernels.utils import FLOAT_DTYPES, check
 
 # At most this many slots (T * k) take the decode path: its row tile is every slot of the step
-# (next_power_of_2(M) rows), 64 at most so that a [64, BLOCK_K] x tile per stage still fits
-# beside the weight tiles; above it sorting into per-expert blocks pays for its launches.
+# (next_power_of_2(M) rows), so it is capped at 64 rows (a [64, BLOCK_K] x tile per stage beside
+# the weight tiles); 64 covers k = 8 at 8 tokens, the latency workload's decode batch. Above it
+# the sorted path's align ops are spread over more rows.
 DECODE_MAX_SLOTS = 64
 # (BLOCK_N, BLOCK_K, num_stages, num_warps) of each path's GEMMs: decode streams narrow weight
 # tiles over long K steps (kernels/skinny_gemm.py's shape); the sorted path is a tiled GEMM.
@@ -178,7 +182,7 @@ def _moe_gate_up_kernel(
     x_ptr, w_ptr, h_ptr,                 # x [T, H], w_gate_up [E, 2I, H], h [M, I]
     ids_ptr, sorted_ptr, expert_ptr,     # topk_ids [M] (decode); sorted_ids, expert_ids (sorted)
     M, TOPK, I, H, stride_xt, stride_we, stride_wn, stride_hm,
-    slot_ptr, a_ptr, b_ptr, NE, LR,      # HAS_LORA: token_slots [T], A [L, E, R, H], B [L, E, 2I, R]
+    slot_ptr, a_ptr, b_ptr, NE, LR,      # HAS_LORA: token_slots, A [L, E, R, H], B [L, E, 2I, R]
     ACTIVATION: tl.constexpr, DECODE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, DOT_IEEE: tl.constexpr,
@@ -371,7 +375,8 @@ def fused_moe_lora(x: Tensor, w_gate_up: Tensor, w_down: Tensor, topk_weights: T
 def _launch(x, w_gate_up, w_down, topk_weights, topk_ids, activation, dims, path, config, lora):
     T, H, E, I, k = dims
     M = T * k
-    check(path in (None, "decode", "sorted"), f"path must be None, 'decode' or 'sorted', got {path!r}")
+    check(path in (None, "decode", "sorted"),
+          f"path must be None, 'decode' or 'sorted', got {path!r}")
     decode = use_decode_path(T, k) if path is None else path == "decode"
     check(not decode or M <= DECODE_MAX_SLOTS,
           f"the decode path takes T * k <= {DECODE_MAX_SLOTS} slots, got {T} * {k}")

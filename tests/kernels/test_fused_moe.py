@@ -326,17 +326,35 @@ def test_bf16_gpu_qwen3_moe_shapes(T, activation):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("T", [8, 256])
+def test_bf16_gpu_qwen3_moe_lora(T):
+    s = QWEN3_MOE
+    args = _inputs(T, s["H"], s["I"], s["E"], s["k"], torch.bfloat16, "random", seed=T)
+    lora = _lora(T, s["H"], s["I"], s["E"], 4, 16, torch.bfloat16, "mixed", seed=T + 1)
+    _assert_moe_close(fused_moe_lora(*args, *lora), *args, "silu", lora)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("T", [1, 8, 200])
-def test_cuda_graph_replay_with_new_routing(T):
-    # capture once, then write new x, weights and ids into the captured buffers: each replay
-    # equals an eager call on the same inputs, bit for bit (both paths are deterministic)
-    H, I, E, k = 512, 256, 60, 4
+@pytest.mark.parametrize("with_lora", [False, True])
+def test_cuda_graph_replay_with_new_routing(T, with_lora):
+    # capture once, then write new x, weights, ids (and adapter slots) into the captured
+    # buffers: each replay equals an eager call on the same inputs, bit for bit (both paths
+    # are deterministic), and the reference within rounding
+    H, I, E, k, L, R = 512, 256, 60, 4, 3, 16
     x, w_gate_up, w_down, weights, ids = _inputs(T, H, I, E, k, torch.bfloat16, "random", seed=T)
     ids = ids.to(torch.int32)
+    lora = _lora(T, H, I, E, L, R, torch.bfloat16, "mixed", seed=T + 2) if with_lora else None
     held = {}
 
+    def call():
+        if lora is None:
+            return fused_moe(x, w_gate_up, w_down, weights, ids)
+        return fused_moe_lora(x, w_gate_up, w_down, weights, ids, *lora)
+
     def step():
-        held["out"] = fused_moe(x, w_gate_up, w_down, weights, ids)
+        held["out"] = call()
 
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -352,7 +370,8 @@ def test_cuda_graph_replay_with_new_routing(T):
         x.copy_(randn(T, H, dtype=torch.bfloat16, gen=gen))
         weights.copy_(new_w)
         ids.copy_(new_ids)
+        if lora is not None:
+            lora[4][:T].copy_(mixed_slots(T, L if routing != "empty" else 0, gen))
         graph.replay()
-        eager = fused_moe(x, w_gate_up, w_down, weights, ids)
-        assert torch.equal(held["out"], eager), routing
-        _assert_moe_close(held["out"], x, w_gate_up, w_down, weights, ids, "silu")
+        assert torch.equal(held["out"], call()), routing
+        _assert_moe_close(held["out"], x, w_gate_up, w_down, weights, ids, "silu", lora)
