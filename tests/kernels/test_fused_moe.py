@@ -187,6 +187,21 @@ def test_default_path_is_the_static_rule():
         assert torch.equal(fused_moe(*args), fused_moe(*args, path=picked))
 
 
+@pytest.mark.parametrize("path", ["decode", "sorted"])
+def test_strided_inputs(path):
+    # x rows with a stride past H, topk_weights a column slice, topk_ids transposed storage:
+    # the launcher follows the strides (the ids are flattened to slot order)
+    T, H, I, E, k = 6, 40, 24, 8, 3
+    x, w_gate_up, w_down, weights, ids = _inputs(T, H, I, E, k, F16, "every", seed=21)
+    wide = torch.cat([x, x[:, :5]], dim=1)[:, :H]
+    w_cols = torch.cat([weights, weights], dim=1)[:, :k]
+    ids_t = ids.t().contiguous().t()
+    assert not (wide.is_contiguous() or w_cols.is_contiguous() or ids_t.is_contiguous())
+    out = fused_moe(wide, w_gate_up, w_down, w_cols, ids_t, path=path)
+    assert torch.equal(out, fused_moe(x, w_gate_up, w_down, weights, ids, path=path))
+    _assert_moe_close(out, x, w_gate_up, w_down, weights, ids, "silu")
+
+
 @pytest.mark.parametrize("T,E,k,block_m,routing", [(1, 1, 1, 16, "random"), (5, 3, 2, 16, "every"),
                                                    (33, 60, 2, 16, "every"), (200, 8, 4, 64, "random"),
                                                    (200, 60, 8, 32, "empty"), (7, 60, 8, 16, "empty")])
