@@ -2,8 +2,8 @@
 tile of every slot per selected expert; sorted: per-expert blocks from moe_align) over odd
 shapes (H, I off the tiles), expert counts 1..60, top-k 1..8, routing that reaches every expert
 and routing that leaves most experts empty, both activations, fp32 and fp16 under the Triton
-interpreter, fresh random inputs; bf16 at Qwen3-30B-A3B shapes and CUDA-graph replay with new
-routing on a GPU."""
+interpreter, fresh random inputs; fused_moe_lora against ref_fused_moe_lora the same way; bf16
+at Qwen3-30B-A3B shapes and CUDA-graph replay with new routing (and adapter slots) on a GPU."""
 import pytest
 import torch
 
