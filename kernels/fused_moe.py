@@ -80,7 +80,7 @@ def padded_bound(num_slots: int, num_experts: int, block_m: int) -> int:
 
 
 def moe_align(topk_ids: Tensor, num_experts: int, block_m: int) -> tuple[Tensor, Tensor]:
-    """(sorted_ids int32 [P], expert_ids int32 [cdiv(P, block_m)]) for the sorted path, P =
+    """(sorted_ids int32 [P], expert_ids int32 [P // block_m]) for the sorted path, P =
     padded_bound: slot ids grouped by expert (in slot order within an expert), each expert's
     run starting at a multiple of block_m and padded with M; expert_ids[b] is block b's expert,
     -1 for blocks past the last run. Device ops only (no host sync), graph-capturable."""
