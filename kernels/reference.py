@@ -321,3 +321,41 @@ def ref_fp8_linear(x: Tensor, w_q: Tensor, w_scale: Tensor, activations: str,
     if bias is not None:
         y = y + bias.float()
     return y.to(x.dtype)
+
+
+def ref_lora_linear(x: Tensor, w: Tensor, lora_a: Tensor, lora_b: Tensor, slots: Tensor) -> Tensor:
+    # x: [n, K], w: [N, K], lora_a: [L, R, K], lora_b: [L, N, R] (scaling folded in), slots:
+    # int [n] (-1 = no adapter) -> [n, N] in x's dtype: the base linear rounded (ref_linear),
+    # plus for rows of slot l the delta rnd(x . A_l) @ B_l.T in fp32 (the shrink rounded to the
+    # dtype, as a fused base GEMM over [W; A] computes it), rounded once; slot -1 rows are the
+    # base linear's values.
+    y = ref_linear(x, w)
+    slots = slots.to(device=x.device, dtype=torch.long)
+    for slot in slots[slots >= 0].unique().tolist():
+        idx = (slots == slot).nonzero().squeeze(1)
+        shrunk = ref_linear(x[idx], lora_a[slot]).float()
+        y[idx] = (y[idx].float() + shrunk @ lora_b[slot].float().t()).to(x.dtype)
+    return y
+
+
+def ref_fused_moe_lora(x: Tensor, w_gate_up: Tensor, w_down: Tensor, topk_weights: Tensor,
+                       topk_ids: Tensor, lora_a_gate_up: Tensor, lora_b_gate_up: Tensor,
+                       lora_a_down: Tensor, lora_b_down: Tensor, token_slots: Tensor,
+                       activation: str = "silu") -> Tensor:
+    # ref_fused_moe with expert LoRA: token t's adapter slot l = token_slots[t] (-1 = none)
+    # adds, on each expert e it routes to, ref_lora_linear's delta with A/B of (l, e) to the
+    # gate_up projection (before the activation) and to the down projection (before the
+    # weighted sum). lora_a_gate_up [L, E, R, H], lora_b_gate_up [L, E, 2I, R], lora_a_down
+    # [L, E, R, I], lora_b_down [L, E, H, R]; token_slots int [>= T].
+    T, H = x.shape
+    out = torch.zeros(T, H, dtype=torch.float32, device=x.device)
+    ids = topk_ids.to(device=x.device, dtype=torch.long)
+    slots = token_slots[:T].to(device=x.device, dtype=torch.long)
+    for e in ids.unique().tolist():
+        tok, j = (ids == e).nonzero(as_tuple=True)
+        gate_up = ref_lora_linear(x[tok], w_gate_up[e], lora_a_gate_up[:, e],
+                                  lora_b_gate_up[:, e], slots[tok])
+        h = ref_act_and_mul(gate_up, activation)
+        y = ref_lora_linear(h, w_down[e], lora_a_down[:, e], lora_b_down[:, e], slots[tok]).float()
+        out.index_add_(0, tok, y * topk_weights[tok, j].float().unsqueeze(1))
+    return out.to(x.dtype)
