@@ -149,3 +149,18 @@ def test_model_from_an_in_memory_hf_model(variant):
             assert torch.equal(params[name], t), name
     assert torch.equal(params["model.layers.0.mlp.experts.gate_up_proj"],
                        hf.model.layers[0].mlp.experts.gate_up_proj)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", ["mixtral", "qwen3_moe"])
+def test_moe_on_the_triton_kernels_matches_hf(tmp_path, variant, monkeypatch):
+    # the engine's Triton path (kernels/fused_moe.py included) under the interpreter
+    monkeypatch.setenv("BATCHRUN_FORCE_TRITON", "1")
+    hf = save_hf_model(variant, tmp_path / "m")
+    prompts = random_prompts(3, [5, 33, 12], hf.config.vocab_size, seed=1)
+    engine = Engine.from_config(EngineConfig(model=str(tmp_path / "m"), device="cpu",
+                                             max_model_len=128, max_num_batched_tokens=64))
+    results = engine.generate([Request(i, p, SamplingParams(max_tokens=8, ignore_eos=True))
+                               for i, p in enumerate(prompts)])
+    for p, r in zip(prompts, results):
+        assert r.output_token_ids == hf_greedy(hf, p, 8)
