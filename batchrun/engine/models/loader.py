@@ -44,7 +44,6 @@ _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias|weight_scale|wei
 _KV_SCALE = re.compile(r"^model\.layers\.(\d+)\.self_attn\.(k|v)_scale$")
 # FP8 tensor names -> ours (HF fp8 checkpoints call the dequantization scale weight_scale_inv)
 _SCALE = {"weight_scale_inv": "weight_scale"}
-_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
 # one expert's projection in a per-expert checkpoint (canonical names, checkpoint.py) -> its
 # part of the stacked weights: gate = rows [0, I) of gate_up_proj[e], up = rows [I, 2I)
 _EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
