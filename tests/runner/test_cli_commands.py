@@ -172,3 +172,13 @@ def test_slurm_restart_script_restarts_once_even_when_resubmitted(make_job, tmp_
     assert new.exit_code == 0 and r.exit_code == 0 and "3 unit(s) written, 0 already done" in r.output
     assert sorted(x["id"] for x in read_output(tmp_path / "out").to_pylist()) == list(range(12))
     assert cli("slurm", job, "--array", "2", "--sbatch-arg", "qos=long").exit_code == ExitCode.CONFIG
+
+
+def test_plan_names_the_weights_and_kv_cache_formats(make_job, tmp_path):
+    r = cli("plan", make_job(demo_rows(4)))
+    assert "weights: the model dtype; KV cache: the model dtype" in r.output
+    r = cli("plan", make_job(demo_rows(4), job_name="fp8.yaml",
+                             engine={"quantization": "fp8", "kv_cache_dtype": "fp8"}))
+    assert r.exit_code == 0, r.output
+    assert ("weights: fp8 (fp8-on-the-fly, weights per channel, activations per token); "
+            "KV cache: fp8 (e4m3)") in r.output
