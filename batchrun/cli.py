@@ -373,6 +373,8 @@ def _read_errors():
         yield
     except ConfigError as e:
         _fail(ExitCode.CONFIG, str(e))
+    except OutputIOError as e:  # an object store refusing (no bucket, access denied): names the URI
+        _fail(ExitCode.OUTPUT_IO, str(e))
     except OSError as e:
         _fail(ExitCode.OUTPUT_IO, f"cannot read {e.filename or 'a file'}: {e.strerror or e}; check that it "
               "exists and is readable")

@@ -15,7 +15,9 @@ import pyarrow.parquet as pq
 
 from batchrun.job.inputs.arrow_types import plain_table
 from batchrun.job.store.commit import check_part, committed_units, read_commits, uncommitted_parts
-from batchrun.errors import ConfigError
+from batchrun.errors import ConfigError, OutputIOError
+from batchrun.job.storage.options import StorageOptions
+from batchrun.job.storage.registry import storage_for
 from batchrun.job.run.error_rate import error_rate_problem
 from batchrun.job.exit_codes import ExitCode
 from batchrun.job.inputs.files import INVALID, InvalidText, RowReader, column_values
@@ -191,7 +193,7 @@ def _prompt_tokens(spec: JobSpec, plan: Plan, estimate: bool = False,
     first_row = 0
     for fi, path in enumerate(plan.files):
         start = 0
-        for batch in pq.ParquetFile(path).iter_batches(batch_size=32768, columns=[col] + extra):
+        for batch in storage_for(path, inp.storage_options).parquet_file(path).iter_batches(batch_size=32768, columns=[col] + extra):
             batch = plain_table(batch)  # view types: arrow_types.py
             n = batch.num_rows
             codes = per_file[fi][start:start + n]
@@ -425,12 +427,13 @@ def _prompts_for(out: OutputDir, manifest: dict, ids: list) -> dict:
     col = inp.get("prompt_column") or inp.get("messages_column")
     plan = Plan.load(out.plan_dir)
     wanted, found = set(ids), {}
-    reader = RowReader(plan.files, [c for c in (col, inp.get("id_column")) if c])
+    reader = RowReader(plan.files, [c for c in (col, inp.get("id_column")) if c],
+                       storage_options=StorageOptions(**(inp.get("storage_options") or {})))
     for u in plan.units:
         rf, ri = plan.unit_rows(u)
         try:
             rows = reader.read(rf, ri)
-        except OSError:
+        except (OSError, OutputIOError):  # the inputs moved or the store refuses: show no prompts
             return {}
         for k in range(u.rows):
             rid = rows[inp["id_column"]][k] if inp.get("id_column") else f"{plan.file_names[rf[k]]}:{ri[k]}"

@@ -31,7 +31,8 @@ from batchrun.job.store.layout import META, OutputDir
 from batchrun.job.store.safe_path import check_output_path, check_unowned_dir
 from batchrun.job.inputs.pins import InputPins, Pin, identity
 from batchrun.job.plan.resolve_engine import changed_message, resolution_changes, resolve_engine
-from batchrun.job.plan.units import Plan, make_plan
+from batchrun.job.plan.units import Plan, file_name, make_plan
+from batchrun.job.storage.uri import is_uri
 from batchrun.common.tokenizer import load_tokenizer
 from batchrun.job.inputs.token_count import load_counter
 from batchrun.job.store.restart import begin_wipe, check_no_active_task, end_wipe, finish_wipe, pending_wipe
@@ -147,8 +148,8 @@ def prepare(spec: JobSpec, restart: bool = False, log=None, restart_token: str |
     """
     files, root, schema, model_config = validate(spec, for_run=True)
     out = OutputDir(spec.output.path)
-    names = [os.path.relpath(f, root) for f in files]
-    pins = _pins(out, files)  # each input read at most once: its digest serves the fingerprint too
+    names = [file_name(f, root) for f in files]
+    pins = _pins(out, files, spec.input.storage_options)  # each input read at most once: its digest serves the fingerprint too
     max_model_len = context_max_model_len(spec.engine.max_model_len, model_config)
     parts = job_fingerprint(spec, files, names, list(schema.override_columns), digests=[p.digest for p in pins],
                             max_model_len=max_model_len)
@@ -176,10 +177,10 @@ def prepare(spec: JobSpec, restart: bool = False, log=None, restart_token: str |
     if plan.files != files:  # same content (the fingerprint says so), found at new paths: read those
         plan.files = list(files)
     plan.file_ids = file_ids
-    return Prepared(spec, out, plan, fp, model_config, InputPins(plan.files, pins))
+    return Prepared(spec, out, plan, fp, model_config, InputPins(plan.files, pins, spec.input.storage_options))
 
 
-def _pins(out: OutputDir, files: list[str]) -> list[Pin]:
+def _pins(out: OutputDir, files: list[str], options=None) -> list[Pin]:
     """Each input's identity. A file the stored plan lists at the same path with the same size
     and mtime keeps the plan's digest (the rule pins.py applies during a run), so the workers
     that join a planned output directory stat the inputs instead of reading them again."""
@@ -192,6 +193,9 @@ def _pins(out: OutputDir, files: list[str]) -> list[Pin]:
         pass  # no stored plan (yet), or a damaged one: digest everything
     pins = []
     for path in files:
+        if is_uri(path):  # an object: one HEAD gives size and ETag, nothing to save
+            pins.append(identity(path, options))
+            continue
         ids = known.get(path)
         if isinstance(ids, list) and len(ids) == 3:
             st = os.stat(path)

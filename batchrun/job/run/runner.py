@@ -340,7 +340,8 @@ class TaskRunner:
     def _commit_empty(self, todo: Iterable[Unit]) -> None:
         """Commit units of no rows (make_plan's one unit for an input without rows): each part
         file holds the output's columns, passthrough columns typed as in the input."""
-        reader = RowReader(self.plan.files, input_columns(self.spec, self.plan), arrow_columns=arrow_columns(self.plan))
+        reader = RowReader(self.plan.files, input_columns(self.spec, self.plan), arrow_columns=arrow_columns(self.plan),
+                           storage_options=self.spec.input.storage_options)
         for unit in todo:
             if unit is None:
                 continue
@@ -353,7 +354,8 @@ class TaskRunner:
         wait on other workers) through the engine."""
         spec = self.spec
         _settle_tokenizer(engine.tokenizer)
-        reader = RowReader(self.plan.files, input_columns(spec, self.plan), arrow_columns=arrow_columns(self.plan))
+        reader = RowReader(self.plan.files, input_columns(spec, self.plan), arrow_columns=arrow_columns(self.plan),
+                           storage_options=spec.input.storage_options)
         check = functools.partial(engine.check_request, job=True)
 
         def build(unit: Unit) -> UnitWork:  # on the feeder thread

@@ -15,6 +15,7 @@ from batchrun.errors import ConfigError
 from batchrun.job.inputs.discovery import deep_input_dirs, glob_root, is_glob
 from batchrun.job.jobfile.spec import JobSpec
 from batchrun.job.store.layout import META, OutputDir
+from batchrun.job.storage.uri import is_uri
 
 
 def _real(path: str) -> str:
@@ -68,11 +69,13 @@ def check_output_path(spec: JobSpec, files: list[str]) -> None:
         raise ConfigError(f"output.path: {out} is {'your home directory' if real == home else 'a parent of your home directory'}; "
                           "choose a new, empty directory for this job's outputs (e.g. ~/runs/myjob)")
     for f in files:
-        if _inside(_real(f), real):
+        if not is_uri(f) and _inside(_real(f), real):
             raise ConfigError(f"output.path: {out} contains the input file {f}; outputs would mix with inputs. "
                               "Choose an output directory outside the input")
     ipath = spec.input.path
-    if is_glob(ipath):
+    if is_uri(ipath):
+        pass  # inputs in an object store: no local directory of theirs can hold the output
+    elif is_glob(ipath):
         written_root = glob_root(ipath)
         root = _real(written_root)
         if _inside(root, real):
