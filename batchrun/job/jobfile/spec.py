@@ -316,9 +316,8 @@ def parse_job(raw: Any, base_dir: str | os.PathLike, job_file: str = "") -> JobS
     out = _fields(top["output"], "output", {"path": (str, False, _REQUIRED), "storage_options": (dict, True, None)})
     out["storage_options"] = parse_storage_options(out["storage_options"], "output.storage_options")
     out["path"] = _resolve_data(base, out["path"], "output.path")
-    if is_uri(out["path"]):  # the output protocol on object stores is not built yet: refuse, never guess
-        raise ConfigError(f"output.path: {out['path']}: outputs on object storage are not supported yet (inputs "
-                          "are); write the output to a local or shared directory and copy it afterwards")
+    if is_uri(out["path"]):
+        out["path"] = out["path"].rstrip("/")  # a prefix: s3://b/out and s3://b/out/ are one output
 
     smp = parse_sampling(top["sampling"], model)
 

@@ -147,7 +147,7 @@ def prepare(spec: JobSpec, restart: bool = False, log=None, restart_token: str |
     Runs under the output dir's manifest lock so concurrent array tasks agree on one plan.
     """
     files, root, schema, model_config = validate(spec, for_run=True)
-    out = OutputDir(spec.output.path)
+    out = OutputDir(spec.output.path, spec.output.storage_options)
     names = [file_name(f, root) for f in files]
     pins = _pins(out, files, spec.input.storage_options)  # each input read at most once: its digest serves the fingerprint too
     max_model_len = context_max_model_len(spec.engine.max_model_len, model_config)
@@ -160,6 +160,16 @@ def prepare(spec: JobSpec, restart: bool = False, log=None, restart_token: str |
     start_up_over()  # and the first write follows: a signal now raises Interrupted (interrupt.py)
     token = restart_token or os.environ.get("SLURM_ARRAY_JOB_ID")  # restart once per token
     restart = restart or bool(restart_token)
+    if out.is_object:  # the same steps on an object store: keys, leases, conditional writes
+        from batchrun.job.store.claims import lease_from_env
+        from batchrun.job.store.objects.job_state import job_state
+        file_ids = [[p.size, p.mtime_ns, p.digest] for p in pins]
+        plan = job_state(spec, out, out.store, restart, parts, fp, token, files, root, schema, file_ids,
+                         log or (lambda m: None), resolved, max_model_len, lease_from_env())
+        if plan.files != files:
+            plan.files = list(files)
+        plan.file_ids = file_ids
+        return Prepared(spec, out, plan, fp, model_config, InputPins(plan.files, pins, spec.input.storage_options))
     if not os.path.lexists(out.manifest) and not pending_wipe(out):
         check_unowned_dir(out)  # not ours: refuse before creating anything there, --restart or not
     check_output_writable(out)

@@ -25,7 +25,8 @@ def storage_for(path: str, options: StorageOptions | None = None, field: str = "
     if uri.scheme == "gs":
         raise ConfigError(f"{field}: {path}: gs:// is not supported yet (only s3:// and local paths); copy the "
                           "data to S3 or to a local/shared file system")
-    key = (uri.scheme, options, field, tuple(os.environ.get(k) for k in _ENV))
+    # the pid: a forked child makes its own clients (a client's pooled connections are not fork-safe)
+    key = (uri.scheme, options, field, os.getpid(), tuple(os.environ.get(k) for k in _ENV))
     with _mu:
         if key not in _stores:
             from batchrun.job.storage.s3 import S3Storage

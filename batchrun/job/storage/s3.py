@@ -11,6 +11,7 @@ one, pyarrow gets the profile's credentials as boto3 resolved them at start-up.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from functools import cached_property
 from urllib.parse import urlparse
 
@@ -33,7 +34,7 @@ def endpoint_url(options: StorageOptions) -> str | None:
             or os.environ.get("AWS_ENDPOINT_URL") or None)
 
 
-class S3Storage(Storage):
+class S3Reads(Storage):
     def __init__(self, options: StorageOptions, field: str):
         self.options, self.field = options, field  # field: input.path / output.path, for messages
         self.endpoint = endpoint_url(options)
@@ -148,3 +149,131 @@ def _no_such_bucket(e):
     import botocore.exceptions as be
     return be.ClientError({"Error": {"Code": "NoSuchBucket", "Message": "The specified bucket does not exist"}},
                           e.operation_name)
+
+
+# ---- writing (the output protocol on S3: batchrun/job/store/objects/) ---------------------------
+
+MULTIPART_THRESHOLD = 64 << 20  # bigger bodies go up as a multipart upload, visible only once complete
+MULTIPART_PART = 16 << 20
+
+
+@dataclass(frozen=True)
+class Got:
+    data: bytes
+    etag: str
+    last_modified: float  # the store's clock (epoch s): when this version was written
+    now: float  # the store's clock when it answered (its Date header): lease ages need no local clock
+
+
+def _precondition_failed(e) -> bool:
+    err = e.response.get("Error", {})
+    return str(err.get("Code")) in ("PreconditionFailed", "412", "ConditionalRequestConflict") or \
+        e.response.get("ResponseMetadata", {}).get("HTTPStatusCode") in (409, 412)
+
+
+def _server_now(response) -> float:
+    date = response.get("ResponseMetadata", {}).get("HTTPHeaders", {}).get("date")
+    if date:
+        from email.utils import parsedate_to_datetime
+        return parsedate_to_datetime(date).timestamp()
+    import time
+    return time.time()
+
+
+class S3Writes:
+    """Whole-object writes, conditional writes, reads with ETag, deletes (mixed into S3Storage)."""
+
+    def get(self, path: str) -> Got | None:
+        u = self._uri(path)
+        import botocore.exceptions as be
+        try:
+            r = self.client.get_object(Bucket=u.bucket, Key=u.key)
+            data = r["Body"].read()
+        except be.ClientError as e:
+            if str(e.response.get("Error", {}).get("Code")) in ("NoSuchKey", "404"):
+                return None
+            raise storage_error(e, path, self.field) from None
+        except Exception as e:  # noqa: BLE001 - translated (or re-raised) by storage_error
+            raise storage_error(e, path, self.field) from None
+        return Got(data, r["ETag"], r["LastModified"].timestamp(), _server_now(r))
+
+    def put(self, path: str, data: bytes, *, if_none_match: bool = False, if_match: str | None = None) -> str | None:
+        """Write ``data`` as the whole object; its ETag, or None when the condition failed
+        (``if_none_match``: only if no object is there; ``if_match``: only if it is still that
+        version). A body past MULTIPART_THRESHOLD goes up in parts and appears only when complete."""
+        u = self._uri(path)
+        cond = {}
+        if if_none_match:
+            cond["IfNoneMatch"] = "*"
+        if if_match is not None:
+            cond["IfMatch"] = if_match
+        import botocore.exceptions as be
+        try:
+            if len(data) > MULTIPART_THRESHOLD:
+                return self._multipart(u, data, cond)
+            return self.client.put_object(Bucket=u.bucket, Key=u.key, Body=data, **cond)["ETag"]
+        except be.ClientError as e:
+            if cond and _precondition_failed(e):
+                return None
+            raise storage_error(e, path, self.field) from None
+        except Exception as e:  # noqa: BLE001 - translated (or re-raised) by storage_error
+            raise storage_error(e, path, self.field) from None
+
+    def _multipart(self, u: Uri, data: bytes, cond: dict) -> str:
+        up = self.client.create_multipart_upload(Bucket=u.bucket, Key=u.key)["UploadId"]
+        try:
+            parts = []
+            for n, lo in enumerate(range(0, len(data), MULTIPART_PART), start=1):
+                r = self.client.upload_part(Bucket=u.bucket, Key=u.key, UploadId=up, PartNumber=n,
+                                            Body=data[lo:lo + MULTIPART_PART])
+                parts.append({"ETag": r["ETag"], "PartNumber": n})
+            return self.client.complete_multipart_upload(Bucket=u.bucket, Key=u.key, UploadId=up,
+                                                         MultipartUpload={"Parts": parts}, **cond)["ETag"]
+        except BaseException:
+            try:
+                self.client.abort_multipart_upload(Bucket=u.bucket, Key=u.key, UploadId=up)
+            except Exception:  # noqa: BLE001 - the store drops abandoned uploads by its lifecycle rules
+                pass
+            raise
+
+    def delete(self, path: str, *, if_match: str | None = None) -> bool:
+        """Delete the object (only that version, with ``if_match``); False if the condition failed."""
+        u = self._uri(path)
+        import botocore.exceptions as be
+        try:
+            if if_match is None:
+                self.client.delete_object(Bucket=u.bucket, Key=u.key)
+            else:
+                self.client.delete_object(Bucket=u.bucket, Key=u.key, IfMatch=if_match)
+        except be.ClientError as e:
+            code = str(e.response.get("Error", {}).get("Code"))
+            if code in ("NoSuchKey", "404"):
+                return if_match is None
+            if if_match is not None and _precondition_failed(e):
+                return False
+            raise storage_error(e, path, self.field) from None
+        except Exception as e:  # noqa: BLE001 - translated (or re-raised) by storage_error
+            raise storage_error(e, path, self.field) from None
+        return True
+
+    def delete_many(self, paths: list[str]) -> None:
+        """Delete objects of one bucket, a thousand per request."""
+        if not paths:
+            return
+        u = self._uri(paths[0])
+        keys = [self._uri(p).key for p in paths]
+        for lo in range(0, len(keys), 1000):
+            try:
+                r = self.client.delete_objects(Bucket=u.bucket, Delete={
+                    "Objects": [{"Key": k} for k in keys[lo:lo + 1000]], "Quiet": True})
+            except Exception as e:  # noqa: BLE001 - translated (or re-raised) by storage_error
+                raise storage_error(e, paths[lo], self.field) from None
+            errors = r.get("Errors") or []
+            if errors:
+                e = errors[0]
+                raise storage_error(OSError(f"{e.get('Code')}: {e.get('Message')}"),
+                                    f"{u.scheme}://{u.bucket}/{e.get('Key')}", self.field)
+
+
+class S3Storage(S3Writes, S3Reads):
+    """S3 for both sides: reads (S3Reads) and the output protocol's writes (S3Writes)."""

@@ -61,6 +61,9 @@ def _glob_regex(pattern: str) -> re.Pattern:
 def check_output_path(spec: JobSpec, files: list[str]) -> None:
     """Static checks of output.path against the file system and the inputs (writes nothing)."""
     out = spec.output.path
+    if is_uri(out):
+        _check_output_prefix(spec)
+        return
     real = _real(out)
     if real == os.sep:
         raise ConfigError("output.path: / is not an output directory; choose a new, empty directory")
@@ -104,6 +107,24 @@ def check_output_path(spec: JobSpec, files: list[str]) -> None:
     if os.path.exists(out) and not os.path.isdir(out):
         raise ConfigError(f"output.path: {out} exists and is not a directory")
     check_writable(out)
+
+
+def _check_output_prefix(spec: JobSpec) -> None:
+    """An s3:// output prefix must not hold the input, nor lie where the input is read from
+    (checked on the names; nothing is listed or written here)."""
+    out, ipath = spec.output.path.rstrip("/"), spec.input.path
+    if len(out.split("/")) < 4:
+        raise ConfigError(f"output.path: {out} is a whole bucket; give a prefix for this job "
+                          f"(e.g. {out}/runs/myjob)")
+    if not is_uri(ipath):
+        return
+    root = glob_root(ipath).rstrip("/") if is_glob(ipath) else ipath.rstrip("/")
+    if out == root or root.startswith(out + "/"):
+        raise ConfigError(f"output.path: {out} contains the input {ipath}; outputs would mix with inputs. "
+                          "Choose an output prefix outside the input")
+    if out.startswith(root + "/"):
+        raise ConfigError(f"output.path: {out} lies under the input prefix {root}, so its part files would be "
+                          "read as inputs by the next run; choose an output prefix outside it")
 
 
 def check_writable(out: str) -> None:
