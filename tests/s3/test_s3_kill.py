@@ -29,9 +29,9 @@ def finish(job, *extra):
     return proc.exitcode
 
 
-def exactly_once(s3, prefix: str) -> None:
+def exactly_once(s3, prefix: str, rows: int = ROWS) -> None:
     ids = [r["id"] for r in read_parts(s3, prefix).to_pylist()]
-    assert sorted(ids) == list(range(ROWS)), sorted(ids)
+    assert sorted(ids) == list(range(rows)), sorted(ids)
     text, code = verify_output(s3.uri(prefix))
     assert code == ExitCode.OK, text
 
@@ -78,18 +78,19 @@ def test_kill9_during_restart_then_rerun(s3, tiny_model, tmp_path, point, mark_w
 
 @pytest.mark.slow
 def test_two_workers_on_one_prefix(s3, tiny_model, tmp_path):
-    s3.put_rows("in/a.parquet", demo_rows(ROWS))
-    job = job_file(tmp_path, tiny_model, s3.uri("in"), s3.uri("o"), rows_per_unit=1)
-    env = {"FAKE_ENGINE_SLEEP": "0.02"}
+    rows = 90  # enough work (FAKE_ENGINE_SLEEP per row) that both workers are running at once
+    s3.put_rows("in/a.parquet", demo_rows(rows))
+    job = job_file(tmp_path, tiny_model, s3.uri("in"), s3.uri("o"), rows_per_unit=3)
+    env = {"FAKE_ENGINE_SLEEP": "0.04"}
     procs = [fork_cli(["run", job, "--no-progress", "--task-id", str(t), "--num-tasks", "2"], env=env)
              for t in range(2)]
     for p in procs:
         p.join(180)
     assert [p.exitcode for p in procs] == [0, 0]
-    exactly_once(s3, "o")
+    exactly_once(s3, "o", rows)
     import json
     metrics = json.loads(s3.client.get_object(Bucket=s3.name, Key="o/_batchrun/metrics.json")["Body"].read())
-    assert metrics["units_committed"] == metrics["units_total"] == 14 and metrics["complete"]
+    assert metrics["units_committed"] == metrics["units_total"] == 30 and metrics["complete"]
     assert set(metrics["tasks"]) == {"task-0", "task-1"}  # both merges landed: neither run went missing
     by_worker = {}
     for k in keys(s3, "o/_batchrun/commits/"):
@@ -99,10 +100,13 @@ def test_two_workers_on_one_prefix(s3, tiny_model, tmp_path):
 
 
 @pytest.mark.slow
-def test_a_second_run_of_the_same_task_is_refused_while_the_first_runs(s3, tiny_model, tmp_path):
+def test_a_second_run_of_the_same_task_is_refused_while_the_first_runs(s3, tiny_model, tmp_path, monkeypatch):
+    """The second run waits to see whether the lock's lease is renewed (a dead holder's is not:
+    test_task_lock_of_a_dead_host_is_waited_out) and refuses when it is (exit 6)."""
+    monkeypatch.setenv("BATCHRUN_CLAIM_LEASE", "3")
     s3.put_rows("in/a.parquet", demo_rows(ROWS))
     job = job_file(tmp_path, tiny_model, s3.uri("in"), s3.uri("o"), rows_per_unit=1)
-    first = fork_cli(["run", job, "--no-progress"], env={"FAKE_ENGINE_SLEEP": "0.2"})
+    first = fork_cli(["run", job, "--no-progress"], env={"FAKE_ENGINE_SLEEP": "0.3"})
     import time
     deadline = time.time() + 60
     while time.time() < deadline and not any("/commits/" in k for k in keys(s3, "o/")):
@@ -112,4 +116,21 @@ def test_a_second_run_of_the_same_task_is_refused_while_the_first_runs(s3, tiny_
     assert second.exitcode == ExitCode.LOCKED
     first.join(180)
     assert first.exitcode == 0
+    exactly_once(s3, "o")
+
+
+@pytest.mark.slow
+def test_task_lock_of_a_dead_host_is_waited_out(s3, tiny_model, tmp_path, monkeypatch):
+    """A lock lease left by a task on another host (a node lost, a task requeued elsewhere) is
+    not renewed: the new run waits until it is stale (one lease), takes it over and finishes."""
+    import json
+    import time
+    monkeypatch.setenv("BATCHRUN_CLAIM_LEASE", "3")
+    s3.put_rows("in/a.parquet", demo_rows(ROWS))
+    job = job_file(tmp_path, tiny_model, s3.uri("in"), s3.uri("o"), rows_per_unit=2)
+    s3.client.put_object(Bucket=s3.name, Key="o/_batchrun/locks/task-0.lock", Body=json.dumps(
+        {"host": "a-node-that-died", "pid": 1, "token": "x", "lease_s": 3}).encode())
+    t0 = time.time()
+    assert finish(job) == 0
+    assert time.time() - t0 >= 2  # it waited for the lease (the store's clock has 1 s steps)
     exactly_once(s3, "o")

@@ -64,3 +64,14 @@ def test_storage_options_fields():
         job(input={"storage_options": {"endpoint_url": "localhost:9000"}})
     with pytest.raises(ConfigError, match=r"output.storage_options.region: expected a non-empty string"):
         job(output={"storage_options": {"region": ""}})
+
+
+@pytest.mark.slow
+def test_slurm_script_for_an_s3_output_is_refused_with_the_alternative(tmp_path):
+    from tests.helpers.jobs import run_cli, write_job
+    job = write_job(tmp_path / "job.yaml", {"model": "m", "input": {"path": "s3://b/in"},
+                                            "output": {"path": "s3://b/out"}})
+    r = run_cli("slurm", job, "--array", "2")
+    assert r.returncode == 3, r.stdout + r.stderr
+    assert "output.path: s3://b/out: `batchrun slurm` writes each task's log" in r.stderr
+    assert not (tmp_path / "job.sbatch").exists()

@@ -524,7 +524,7 @@ def run_job(spec: JobSpec, task_id: int = 0, num_tasks: int = 1, restart: bool =
                           lease_from_env(claim_lease), log)
     else:
         lock = TaskLock(prep.out.lock(worker), f"task {worker} of {prep.out.path}")
-    with lock:
+    with (lock.acquire(wait_stale=True) if prep.out.is_object else lock):
         runner = TaskRunner(prep, task_id, num_tasks, engine_factory or load_engine, progress=progress, log=log,
                             log_interval=log_interval, verbose=verbose, started=started, worker=worker,
                             claim_lease=claim_lease)

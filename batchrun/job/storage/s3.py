@@ -38,6 +38,7 @@ class S3Reads(Storage):
     def __init__(self, options: StorageOptions, field: str):
         self.options, self.field = options, field  # field: input.path / output.path, for messages
         self.endpoint = endpoint_url(options)
+        self._buckets_seen: set[str] = set()  # buckets a HEAD found (a set's add is thread-safe)
 
     # ---- clients (built on first use; both are thread-safe) -----------------------------------
 
@@ -103,12 +104,16 @@ class S3Reads(Storage):
         return ObjectInfo(path, int(head["ContentLength"]), head["ETag"])
 
     def _bucket_missing(self, u: Uri) -> bool:
-        """HEAD answers a plain 404 for a missing key and a missing bucket alike; ask the bucket."""
+        """HEAD answers a plain 404 for a missing key and a missing bucket alike; ask the bucket
+        (once per bucket: the protocol HEADs many keys that are not there yet)."""
+        if u.bucket in self._buckets_seen:
+            return False
         import botocore.exceptions as be
         try:
             self.client.head_bucket(Bucket=u.bucket)
         except be.ClientError as e:
             return str(e.response.get("Error", {}).get("Code")) in ("404", "NoSuchBucket", "NotFound")
+        self._buckets_seen.add(u.bucket)
         return False
 
     def list(self, prefix: str) -> list[ObjectInfo]:

@@ -25,8 +25,13 @@ class ObjectLock:
         self._thread: threading.Thread | None = None
         self.lost = False
 
-    def acquire(self) -> "ObjectLock":
+    def acquire(self, wait_stale: bool = False) -> "ObjectLock":
+        """Take the lock, or raise LockBusy naming its holder. ``wait_stale``: a lease that is
+        not renewed (its holder's node died, a preempted task requeued elsewhere) is waited out
+        (at most one lease) instead of refused; one that is renewed meanwhile is refused then."""
         held, record, _ = self.leases.acquire(self.path, take_over=dead_here)
+        if held is None and wait_stale:
+            held, record = self._wait_stale()
         if held is None:
             raise LockBusy(f"{self.what} is already running ({owner_text(record)}; lease {self.path}, "
                            f"stale {self.leases.lease_s:.0f} s after its holder stops renewing it). "
@@ -36,6 +41,24 @@ class ObjectLock:
         self._thread = threading.Thread(target=self._renew_loop, name="batchrun-lock", daemon=True)
         self._thread.start()
         return self
+
+    def _wait_stale(self):
+        first = self.store.get(self.path)
+        deadline = time.monotonic() + self.leases.lease_s + 5
+        if self.log and first is not None:
+            from batchrun.job.store.objects.lease import parse
+            self.log(f"{self.what}: the lease {self.path} is held ({owner_text(parse(first.data))}); waiting up "
+                     f"to {self.leases.lease_s:.0f} s to see whether its holder is alive")
+        while time.monotonic() < deadline:
+            time.sleep(min(max(self.leases.lease_s / 20, 0.1), 2.0))
+            now = self.store.get(self.path)
+            if first is not None and now is not None and now.etag != first.etag:
+                from batchrun.job.store.objects.lease import parse
+                return None, parse(now.data)  # renewed, or taken by another run: alive
+            held, record, _ = self.leases.acquire(self.path, take_over=dead_here)
+            if held is not None or (now is None and record is not None):
+                return held, record
+        return None, None
 
     def _renew_loop(self) -> None:
         while not self._stop.wait(self.leases.lease_s / 3):
@@ -63,7 +86,7 @@ class ObjectLock:
         self.held = None
 
     def __enter__(self):
-        return self.acquire()
+        return self if self.held is not None else self.acquire()  # acquire(wait_stale=True) may come first
 
     def __exit__(self, *exc):
         self.release()
