@@ -35,6 +35,8 @@ def endpoint_url(options: StorageOptions) -> str | None:
 
 
 class S3Reads(Storage):
+    """The input side: objects' sizes and ETags, listings, Parquet (S3Storage below adds writes)."""
+
     def __init__(self, options: StorageOptions, field: str):
         self.options, self.field = options, field  # field: input.path / output.path, for messages
         self.endpoint = endpoint_url(options)
