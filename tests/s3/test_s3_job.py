@@ -8,17 +8,13 @@ import pytest
 from batchrun.job.jobfile.spec import OutputSpec, load_job
 from batchrun.job.run.runner import run_job
 from tests.helpers.fake_engine import FakeEngine
-from tests.helpers.jobs import demo_rows, read_output, run_cli, write_job, write_rows
+from tests.helpers.jobs import demo_rows, read_output, run_cli, write_rows
+from tests.s3.helpers import job_file
 from tests.s3.conftest import s3_env
 
 
 def _job(tmp_path, tiny_model, input_path, name="job.yaml", out="out", **inp):
-    return write_job(tmp_path / name, {
-        "model": tiny_model["model"], "adapters": dict(tiny_model["adapters"]),
-        "input": {"path": input_path, "id_column": "id", "prompt_column": "prompt", "adapter_column": "adapter",
-                  "rows_per_unit": 4, **inp},
-        "output": {"path": out}, "sampling": {"max_tokens": 8},
-        "engine": {"device": "cpu", "max_model_len": 128, "max_num_seqs": 8}})
+    return job_file(tmp_path, tiny_model, input_path, out, name, **inp)
 
 
 def _rows(table):
