@@ -237,13 +237,14 @@ def _summary_block(st, code, what: str) -> None:
 
 def _summary(spec, st) -> dict:
     """Print the task's and the job's totals; return the job's (metrics.job_metrics)."""
-    from batchrun.job.store.metrics import job_metrics
+    from batchrun.job.store import access
     from batchrun.job.store.layout import OutputDir
-    import json
-    out = OutputDir(spec.output.path)
-    with open(out.manifest) as f:
-        m = json.load(f)
-    job = job_metrics(out, m["total_units"], m["total_rows"], spec.sampling.n)
+    from batchrun.job.store.metrics import job_metrics
+    from batchrun.job.store.objects.metrics import job_metrics as object_job_metrics
+    out = OutputDir(spec.output.path, spec.output.storage_options)
+    m = access.read_json(out, out.manifest)
+    totals = object_job_metrics if out.is_object else job_metrics
+    job = totals(out, m["total_units"], m["total_rows"], spec.sampling.n)
     rows = (f"{st.committed_rows} rows" if st.committed_rows == st.committed_output_rows  # sampling.n = 1
             else f"{st.committed_rows} input rows -> {st.committed_output_rows} output rows")
     click.echo(
@@ -345,6 +346,12 @@ def slurm(job, array, script, time_, cpus, mem, partition, account, gpus_per_tas
     from batchrun.job.launch import slurm as sl
     try:
         spec = sl.read_job(job)  # variables in its paths are expanded by each task, not here
+        from batchrun.job.storage.uri import is_uri
+        if is_uri(spec.output_path):  # the script keeps each task's log under the output directory
+            raise ConfigError(f"output.path: {spec.output_path}: `batchrun slurm` writes each task's log under "
+                              "a local output directory, which an s3:// output does not have; run "
+                              "`batchrun run JOB` from your own sbatch array script instead (the tasks share the "
+                              "output's units the same way)")
         path = script or os.path.splitext(spec.job_file)[0] + ".sbatch"
         text = sl.sbatch_script(spec, array, path, cpus=cpus, mem=mem, time=time_, partition=partition,
                                 account=account, restart=restart, gpus_per_task=gpus_per_task,
@@ -373,6 +380,8 @@ def _read_errors():
         yield
     except ConfigError as e:
         _fail(ExitCode.CONFIG, str(e))
+    except OutputIOError as e:  # an object store refusing (no bucket, access denied): names the URI
+        _fail(ExitCode.OUTPUT_IO, str(e))
     except OSError as e:
         _fail(ExitCode.OUTPUT_IO, f"cannot read {e.filename or 'a file'}: {e.strerror or e}; check that it "
               "exists and is readable")

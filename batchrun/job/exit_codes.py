@@ -18,7 +18,8 @@ class ExitCode(IntEnum):
     ROW_ERROR = 4  # on_error: fail and a row could not run; committed units are kept
     JOB_CHANGED = 5  # output dir holds a different job, or an input changed mid-run
     LOCKED = 6  # another run of this task (or a run being restarted) holds the output dir's lock
-    OUTPUT_IO = 7  # the output dir cannot be written/read (disk full, read-only, permissions); kept
+    OUTPUT_IO = 7  # the output dir (or an object store) cannot be written/read (disk full, read-only,
+    # permissions, no bucket, refused credentials); committed units are kept
     DAMAGED = 8  # `verify` found missing/damaged part files; rerun the job to rewrite them
     PENDING = 9  # `verify`/`status`: some units are not committed yet (the output is incomplete)
     ERROR_RATE = 10  # `run`: the job's error rows exceed max_error_rate (error_rate.py); kept
@@ -34,7 +35,7 @@ MEANINGS = {
     ExitCode.ROW_ERROR: "on_error: fail and a row could not run",
     ExitCode.JOB_CHANGED: "output dir holds a different job, or an input changed mid-run",
     ExitCode.LOCKED: "another run of this task holds the output dir's lock",
-    ExitCode.OUTPUT_IO: "output dir not writable/readable (disk full, read-only)",
+    ExitCode.OUTPUT_IO: "output dir or object store not writable/readable (disk full, read-only, no bucket, access denied)",
     ExitCode.DAMAGED: "verify/status found missing or damaged part files",
     ExitCode.PENDING: "verify/status: units still pending (output incomplete)",
     ExitCode.ERROR_RATE: ("run: the job's error rows exceed max_error_rate (default: every row "

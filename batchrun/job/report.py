@@ -14,13 +14,15 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from batchrun.job.inputs.arrow_types import plain_table
-from batchrun.job.store.commit import check_part, committed_units, read_commits, uncommitted_parts
-from batchrun.errors import ConfigError
+from batchrun.job.store import access
+from batchrun.job.storage.uri import is_uri
+from batchrun.errors import ConfigError, OutputIOError
+from batchrun.job.storage.options import StorageOptions
+from batchrun.job.storage.registry import storage_for
 from batchrun.job.run.error_rate import error_rate_problem
 from batchrun.job.exit_codes import ExitCode
 from batchrun.job.inputs.files import INVALID, InvalidText, RowReader, column_values
 from batchrun.job.jobfile.spec import JobSpec, sampling_summary
-from batchrun.job.store.lock import is_locked
 from batchrun.job.store.layout import OutputDir
 from batchrun.job.store.safe_path import check_unowned_dir
 from batchrun.job.plan.units import Plan, assign_tasks, engine_groups, group_rows, make_plan
@@ -58,8 +60,12 @@ def plan_report(spec: JobSpec, num_tasks: int, count_tokens: bool = True, estima
     error rows still exact."""
     files, root, schema, model_config = validate(spec)
     check_device(spec.engine.device)  # what the run would refuse, plan refuses too
-    out = OutputDir(spec.output.path)
-    if not os.path.lexists(out.manifest):
+    out = OutputDir(spec.output.path, spec.output.storage_options)
+    if out.is_object:
+        from batchrun.job.store.objects.job_state import check_unowned
+        if out.store.stat(out.manifest) is None:
+            check_unowned(out, out.store)
+    elif not os.path.lexists(out.manifest):
         check_unowned_dir(out)  # what run would refuse, plan refuses too
     plan = make_plan(spec, files, root, schema)
     lines = [f"job:      {spec.job_file}",
@@ -201,7 +207,7 @@ def _prompt_tokens(spec: JobSpec, plan: Plan, estimate: bool = False,
     first_row = 0
     for fi, path in enumerate(plan.files):
         start = 0
-        for batch in pq.ParquetFile(path).iter_batches(batch_size=32768, columns=[col] + extra):
+        for batch in storage_for(path, inp.storage_options).parquet_file(path).iter_batches(batch_size=32768, columns=[col] + extra):
             batch = plain_table(batch)  # view types: arrow_types.py
             n = batch.num_rows
             codes = per_file[fi][start:start + n]
@@ -324,12 +330,10 @@ PY_WHITESPACE = "".join(c for c in map(chr, range(0x3001)) if c.isspace())
 
 def load_state(out_path: str) -> tuple[OutputDir, dict, list]:
     """(output dir, manifest, plan units) of an existing run; ConfigError naming what is wrong."""
-    out = OutputDir(os.path.abspath(out_path))
+    out = OutputDir(out_path.rstrip("/") if is_uri(out_path) else os.path.abspath(out_path))
     try:
-        with open(out.manifest) as f:
-            manifest = json.load(f)
-        with open(os.path.join(out.plan_dir, "plan.json")) as f:
-            units = json.load(f)["units"]
+        manifest = access.read_json(out, out.manifest)
+        units = access.read_json(out, out.plan_dir + "/plan.json")["units"]
         if not isinstance(manifest, dict) or "fingerprint" not in manifest:
             raise ValueError("not a batchrun manifest")
     except FileNotFoundError:
@@ -345,10 +349,10 @@ def status_report(out_path: str) -> tuple[str, ExitCode]:
     """(text, exit code): OK when every unit is committed, DAMAGED when a committed unit's part
     file is missing or damaged, else PENDING while units are not committed yet."""
     out, manifest, units = load_state(out_path)
-    commits = read_commits(out)
+    commits = access.read_commits(out)
     damaged = dict(commits.damaged)
     for unit, marker in commits.valid.items():
-        if (why := check_part(out, unit, marker, manifest.get("fingerprint"))) is not None:
+        if (why := access.check_part(out, unit, marker, manifest.get("fingerprint"))) is not None:
             damaged[unit] = why
     done = {u: m for u, m in commits.valid.items() if u not in damaged}
     lines = [f"output:  {out.path}", f"job:     {manifest.get('job_file')} (fingerprint {manifest['fingerprint']})",
@@ -369,15 +373,11 @@ def status_report(out_path: str) -> tuple[str, ExitCode]:
             p[3] += done[index]["error_rows"]
     lines += ["", _table(["shard", "units", "rows", "committed", "error rows"],
                          [[k, v[0], v[1], v[2], v[3]] for k, v in per.items()])]
-    running = []
-    if os.path.isdir(out.locks):
-        for name in sorted(os.listdir(out.locks)):
-            if name.startswith("task-") and (owner := is_locked(os.path.join(out.locks, name))):
-                running.append(f"{name[:-5]} ({owner})")
+    running = access.running_tasks(out)
     lines += ["", f"running: {', '.join(running) if running else 'none'}"]
     if workers := worker_rows(out):
         lines += ["", _table(HEADER, workers)]
-    orphans = uncommitted_parts(out, len(units), commits)
+    orphans = access.uncommitted_parts(out, len(units), commits)
     if damaged:
         shown = "; ".join(f"unit {u}: {why}" for u, why in sorted(damaged.items())[:3])
         lines.append(f"damaged: {len(damaged)} committed unit(s) whose part file is missing or damaged "
@@ -393,8 +393,8 @@ def status_report(out_path: str) -> tuple[str, ExitCode]:
 
 def show_rows(out_path: str, limit: int, prompts: bool) -> str:
     out, manifest, _ = load_state(out_path)
-    done = {u: m for u, m in committed_units(out).items()
-            if check_part(out, u, m, manifest.get("fingerprint")) is None}
+    done = {u: m for u, m in access.read_commits(out).valid.items()
+            if access.check_part(out, u, m, manifest.get("fingerprint")) is None}
     if not done:
         return "(no units committed yet)"
     # A few committed part files per shard (not the whole dataset), then round-robin over shards
@@ -403,8 +403,8 @@ def show_rows(out_path: str, limit: int, prompts: bool) -> str:
     for unit in sorted(done):
         files = per_shard.setdefault(done[unit].get("adapter"), [])
         if sum(n for _, n in files) < limit:
-            files.append((out.part(unit), done[unit]["rows"]))
-    queues = [[r for path, _ in files for r in pq.read_table(path).to_pylist()] for files in per_shard.values()]
+            files.append((unit, done[unit]["rows"]))
+    queues = [[r for unit, _ in files for r in access.read_part(out, unit).to_pylist()] for files in per_shard.values()]
     rows = []
     while len(rows) < limit and any(queues):
         for q in queues:
@@ -433,14 +433,21 @@ def _prompts_for(out: OutputDir, manifest: dict, ids: list) -> dict:
     job = manifest.get("job") or {}
     inp = job.get("input") or {}
     col = inp.get("prompt_column") or inp.get("messages_column")
-    plan = Plan.load(out.plan_dir)
+    if out.is_object:
+        from batchrun.job.store.objects.job_state import load_plan
+        plan = load_plan(out, out.store)
+        if plan is None:
+            return {}
+    else:
+        plan = Plan.load(out.plan_dir)
     wanted, found = set(ids), {}
-    reader = RowReader(plan.files, [c for c in (col, inp.get("id_column")) if c])
+    reader = RowReader(plan.files, [c for c in (col, inp.get("id_column")) if c],
+                       storage_options=StorageOptions(**(inp.get("storage_options") or {})))
     for u in plan.units:
         rf, ri = plan.unit_rows(u)
         try:
             rows = reader.read(rf, ri)
-        except OSError:
+        except (OSError, OutputIOError):  # the inputs moved or the store refuses: show no prompts
             return {}
         for k in range(u.rows):
             rid = rows[inp["id_column"]][k] if inp.get("id_column") else f"{plan.file_names[rf[k]]}:{ri[k]}"

@@ -7,6 +7,12 @@
     install(crash_at="os.remove:N")      die right before the N-th call of os.remove (also
                                          os.unlink, os.replace, os.rename, shutil.rmtree): a
                                          kill -9 at a chosen system call, as strace's inject does
+On an object-store output (store/objects/, nothing is renamed):
+    install(crash_at="before_put:N")     die before the N-th part file's PUT (its bytes built)
+    install(crash_at="after_put:N")      ... after the part's PUT, before its commit marker
+    install(crash_at="after_commit:N")   ... after the N-th commit marker (as locally)
+    install(crash_at="s3.put:N")         die right before the N-th request of that kind (put, get,
+                                         delete, delete_many): claims, leases, plan, manifest, metrics
 N counts calls/units of this process (1-based). Run as a script (``python tests/helpers/fake_cli.py
 ARGS``, as run_cli and --workers children do) it reads CRASH_AT from the environment.
 """
@@ -29,8 +35,15 @@ def install(crash_at: str = "") -> None:
     if not point:
         return
     n = int(count)
+    if point.startswith("s3."):
+        _crash_at_s3_call(point[3:], n)
+        return
     if "." in point:
         _crash_at_call(point, n)
+        return
+    if point in ("before_put", "after_put", "after_commit"):
+        _crash_at_object_step(point, n)
+    if point in ("before_put", "after_put"):
         return
     seen = {"before_rename": 0, "after_rename": 0, "after_commit": 0}
     orig_publish, orig_record = commit.publish_part, commit.record_commit
@@ -52,6 +65,43 @@ def install(crash_at: str = "") -> None:
             os._exit(137)
 
     commit.publish_part, commit.record_commit = publish, record
+
+
+def _crash_at_object_step(point: str, n: int) -> None:
+    import batchrun.job.store.objects.commit as objcommit
+    seen = {"before_put": 0, "after_put": 0, "after_commit": 0}
+    orig_publish, orig_record = objcommit.publish_part, objcommit.record_commit
+
+    def publish(out, store, unit, part):
+        seen["before_put"] += 1
+        if point == "before_put" and seen["before_put"] == n:
+            os._exit(137)
+        etag = orig_publish(out, store, unit, part)
+        seen["after_put"] += 1
+        if point == "after_put" and seen["after_put"] == n:
+            os._exit(137)
+        return etag
+
+    def record(out, store, unit, info):
+        orig_record(out, store, unit, info)
+        seen["after_commit"] += 1
+        if point == "after_commit" and seen["after_commit"] == n:
+            os._exit(137)
+
+    objcommit.publish_part, objcommit.record_commit = publish, record
+
+
+def _crash_at_s3_call(name: str, n: int) -> None:
+    from batchrun.job.storage.s3 import S3Storage
+    orig, calls = getattr(S3Storage, name), [0]
+
+    def wrapped(self, *a, **kw):
+        calls[0] += 1
+        if calls[0] == n:
+            os._exit(137)
+        return orig(self, *a, **kw)
+
+    setattr(S3Storage, name, wrapped)
 
 
 def _crash_at_call(point: str, n: int) -> None:

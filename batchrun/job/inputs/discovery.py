@@ -25,6 +25,7 @@ from fnmatch import fnmatchcase
 from typing import NamedTuple
 
 from batchrun.errors import ConfigError
+from batchrun.job.storage.uri import is_uri
 
 _GLOB_CHARS = set("*?[")
 _EXT = ".parquet"
@@ -44,8 +45,12 @@ def glob_root(pattern: str) -> str:
 
 def find_input_files(spec) -> tuple[list[str], str]:
     """Return (sorted file paths, root dir used to name default ids) for ``spec.path``
-    (an InputSpec's: absolute), by the rule in this module's docstring."""
+    (an InputSpec's: absolute), by the rule in this module's docstring; an s3:// URI by the same
+    rule over the store's listing (object_discovery.py)."""
     path = spec.path
+    if is_uri(path):
+        from batchrun.job.inputs.object_discovery import find_object_files
+        return find_object_files(spec)
     if is_glob(path):
         root = glob_root(path)
         files = _Matcher(path).match(root, os.path.relpath(path, root).split(os.sep))
@@ -71,7 +76,10 @@ def find_input_files(spec) -> tuple[list[str], str]:
 def deep_input_dirs(path: str) -> set[str]:
     """Real paths of the directories whose whole subtree ``path`` (a directory or a glob with
     ``**``) reads, links followed: an output directory inside one would be read back as input.
-    Call after find_input_files accepted ``path`` (this walk then raises nothing new)."""
+    Call after find_input_files accepted ``path`` (this walk then raises nothing new). None for a
+    URI: an object store holds no local directory an output could lie in."""
+    if is_uri(path):
+        return set()
     if is_glob(path):
         root = glob_root(path)
         parts = os.path.relpath(path, root).split(os.sep)

@@ -20,6 +20,10 @@ from batchrun.errors import ConfigError
 from batchrun.job.inputs.arrow_types import check_round_trip, has_view, plain_table
 from batchrun.job.inputs.discovery import find_input_files, glob_root, is_glob  # noqa: F401 (re-exported)
 from batchrun.job.jobfile.spec import JOB_ONLY_SAMPLING, OVERRIDE_COLUMNS, InputSpec
+from batchrun.job.storage.errors import storage_error
+from batchrun.job.storage.options import StorageOptions
+from batchrun.job.storage.registry import storage_for
+from batchrun.job.storage.uri import is_uri
 
 def _is_str(t: pa.DataType) -> bool:
     if pa.types.is_dictionary(t):
@@ -145,6 +149,19 @@ def _check_readable(field: str, f: str, column: str, t: pa.DataType) -> None:
                           "string_view/binary_view")
 
 
+def read_input_schema(f: str, options: StorageOptions | None = None) -> pa.Schema:
+    """An input file's schema; ConfigError if it is not Parquet (a store that refuses the read
+    raises StorageError, exit 7: errors.py)."""
+    try:
+        return storage_for(f, options).read_schema(f)
+    except OSError as e:
+        if is_uri(f):
+            raise storage_error(e, f, "input.path") from None
+        raise ConfigError(f"input file {f} is not a readable Parquet file: {e}") from None
+    except pa.ArrowException as e:
+        raise ConfigError(f"input file {f} is not a readable Parquet file: {e}") from None
+
+
 def check_schemas(files: list[str], spec: InputSpec, overrides="auto") -> InputSchema:
     """Open every file's footer and check the configured columns exist with usable types.
 
@@ -152,10 +169,7 @@ def check_schemas(files: list[str], spec: InputSpec, overrides="auto") -> InputS
     """
     id_kinds, overrides_seen, passthrough = set(), None, None
     for f in files:
-        try:
-            schema = pq.read_schema(f)
-        except (OSError, pa.ArrowException) as e:
-            raise ConfigError(f"input file {f} is not a readable Parquet file: {e}") from None
+        schema = read_input_schema(f, spec.storage_options)
         names = set(schema.names)
 
         def need(field: str, column: str, ok, expected: str) -> pa.DataType:
@@ -214,7 +228,9 @@ class RowReader:
     decoded row groups makes reading a shard linear instead of quadratic.
     """
 
-    def __init__(self, files: list[str], columns: list[str], cache_size: int = 2, arrow_columns=()):
+    def __init__(self, files: list[str], columns: list[str], cache_size: int = 2, arrow_columns=(),
+                 storage_options: StorageOptions | None = None):
+        self.storage_options = storage_options  # input.storage_options, for s3:// files
         # arrow_columns: also returned as Arrow data under rows[ARROW] (passthrough columns)
         self.arrow_columns = list(arrow_columns)
         self._lists = set(columns)
@@ -226,7 +242,13 @@ class RowReader:
 
     def _file(self, fi: int) -> tuple[pq.ParquetFile, np.ndarray]:
         if fi not in self._pf:
-            pf = pq.ParquetFile(self.files[fi])
+            path = self.files[fi]
+            try:
+                pf = storage_for(path, self.storage_options).parquet_file(path)
+            except OSError as e:
+                if is_uri(path):
+                    raise storage_error(e, path, "input.path") from None
+                raise
             md = pf.metadata
             starts = np.zeros(md.num_row_groups + 1, dtype=np.int64)
             starts[1:] = np.cumsum([md.row_group(i).num_rows for i in range(md.num_row_groups)])
@@ -239,7 +261,12 @@ class RowReader:
             self._cache.move_to_end(key)
             return self._cache[key]
         pf, _ = self._file(fi)
-        table = plain_table(pf.read_row_group(rg, columns=self.columns))
+        try:
+            table = plain_table(pf.read_row_group(rg, columns=self.columns))
+        except OSError as e:  # an object store failing past its retries: exit 7, naming the object
+            if is_uri(self.files[fi]):
+                raise storage_error(e, self.files[fi], "input.path") from None
+            raise
         self._cache[key] = table
         if len(self._cache) > self._cache_size:
             self._cache.popitem(last=False)
@@ -278,7 +305,7 @@ class RowReader:
     def _arrow_type(self, column: str) -> pa.DataType:
         """A passthrough column's input type (check_schemas made it the same in every file)."""
         if self._arrow_types is None:
-            schema = pq.read_schema(self.files[0])
+            schema = read_input_schema(self.files[0], self.storage_options)
             self._arrow_types = {c: schema.field(c).type for c in self.arrow_columns}
         return self._arrow_types[column]
 

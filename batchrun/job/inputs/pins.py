@@ -5,6 +5,10 @@ files as they are when the run starts, after the fingerprint has proved their co
 planned one; the runner re-checks a unit's files before and after reading its rows. A stat is
 enough while size and mtime hold; a moved mtime with the same size costs one digest (a ``touch``
 or a copy with the same bytes is not a change).
+
+An object in a store (s3://) is pinned by size and ETag instead (one HEAD, no download): the
+store gives a new ETag to every new upload, so a replaced object is always noticed; an upload of
+the same bytes in other multipart sizes also gets a new ETag and counts as a change.
 """
 from __future__ import annotations
 
@@ -15,17 +19,34 @@ import numpy as np
 
 from batchrun.job.store.fingerprint import file_digest
 from batchrun.errors import InputChanged
+from batchrun.job.storage.options import StorageOptions
+from batchrun.job.storage.registry import storage_for
+from batchrun.job.storage.uri import is_uri
 
 
 @dataclass
 class Pin:
     size: int
-    mtime_ns: int
+    mtime_ns: int  # 0 for an object (its ETag is in digest)
     digest: str
 
 
-def identity(path: str) -> Pin:
-    """(size, mtime_ns, digest) of a file that is not being written while we read it."""
+ETAG = "etag:"  # an object's digest: its ETag as the store sends it
+
+
+def object_identity(path: str, options: StorageOptions | None = None) -> Pin:
+    info = storage_for(path, options).stat(path)
+    if info is None:
+        raise InputChanged(f"input file {path} disappeared while batchrun read the input; rerun once the input "
+                           "is complete")
+    return Pin(info.size, 0, ETAG + info.version)
+
+
+def identity(path: str, options: StorageOptions | None = None) -> Pin:
+    """(size, mtime_ns, digest) of a file that is not being written while we read it
+    (``options``: input.storage_options, for an object)."""
+    if is_uri(path):
+        return object_identity(path, options)
     for _ in range(3):
         before = os.stat(path)
         digest = file_digest(path)
@@ -37,8 +58,8 @@ def identity(path: str) -> Pin:
 
 
 class InputPins:
-    def __init__(self, files: list[str], pins: list[Pin]):
-        self.files, self.pins = files, pins
+    def __init__(self, files: list[str], pins: list[Pin], options: StorageOptions | None = None):
+        self.files, self.pins, self.options = files, pins, options
 
     def check(self, file_indices) -> None:
         """Re-check each distinct file of a unit (``file_indices``: the unit's row_file array)."""
@@ -47,6 +68,9 @@ class InputPins:
 
     def _check(self, fi: int) -> None:
         path, pin = self.files[fi], self.pins[fi]
+        if is_uri(path):
+            self._check_object(path, pin)
+            return
         try:
             st = os.stat(path)
         except OSError as e:
@@ -58,6 +82,16 @@ class InputPins:
         if file_digest(path) != pin.digest:
             raise InputChanged(self._message(path, "its content changed"))
         self.pins[fi] = Pin(st.st_size, st.st_mtime_ns, pin.digest)  # touched, same bytes
+
+    def _check_object(self, path: str, pin: Pin) -> None:
+        info = storage_for(path, self.options).stat(path)
+        if info is None:
+            raise InputChanged(self._message(path, "it can no longer be read (deleted or moved?)"))
+        if info.size != pin.size:
+            raise InputChanged(self._message(path, f"its size went from {pin.size} to {info.size} bytes"))
+        if ETAG + info.version != pin.digest:
+            raise InputChanged(self._message(path, f"it was replaced: its ETag went from {pin.digest[len(ETAG):]} "
+                                                   f"to {info.version}"))
 
     @staticmethod
     def _message(path: str, what: str) -> str:

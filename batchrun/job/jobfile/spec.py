@@ -30,6 +30,8 @@ from batchrun.errors import ConfigError
 from batchrun.job.run.error_rate import check_rate
 from batchrun.job.jobfile.text import check_text, decode_job_file, text_problem
 from batchrun.job.jobfile.safe_yaml import load_yaml
+from batchrun.job.storage.options import StorageOptions, parse_storage_options
+from batchrun.job.storage.uri import is_uri, parse_uri
 from batchrun.common.short_repr import short_repr as _short
 
 ON_ERROR = ("skip", "fail")
@@ -64,11 +66,13 @@ class InputSpec:
     system_prompt: str | None = None  # prompt_column rows render [system, user] through the chat template
     chat_template_kwargs: dict = field(default_factory=dict)  # passed to the chat template
     add_special_tokens: bool | str = "auto"  # auto: none after a chat template, else the tokenizer's default
+    storage_options: StorageOptions = field(default_factory=StorageOptions)  # for an s3:// path
 
 
 @dataclass(frozen=True)
 class OutputSpec:
     path: str  # absolute directory
+    storage_options: StorageOptions = field(default_factory=StorageOptions)
 
 
 @dataclass(frozen=True)
@@ -196,6 +200,25 @@ def _resolve(base: Path, value: str, path: str) -> str:
     return os.path.normpath(str(p))
 
 
+def _resolve_data(base: Path, value: str, path: str) -> str:
+    """input.path / output.path: a local path (resolved as above) or an s3:// URI kept as written."""
+    _check(value.strip() != "", path, "must not be empty")
+    if is_uri(value):
+        parse_uri(value, path)  # a scheme batchrun reads, with a bucket
+        return value
+    return _resolve(base, value, path)
+
+
+def _resolve_local(base: Path, value: str, path: str, what: str) -> str:
+    """model / adapters: local paths only (batchrun loads them with local file reads)."""
+    if is_uri(value):
+        shown = value if len(value) <= 200 else _short(value)
+        raise ConfigError(f"{path}: {shown} is a URI; {what} must be a local path (batchrun does not "
+                          "fetch models or adapters from object storage): copy it to local disk first "
+                          "(`aws s3 sync URI DIR`, `gcloud storage cp -r URI DIR`) and give that path")
+    return _resolve(base, value, path)
+
+
 # ---- parsing ----------------------------------------------------------------------------------
 
 def load_job(path: str | os.PathLike) -> JobSpec:
@@ -238,7 +261,7 @@ def parse_job(raw: Any, base_dir: str | os.PathLike, job_file: str = "") -> JobS
         "on_error": (str, False, "skip"),
         "max_error_rate": (object, True, None),
     })
-    model = _resolve(base, top["model"], "model")
+    model = _resolve_local(base, top["model"], "model", "the model directory")
 
     adapters: dict[str, str] = {}
     for name, apath in (top["adapters"] or {}).items():
@@ -247,7 +270,7 @@ def parse_job(raw: Any, base_dir: str | os.PathLike, job_file: str = "") -> JobS
                "adapter names must be non-empty strings")
         _check(isinstance(apath, str), where,
                f"expected a string (the PEFT adapter directory), got {_show(apath)}")
-        adapters[name] = _resolve(base, apath, where)
+        adapters[name] = _resolve_local(base, apath, where, "adapter directories")
 
     inp = _fields(top["input"], "input", {
         "path": (str, False, _REQUIRED),
@@ -261,7 +284,9 @@ def parse_job(raw: Any, base_dir: str | os.PathLike, job_file: str = "") -> JobS
         "system_prompt": (str, True, None),
         "chat_template_kwargs": (dict, True, None),
         "add_special_tokens": (object, False, "auto"),
+        "storage_options": (dict, True, None),
     })
+    inp["storage_options"] = parse_storage_options(inp["storage_options"], "input.storage_options")
     inp["passthrough_columns"] = _passthrough(inp["passthrough_columns"])
     inp["chat_template_kwargs"] = dict(inp["chat_template_kwargs"] or {})
     _check(inp["add_special_tokens"] == "auto" or isinstance(inp["add_special_tokens"], bool), "input.add_special_tokens",
@@ -286,10 +311,13 @@ def parse_job(raw: Any, base_dir: str | os.PathLike, job_file: str = "") -> JobS
     _check(not adapters or inp["adapter_column"] is not None, "input.adapter_column",
            "adapters are configured but no column names each row's adapter; set "
            "input.adapter_column (rows with null or \"\" run on the base model)")
-    inp["path"] = _resolve(base, inp["path"], "input.path")
+    inp["path"] = _resolve_data(base, inp["path"], "input.path")
 
-    out = _fields(top["output"], "output", {"path": (str, False, _REQUIRED)})
-    out["path"] = _resolve(base, out["path"], "output.path")
+    out = _fields(top["output"], "output", {"path": (str, False, _REQUIRED), "storage_options": (dict, True, None)})
+    out["storage_options"] = parse_storage_options(out["storage_options"], "output.storage_options")
+    out["path"] = _resolve_data(base, out["path"], "output.path")
+    if is_uri(out["path"]):
+        out["path"] = out["path"].rstrip("/")  # a prefix: s3://b/out and s3://b/out/ are one output
 
     smp = parse_sampling(top["sampling"], model)
 

@@ -31,7 +31,8 @@ from batchrun.job.store.layout import META, OutputDir
 from batchrun.job.store.safe_path import check_output_path, check_unowned_dir
 from batchrun.job.inputs.pins import InputPins, Pin, identity
 from batchrun.job.plan.resolve_engine import changed_message, resolution_changes, resolve_engine
-from batchrun.job.plan.units import Plan, make_plan
+from batchrun.job.plan.units import Plan, file_name, make_plan
+from batchrun.job.storage.uri import is_uri
 from batchrun.common.tokenizer import load_tokenizer
 from batchrun.job.inputs.token_count import load_counter
 from batchrun.job.store.restart import begin_wipe, check_no_active_task, end_wipe, finish_wipe, pending_wipe
@@ -146,9 +147,9 @@ def prepare(spec: JobSpec, restart: bool = False, log=None, restart_token: str |
     Runs under the output dir's manifest lock so concurrent array tasks agree on one plan.
     """
     files, root, schema, model_config = validate(spec, for_run=True)
-    out = OutputDir(spec.output.path)
-    names = [os.path.relpath(f, root) for f in files]
-    pins = _pins(out, files)  # each input read at most once: its digest serves the fingerprint too
+    out = OutputDir(spec.output.path, spec.output.storage_options)
+    names = [file_name(f, root) for f in files]
+    pins = _pins(out, files, spec.input.storage_options)  # each input read at most once: its digest serves the fingerprint too
     max_model_len = context_max_model_len(spec.engine.max_model_len, model_config)
     parts = job_fingerprint(spec, files, names, list(schema.override_columns), digests=[p.digest for p in pins],
                             max_model_len=max_model_len)
@@ -159,6 +160,16 @@ def prepare(spec: JobSpec, restart: bool = False, log=None, restart_token: str |
     start_up_over()  # and the first write follows: a signal now raises Interrupted (interrupt.py)
     token = restart_token or os.environ.get("SLURM_ARRAY_JOB_ID")  # restart once per token
     restart = restart or bool(restart_token)
+    if out.is_object:  # the same steps on an object store: keys, leases, conditional writes
+        from batchrun.job.store.claims import lease_from_env
+        from batchrun.job.store.objects.job_state import job_state
+        file_ids = [[p.size, p.mtime_ns, p.digest] for p in pins]
+        plan = job_state(spec, out, out.store, restart, parts, fp, token, files, root, schema, file_ids,
+                         log or (lambda m: None), resolved, max_model_len, lease_from_env())
+        if plan.files != files:
+            plan.files = list(files)
+        plan.file_ids = file_ids
+        return Prepared(spec, out, plan, fp, model_config, InputPins(plan.files, pins, spec.input.storage_options))
     if not os.path.lexists(out.manifest) and not pending_wipe(out):
         check_unowned_dir(out)  # not ours: refuse before creating anything there, --restart or not
     check_output_writable(out)
@@ -176,10 +187,10 @@ def prepare(spec: JobSpec, restart: bool = False, log=None, restart_token: str |
     if plan.files != files:  # same content (the fingerprint says so), found at new paths: read those
         plan.files = list(files)
     plan.file_ids = file_ids
-    return Prepared(spec, out, plan, fp, model_config, InputPins(plan.files, pins))
+    return Prepared(spec, out, plan, fp, model_config, InputPins(plan.files, pins, spec.input.storage_options))
 
 
-def _pins(out: OutputDir, files: list[str]) -> list[Pin]:
+def _pins(out: OutputDir, files: list[str], options=None) -> list[Pin]:
     """Each input's identity. A file the stored plan lists at the same path with the same size
     and mtime keeps the plan's digest (the rule pins.py applies during a run), so the workers
     that join a planned output directory stat the inputs instead of reading them again."""
@@ -192,6 +203,9 @@ def _pins(out: OutputDir, files: list[str]) -> list[Pin]:
         pass  # no stored plan (yet), or a damaged one: digest everything
     pins = []
     for path in files:
+        if is_uri(path):  # an object: one HEAD gives size and ETag, nothing to save
+            pins.append(identity(path, options))
+            continue
         ids = known.get(path)
         if isinstance(ids, list) and len(ids) == 3:
             st = os.stat(path)

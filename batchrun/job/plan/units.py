@@ -19,12 +19,14 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.dataset as ds
 
 from batchrun.engine.config import AUTO_MAX_NUM_SEQS
 from batchrun.job.store.commit import fsync_path
 from batchrun.errors import ConfigError
 from batchrun.job.inputs.arrow_types import plain_table
+from batchrun.job.storage.errors import storage_error
+from batchrun.job.storage.registry import storage_for
+from batchrun.job.storage.uri import is_uri, relpath as uri_relpath
 from batchrun.job.inputs.files import InputSchema, check_schemas, column_values, find_input_files, id_array
 from batchrun.job.jobfile.spec import JobSpec
 
@@ -141,8 +143,12 @@ def make_plan(spec: JobSpec, files: list[str] | None = None, root: str | None = 
     file_rows, code_parts, id_parts = [], [], []
     for fi, path in enumerate(files):
         try:
-            table = plain_table(ds.dataset(path, format="parquet").to_table(columns=columns))
-        except (OSError, pa.ArrowException) as e:
+            table = plain_table(storage_for(path, inp.storage_options).dataset(path).to_table(columns=columns))
+        except OSError as e:
+            if is_uri(path):  # the store failed past its retries: exit 7, naming the object
+                raise storage_error(e, path, "input.path") from None
+            raise ConfigError(f"input file {path} cannot be read: {e}") from None
+        except pa.ArrowException as e:
             raise ConfigError(f"input file {path} cannot be read: {e}") from None
         n = table.num_rows
         file_rows.append(n)
@@ -183,7 +189,7 @@ def make_plan(spec: JobSpec, files: list[str] | None = None, root: str | None = 
     roots = root or os.path.dirname(files[0])
     return Plan(
         files=list(files),
-        file_names=[os.path.relpath(f, roots) for f in files],
+        file_names=[file_name(f, roots) for f in files],
         file_rows=[int(n) for n in file_rows],
         id_type="int64" if schema.id_type == pa.int64() else "string",
         override_columns=list(schema.override_columns),
@@ -286,3 +292,8 @@ def engine_groups(units: list[Unit], cap: int, max_loras: int) -> list[list[Unit
             names = set()
         names.add(u.adapter)
     return groups
+
+
+def file_name(path: str, root: str) -> str:
+    """An input file's name relative to the input's root (default ids and the fingerprint use it)."""
+    return uri_relpath(path, root) if is_uri(path) else os.path.relpath(path, root)

@@ -33,7 +33,12 @@ class ProgressFile:
         self.host, self.pid = socket.gethostname(), os.getpid()
         self._mu = threading.Lock()  # one temp-file name per process: the threads take turns
         self._last = float("-inf")
-        os.makedirs(progress_dir(out), exist_ok=True)
+        if out.is_object:  # one PUT replaces the object whole
+            store = out.store
+            self._write = lambda path, obj: store.put(path, json.dumps(obj, sort_keys=True).encode())
+        else:
+            os.makedirs(progress_dir(out), exist_ok=True)
+            self._write = write_json_atomic
 
     def update(self, st, force: bool = False) -> None:
         """Write ``st`` (runner.TaskStats) unless the last write was under WRITE_EVERY_S ago."""
@@ -43,7 +48,7 @@ class ProgressFile:
                 return
             ready = st.started + st.startup_s if st.startup_s else None  # the engine is loaded
             gen_s = max(now - ready, 1e-9) if ready is not None else 0.0
-            write_json_atomic(self.path, {
+            self._write(self.path, {
                 "worker": self.worker, "task_id": st.task_id, "host": self.host, "pid": self.pid,
                 "status": st.status, "started": st.started, "updated": now,
                 "units_done": st.units_done, "input_rows": st.input_rows, "output_rows": st.output_rows,
@@ -58,6 +63,8 @@ def read_progress(out: OutputDir) -> list[dict]:
     """Every worker's last snapshot (unreadable files skipped: a status report never fails on one)."""
     d = progress_dir(out)
     found = []
+    if out.is_object:
+        return [data for data in _object_jsons(out, d + "/") if isinstance(data.get("worker"), str)]
     for name in sorted(os.listdir(d)) if os.path.isdir(d) else []:
         if name.endswith(".json") and not name.startswith("."):
             try:
@@ -73,6 +80,11 @@ def read_progress(out: OutputDir) -> list[dict]:
 def claims_by_worker(out: OutputDir) -> dict[str, int]:
     """Units each worker holds a claim on right now (the claim files name their owner)."""
     held: dict[str, int] = {}
+    if out.is_object:
+        for data in _object_jsons(out, out.claims + "/unit-"):
+            if isinstance(data.get("worker"), str):
+                held[data["worker"]] = held.get(data["worker"], 0) + 1
+        return held
     if not os.path.isdir(out.claims):
         return held
     for name in os.listdir(out.claims):
@@ -88,19 +100,41 @@ def claims_by_worker(out: OutputDir) -> dict[str, int]:
     return held
 
 
+def _object_jsons(out: OutputDir, prefix: str) -> list[dict]:
+    """The JSON objects under ``prefix`` (unreadable or vanished ones skipped)."""
+    found = []
+    for obj in out.store.list(prefix):
+        got = out.store.get(obj.path)
+        try:
+            data = json.loads(got.data) if got is not None else None
+        except ValueError:
+            continue
+        if isinstance(data, dict):
+            found.append(data)
+    return found
+
+
+def _task_alive(out: OutputDir, worker: str) -> bool:
+    if out.is_object:
+        from batchrun.job.store.claims import lease_from_env
+        from batchrun.job.store.objects.lock import holder
+        return holder(out.store, out.lock(worker), lease_from_env()) is not None
+    from batchrun.job.store.lock import is_locked
+    return bool(is_locked(out.lock(worker)))
+
+
 HEADER = ["worker", "state", "host", "units done", "claimed now", "rows", "rows/s", "out tok/s", "updated"]
 
 
 def worker_rows(out: OutputDir, now: float | None = None) -> list[list]:
     """One row per worker for `status` (HEADER's columns). ``rows`` are output rows (one per
     sample); ``state`` is the file's status, or "died" for a running one whose lock is free."""
-    from batchrun.job.store.lock import is_locked
     now = time.time() if now is None else now
     held = claims_by_worker(out)
     rows = []
     for p in read_progress(out):
         state = p.get("status", "?")
-        if state == "running" and not is_locked(out.lock(p["worker"])):
+        if state == "running" and not _task_alive(out, p["worker"]):
             state = "died"  # killed without its final write: its claims expire with their lease
         age = max(now - float(p.get("updated") or now), 0.0)
         rows.append([p["worker"], state, p.get("host", "?"), p.get("units_done", 0), held.pop(p["worker"], 0),

@@ -29,6 +29,9 @@ import numpy as np
 from batchrun.common import preload
 from batchrun.job.store import commit
 from batchrun.job.store.claims import UnitClaims
+from batchrun.job.store.objects import commit as objcommit
+from batchrun.job.store.objects.claims import ObjectClaims
+from batchrun.job.store.objects.metrics import write_metrics as object_metrics
 from batchrun.job.store.commit import check_part, read_commits
 from batchrun.engine.request import Result
 from batchrun.errors import ConfigError, OutputIOError, io_message
@@ -137,20 +140,12 @@ class TaskRunner:
         unit = work.unit.index
         t0 = time.time()
         with self._commit_guard():
-            try:
-                written = commit.write_part(self.out, self.worker, unit, table)
-                if self.claims is not None and not self.claims.still_mine(unit):
-                    os.remove(written.tmp)  # our lease expired and another worker took the unit over
-                    self.claims.release(unit, committed=False)
-                    self.stats.units_lost += 1
-                    self.log(f"task {self.task_id}/{self.num_tasks}: unit {unit} was taken over by another "
-                             "worker (this worker's claim expired); its result is discarded")
+            if self.out.is_object:
+                if not self._finish_object(unit, table, info):
                     return
-                commit.publish_part(self.out, unit, written.tmp)
-                info.update(commit.part_record(self.out, unit, written, self.prep.fingerprint))
-                commit.record_commit(self.out, unit, info)
-            except OSError as e:  # disk full, read-only, quota: the unit stays uncommitted
-                raise OutputIOError(io_message(e, f"cannot commit unit {unit}")) from None
+            else:
+                if not self._finish_local(unit, table, info):
+                    return
             if self.claims is not None:
                 self.claims.release(unit)
         st = self.stats
@@ -164,6 +159,39 @@ class TaskRunner:
             if self.progress is not None:
                 self.progress.unit(unit, work.unit.rows, errors)
         self._note_progress()
+
+    def _lost(self, unit: int) -> None:
+        """Our lease expired and another worker took the unit over: drop our result."""
+        self.claims.release(unit, committed=False)
+        self.stats.units_lost += 1
+        self.log(f"task {self.task_id}/{self.num_tasks}: unit {unit} was taken over by another "
+                 "worker (this worker's claim expired); its result is discarded")
+
+    def _finish_object(self, unit: int, table, info: dict) -> bool:
+        """Object store: the whole part to its final key (one PUT), then its marker. False if lost."""
+        part = objcommit.Part(table)
+        if self.claims is not None and not self.claims.still_mine(unit):
+            self._lost(unit)
+            return False
+        etag = objcommit.publish_part(self.out, self.out.store, unit, part)
+        info.update(objcommit.part_record(unit, part, etag, self.prep.fingerprint))
+        objcommit.record_commit(self.out, self.out.store, unit, info)
+        return True
+
+    def _finish_local(self, unit: int, table, info: dict) -> bool:
+        """Local: temp file, fsync, rename into the dataset, then the marker. False if lost."""
+        try:
+            written = commit.write_part(self.out, self.worker, unit, table)
+            if self.claims is not None and not self.claims.still_mine(unit):
+                os.remove(written.tmp)
+                self._lost(unit)
+                return False
+            commit.publish_part(self.out, unit, written.tmp)
+            info.update(commit.part_record(self.out, unit, written, self.prep.fingerprint))
+            commit.record_commit(self.out, unit, info)
+        except OSError as e:  # disk full, read-only, quota: the unit stays uncommitted
+            raise OutputIOError(io_message(e, f"cannot commit unit {unit}")) from None
+        return True
 
     def _note_progress(self, force: bool = False) -> None:
         """Refresh this worker's progress file (rate-limited unless ``force``); a progress file
@@ -230,22 +258,29 @@ class TaskRunner:
         A unit with a missing, truncated or changed part (or an unreadable marker) loses its
         marker here (markers go before parts, as in a restart) and is run again.
         """
-        commits = read_commits(self.out)
+        commits = objcommit.read_commits(self.out, self.out.store) if self.out.is_object else read_commits(self.out)
         return {u.index for u in mine if self._verified_commit(u, commits)}
 
     def _verified_commit(self, u: Unit, commits) -> bool:
         """One unit of ``_verified_commits``: True if its commit checks out (``commits``: read_commits)."""
         reason = commits.damaged.get(u.index)
         if reason is None and u.index in commits.valid:
-            reason = check_part(self.out, u.index, commits.valid[u.index], self.prep.fingerprint)
+            if self.out.is_object:
+                reason = objcommit.check_part(self.out, self.out.store, u.index, commits.valid[u.index],
+                                              self.prep.fingerprint)
+            else:
+                reason = check_part(self.out, u.index, commits.valid[u.index], self.prep.fingerprint)
             if reason is None:
                 return True
         if reason is not None:
             self.log(f"task {self.task_id}: unit {u.index} was committed but {reason}; rewriting it")
-            try:
-                os.remove(self.out.commit_marker(u.index))
-            except FileNotFoundError:
-                pass
+            if self.out.is_object:
+                self.out.store.delete(self.out.commit_marker(u.index))
+            else:
+                try:
+                    os.remove(self.out.commit_marker(u.index))
+                except FileNotFoundError:
+                    pass
             self.stats.units_repaired += 1
         return False
 
@@ -262,10 +297,11 @@ class TaskRunner:
         done = self._verified_commits(units)
         todo = [u for u in units if u.index not in done]
         st.units_total, st.units_skipped = len(units), len(done)
-        tmp_dir = self.out.tmp(self.worker)
-        shutil.rmtree(tmp_dir, ignore_errors=True)  # leftovers of a killed run of this worker
-        os.makedirs(tmp_dir, exist_ok=True)
-        os.makedirs(self.out.commits, exist_ok=True)
+        tmp_dir = None if self.out.is_object else self.out.tmp(self.worker)  # objects: no temp files
+        if tmp_dir is not None:
+            shutil.rmtree(tmp_dir, ignore_errors=True)  # leftovers of a killed run of this worker
+            os.makedirs(tmp_dir, exist_ok=True)
+            os.makedirs(self.out.commits, exist_ok=True)
         name = f"task {self.task_id}/{self.num_tasks}"
         try:
             self.progress_file = ProgressFile(self.out, self.worker)
@@ -289,8 +325,12 @@ class TaskRunner:
                 raise RowFailure(f"{sum(u.rows for u in unknown)} row(s) name adapters that are not configured "
                                  f"({', '.join(map(repr, names))}; configured: {', '.join(self.spec.adapters) or 'none'}). "
                                  "The job stopped (on_error: fail). Add them under adapters:, or set on_error: skip.")
-            self.claims = UnitClaims(self.out, units, self.worker, start=self._home(), done=done,
-                                     lease_s=self.claim_lease, log=self.log)
+            if self.out.is_object:
+                self.claims = ObjectClaims(self.out, self.out.store, units, self.worker, start=self._home(),
+                                           done=done, lease_s=self.claim_lease, log=self.log)
+            else:
+                self.claims = UnitClaims(self.out, units, self.worker, start=self._home(), done=done,
+                                         lease_s=self.claim_lease, log=self.log)
             claimed = iter(self.claims)
             first = next((u for u in claimed if u is not None), None)  # waits while others hold every unit
             if first is None:
@@ -334,7 +374,8 @@ class TaskRunner:
             if self.progress is not None:
                 self.progress.close()
             self.signals.restore()
-            shutil.rmtree(tmp_dir, ignore_errors=True)
+            if tmp_dir is not None:
+                shutil.rmtree(tmp_dir, ignore_errors=True)
             st.elapsed_s = time.time() - st.started
             self._note_progress(force=True)
             self._write_metrics()
@@ -343,7 +384,8 @@ class TaskRunner:
     def _commit_empty(self, todo: Iterable[Unit]) -> None:
         """Commit units of no rows (make_plan's one unit for an input without rows): each part
         file holds the output's columns, passthrough columns typed as in the input."""
-        reader = RowReader(self.plan.files, input_columns(self.spec, self.plan), arrow_columns=arrow_columns(self.plan))
+        reader = RowReader(self.plan.files, input_columns(self.spec, self.plan), arrow_columns=arrow_columns(self.plan),
+                           storage_options=self.spec.input.storage_options)
         for unit in todo:
             if unit is None:
                 continue
@@ -356,7 +398,8 @@ class TaskRunner:
         wait on other workers) through the engine."""
         spec = self.spec
         _settle_tokenizer(engine.tokenizer)
-        reader = RowReader(self.plan.files, input_columns(spec, self.plan), arrow_columns=arrow_columns(self.plan))
+        reader = RowReader(self.plan.files, input_columns(spec, self.plan), arrow_columns=arrow_columns(self.plan),
+                           storage_options=spec.input.storage_options)
         check = functools.partial(engine.check_request, job=True)
 
         def build(unit: Unit) -> UnitWork:  # on the feeder thread
@@ -431,9 +474,9 @@ class TaskRunner:
     def _write_metrics(self) -> None:
         try:
             this_run = {**asdict(self.stats), "output_tok_per_s": self.stats.output_tok_per_s}
-            write_metrics(self.out, self.worker, this_run, len(self.plan.units), self.plan.total_rows,
-                          self.spec.sampling.n)
-        except (OSError, LockBusy) as e:  # metrics must never turn a finished run into a failed one
+            write = object_metrics if self.out.is_object else write_metrics
+            write(self.out, self.worker, this_run, len(self.plan.units), self.plan.total_rows, self.spec.sampling.n)
+        except (OSError, LockBusy, OutputIOError) as e:  # metrics must never turn a finished run into a failed one
             self.log(f"warning: could not write metrics: {e}")
 
 
@@ -477,8 +520,14 @@ def run_job(spec: JobSpec, task_id: int = 0, num_tasks: int = 1, restart: bool =
     prep = prepare(spec, restart=restart, log=log, restart_token=restart_token)
     prepared = time.time() - started
     worker = worker or str(task_id)
-    lock = TaskLock(prep.out.lock(worker), f"task {worker} of {prep.out.path}")
-    with lock:
+    if prep.out.is_object:  # a lease renewed while the task runs (store/objects/lock.py)
+        from batchrun.job.store.claims import lease_from_env
+        from batchrun.job.store.objects.lock import ObjectLock
+        lock = ObjectLock(prep.out.store, prep.out.lock(worker), f"task {worker} of {prep.out.path}",
+                          lease_from_env(claim_lease), log)
+    else:
+        lock = TaskLock(prep.out.lock(worker), f"task {worker} of {prep.out.path}")
+    with (lock.acquire(wait_stale=True) if prep.out.is_object else lock):
         runner = TaskRunner(prep, task_id, num_tasks, engine_factory or load_engine, progress=progress, log=log,
                             log_interval=log_interval, verbose=verbose, started=started, worker=worker,
                             claim_lease=claim_lease)

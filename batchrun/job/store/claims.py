@@ -101,7 +101,10 @@ class UnitClaims:
         self._mu = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        os.makedirs(out.claims, exist_ok=True)
+        self._setup()
+
+    def _setup(self) -> None:
+        os.makedirs(self.out.claims, exist_ok=True)
 
     # ---- the claim file -------------------------------------------------------------------------
 

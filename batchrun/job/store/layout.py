@@ -11,6 +11,9 @@
         tmp/task-0/                part files being written (never visible in the dataset)
         locks/task-0.lock          one fcntl lock per task id (manifest.lock: planning;
                                    metrics.lock: merging metrics.json)
+
+On an object store (output.path an s3:// prefix) the keys are the same; there is no tmp/ (a
+part goes to its final key in one PUT) and claims and locks are leases (store/objects/).
         metrics.json               totals over all committed units + each task's last run
         metrics/task-0.json        each task's last run
 """
@@ -20,6 +23,9 @@ import os
 from dataclasses import dataclass
 
 import pyarrow as pa
+
+from batchrun.job.storage.options import StorageOptions
+from batchrun.job.storage.uri import is_uri
 
 META = "_batchrun"
 
@@ -59,7 +65,20 @@ def part_name(unit: int) -> str:
 
 @dataclass(frozen=True)
 class OutputDir:
+    """The output's names. ``path`` is a local directory or an s3:// prefix (keys are named like
+    the files, ``/``-separated); ``options``: output.storage_options, for a prefix."""
     path: str
+    options: StorageOptions | None = None
+
+    @property
+    def is_object(self) -> bool:
+        return is_uri(self.path)
+
+    @property
+    def store(self):
+        """The object store holding a prefix (store/objects/ implements the protocol on it)."""
+        from batchrun.job.storage.registry import storage_for
+        return storage_for(self.path, self.options, "output.path")
 
     @property
     def meta(self) -> str:

@@ -38,6 +38,11 @@ def _previous_runs(path: str) -> list[dict]:
             old = json.load(f)
     except (OSError, ValueError):
         return []
+    return runs_of(old)
+
+
+def runs_of(old) -> list[dict]:
+    """The run history in a task's metrics file (``old``: its parsed JSON)."""
     if not isinstance(old, dict):
         return []
     runs = old.get("runs")
@@ -64,6 +69,12 @@ def job_metrics(out: OutputDir, total_units: int, total_rows: int, samples_per_r
                     continue  # a damaged metrics file loses its history, never the run
                 if isinstance(task, dict):
                     tasks[name[:-5]] = task
+    return totals(done, tasks, total_units, total_rows, samples_per_row)
+
+
+def totals(done: dict[int, dict], tasks: dict[str, dict], total_units: int, total_rows: int,
+           samples_per_row: int = 1) -> dict:
+    """metrics.json from the commit markers (``done``) and each task's file (``tasks``)."""
     rows_committed = sum(m["rows"] for m in done.values())
     return {
         "units_total": total_units, "units_committed": len(done),

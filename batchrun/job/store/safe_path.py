@@ -15,6 +15,7 @@ from batchrun.errors import ConfigError
 from batchrun.job.inputs.discovery import deep_input_dirs, glob_root, is_glob
 from batchrun.job.jobfile.spec import JobSpec
 from batchrun.job.store.layout import META, OutputDir
+from batchrun.job.storage.uri import is_uri
 
 
 def _real(path: str) -> str:
@@ -60,6 +61,9 @@ def _glob_regex(pattern: str) -> re.Pattern:
 def check_output_path(spec: JobSpec, files: list[str]) -> None:
     """Static checks of output.path against the file system and the inputs (writes nothing)."""
     out = spec.output.path
+    if is_uri(out):
+        _check_output_prefix(spec)
+        return
     real = _real(out)
     if real == os.sep:
         raise ConfigError("output.path: / is not an output directory; choose a new, empty directory")
@@ -68,11 +72,13 @@ def check_output_path(spec: JobSpec, files: list[str]) -> None:
         raise ConfigError(f"output.path: {out} is {'your home directory' if real == home else 'a parent of your home directory'}; "
                           "choose a new, empty directory for this job's outputs (e.g. ~/runs/myjob)")
     for f in files:
-        if _inside(_real(f), real):
+        if not is_uri(f) and _inside(_real(f), real):
             raise ConfigError(f"output.path: {out} contains the input file {f}; outputs would mix with inputs. "
                               "Choose an output directory outside the input")
     ipath = spec.input.path
-    if is_glob(ipath):
+    if is_uri(ipath):
+        pass  # inputs in an object store: no local directory of theirs can hold the output
+    elif is_glob(ipath):
         written_root = glob_root(ipath)
         root = _real(written_root)
         if _inside(root, real):
@@ -101,6 +107,24 @@ def check_output_path(spec: JobSpec, files: list[str]) -> None:
     if os.path.exists(out) and not os.path.isdir(out):
         raise ConfigError(f"output.path: {out} exists and is not a directory")
     check_writable(out)
+
+
+def _check_output_prefix(spec: JobSpec) -> None:
+    """An s3:// output prefix must not hold the input, nor lie where the input is read from
+    (checked on the names; nothing is listed or written here)."""
+    out, ipath = spec.output.path.rstrip("/"), spec.input.path
+    if len(out.split("/")) < 4:
+        raise ConfigError(f"output.path: {out} is a whole bucket; give a prefix for this job "
+                          f"(e.g. {out}/runs/myjob)")
+    if not is_uri(ipath):
+        return
+    root = glob_root(ipath).rstrip("/") if is_glob(ipath) else ipath.rstrip("/")
+    if out == root or root.startswith(out + "/"):
+        raise ConfigError(f"output.path: {out} contains the input {ipath}; outputs would mix with inputs. "
+                          "Choose an output prefix outside the input")
+    if out.startswith(root + "/"):
+        raise ConfigError(f"output.path: {out} lies under the input prefix {root}, so its part files would be "
+                          "read as inputs by the next run; choose an output prefix outside it")
 
 
 def check_writable(out: str) -> None:

@@ -10,9 +10,8 @@ import os
 
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 
-from batchrun.job.store.commit import check_part, read_commits, uncommitted_parts
+from batchrun.job.store import access
 from batchrun.job.exit_codes import ExitCode
 from batchrun.job.report import load_state
 
@@ -28,19 +27,21 @@ def verify_output(out_path: str) -> tuple[str, ExitCode]:
     repeat), else PENDING while some unit is not committed yet (what is committed checked out, but
     the output is not the whole job: a script must not publish it), else OK."""
     out, manifest, units = load_state(out_path)
-    commits = read_commits(out)
+    commits = access.read_commits(out)
     plan_rows = {u[0]: u[4] for u in units}
     problems = [f"unit {u}: {why}" for u, why in sorted(commits.damaged.items())]
     ids = []
     checked = rows = 0
     for unit, marker in sorted(commits.valid.items()):
-        why = check_part(out, unit, marker, manifest.get("fingerprint"), full=True)
+        why = access.check_part(out, unit, marker, manifest.get("fingerprint"), full=True)
         if why is None:
             try:
-                table = pq.read_table(out.part(unit), columns=["id"])
-                if "sample_index" in pq.read_schema(out.part(unit)).names:  # sampling.n > 1: count sample 0
-                    si = pq.read_table(out.part(unit), columns=["sample_index"]).column("sample_index")
-                    table = table.filter(pc.equal(si, 0))
+                pf = access.open_part(out, unit)
+                if "sample_index" in pf.schema_arrow.names:  # sampling.n > 1: count sample 0
+                    table = pf.read(columns=["id", "sample_index"])
+                    table = table.filter(pc.equal(table.column("sample_index"), 0)).select(["id"])
+                else:
+                    table = pf.read(columns=["id"])
             except (OSError, pa.ArrowException) as e:
                 why = f"{os.path.basename(out.part(unit))} cannot be parsed ({e})"
             else:
@@ -58,7 +59,7 @@ def verify_output(out_path: str) -> tuple[str, ExitCode]:
         all_ids = pa.chunked_array([c for col in ids for c in col.chunks], ids[0].type)
         if pc.count_distinct(all_ids).as_py() != len(all_ids):
             problems.append("the dataset holds some id more than once")
-    orphans = [os.path.basename(out.part(u)) for u in uncommitted_parts(out, len(units), commits)]
+    orphans = [os.path.basename(out.part(u)) for u in access.uncommitted_parts(out, len(units), commits)]
     lines = [f"output:   {out.path}",
              f"verified: {checked}/{len(units)} units ({rows} rows): sha256, Parquet, row counts, unique ids"]
     if orphans:

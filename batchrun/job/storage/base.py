@@ -1,0 +1,40 @@
+"""The storage interface the input side reads through: one implementation per kind of store.
+
+``LocalStorage`` (local.py) is what batchrun always did (paths handed to pyarrow, ``os.stat``);
+``S3Storage`` (s3.py) reads objects. An object's ``version`` is what changes when its content
+is replaced: the mtime (ns) of a local file, the ETag of an S3 object. Inputs are pinned by
+(size, version) so a run notices a file replaced under it.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import pyarrow as pa
+import pyarrow.dataset as ds
+import pyarrow.parquet as pq
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    path: str  # the local path or the full URI
+    size: int
+    version: str  # local: mtime_ns as text; S3: the ETag (quotes included, as the store sends it)
+
+
+class Storage(ABC):
+    @abstractmethod
+    def stat(self, path: str) -> ObjectInfo | None:
+        """The file's size and version, or None if there is none at ``path``."""
+
+    @abstractmethod
+    def parquet_file(self, path: str) -> pq.ParquetFile:
+        """An open Parquet file: footer read, row groups read on demand (bounded memory)."""
+
+    @abstractmethod
+    def read_schema(self, path: str) -> pa.Schema:
+        """The file's schema (the footer only)."""
+
+    @abstractmethod
+    def dataset(self, path: str) -> ds.Dataset:
+        """The file as a pyarrow dataset (scanned in batches)."""
