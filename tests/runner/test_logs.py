@@ -73,7 +73,7 @@ def test_metrics_keep_every_run_of_every_task(make_job, tmp_path):
 def test_help_lists_exit_codes_and_empty_tasks_say_why(make_job, tmp_path):
     r = run_cli("run", "--help")
     assert r.returncode == 0
-    for code in ("0 done", "3 bad job file", "5 output dir holds a different job", "7 output dir not",
+    for code in ("0 done", "3 bad job file", "5 output dir holds a different job", "7 output dir or object store not",
                  "130 interrupted"):
         assert code in " ".join(r.stdout.split()), r.stdout
     job = make_job(demo_rows(6))
