@@ -104,3 +104,20 @@ def test_greedy_outputs(model, tokenizer, task):
             model.set_adapter(task)
             got = _greedy(model, tokenizer, prompt)
         assert got == EXPECTED[task](prompt), (task, prompt, got)
+
+
+@pytest.mark.slow
+def test_the_trained_demo_model_gives_the_same_text_in_fp8():
+    # FP8 weights (on the fly) and an FP8 KV cache: every row the trained model gets right in
+    # the model dtype comes out the same (rows it gets wrong drift, as any rounding change may)
+    import batchrun
+    prompts = ["hello world", "batch inference", "lora adapters"]
+    want = {None: prompts, "upper": [p.upper() for p in prompts], "reverse": [p[::-1] for p in prompts]}
+    sp = batchrun.SamplingParams(max_tokens=40, temperature=0.0)
+    for quantization, kv in ((None, "auto"), ("fp8", "auto"), ("fp8", "fp8")):
+        llm = batchrun.LLM(str(MODEL), adapters={k: str(v) for k, v in ADAPTERS.items()},
+                           device="cpu", max_model_len=128, quantization=quantization,
+                           kv_cache_dtype=kv)
+        for adapter, texts in want.items():
+            outs = llm.generate(prompts, sp, lora_request=adapter, use_tqdm=False)
+            assert [o.outputs[0].text for o in outs] == texts, (quantization, kv, adapter)
