@@ -225,7 +225,8 @@ def _run_workers(job, workers, gpus, restart, restart_token, log_interval, claim
     if restart or restart_token:  # restart once for the whole pool, not once per worker
         args += ["--restart-token", restart_token or uuid.uuid4().hex[:16]]
     code = wk.run_workers(wk.worker_command() + args, devices, spec.output.path,
-                          log=lambda m: click.echo(m, err=True), interval=log_interval)
+                          log=lambda m: click.echo(m, err=True), interval=log_interval,
+                          storage_options=spec.output.storage_options)
     sys.exit(code)
 
 

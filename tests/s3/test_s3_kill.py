@@ -134,3 +134,23 @@ def test_task_lock_of_a_dead_host_is_waited_out(s3, tiny_model, tmp_path, monkey
     assert finish(job) == 0
     assert time.time() - t0 >= 2  # it waited for the lease (the store's clock has 1 s steps)
     exactly_once(s3, "o")
+
+
+@pytest.mark.slow
+def test_cpu_workers_pool_on_a_prefix_reports_its_units(s3, tiny_model, tmp_path):
+    # `run --workers N` on an s3:// output: the pool's progress line counts the prefix's commit
+    # markers against its manifest (it read a local directory and said "units 0/?")
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    repo = Path(__file__).resolve().parents[2]
+    s3.put_rows("in/a.parquet", demo_rows(24))
+    job = job_file(tmp_path, tiny_model, s3.uri("in"), s3.uri("w"), rows_per_unit=4)
+    env = {**os.environ, "PYTHONPATH": f"{repo}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+           "FAKE_ENGINE_SLEEP": "0.01", "BATCHRUN_CLAIM_LEASE": "2", "TOKENIZERS_PARALLELISM": "false"}
+    r = subprocess.run([sys.executable, str(repo / "tests" / "helpers" / "fake_cli.py"), "run", str(job),
+                        "--workers", "2"], capture_output=True, text=True, timeout=180, env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "units 6/6 committed" in r.stderr, r.stderr[-2000:]
+    exactly_once(s3, "w", 24)

@@ -85,9 +85,13 @@ def worst(codes: Sequence[int]) -> int:
 
 
 def run_workers(cmd: Sequence[str], devices: Sequence[str | None], out_path: str,
-                log: Callable[[str], None], interval: float = 30.0, env=None) -> int:
+                log: Callable[[str], None], interval: float = 30.0, env=None,
+                storage_options=None) -> int:
     """Start one child per entry of ``devices`` (``cmd`` + --task-id i --num-tasks N), print one
-    combined progress line every ``interval`` s, and return the worst exit code (130 if stopped)."""
+    combined progress line every ``interval`` s, and return the worst exit code (130 if stopped).
+    out_path: the output (a directory or an s3:// prefix, with its storage_options)."""
+    from batchrun.job.store.layout import OutputDir
+    out = OutputDir(out_path, storage_options)
     n = len(devices)
     base = dict(os.environ if env is None else env)
     procs: list[subprocess.Popen] = []
@@ -107,8 +111,8 @@ def run_workers(cmd: Sequence[str], devices: Sequence[str | None], out_path: str
             time.sleep(0.05)
             if time.time() - last >= interval:
                 last = time.time()
-                log(_line(procs, out_path))
-        log(_line(procs, out_path))
+                log(_line(procs, out))
+        log(_line(procs, out))
         return worst([p.returncode for p in procs])
     except Interrupted:
         for p in procs:
@@ -124,14 +128,13 @@ def run_workers(cmd: Sequence[str], devices: Sequence[str | None], out_path: str
         return 130
 
 
-def _line(procs, out_path: str) -> str:
-    import json
-    meta = os.path.join(out_path, "_batchrun")
-    try:
-        done = sum(1 for n in os.listdir(os.path.join(meta, "commits")) if n.startswith("unit-") and n.endswith(".json"))
-        with open(os.path.join(meta, "manifest.json")) as f:
-            total = json.load(f).get("total_units", "?")
-    except (OSError, ValueError):
+def _line(procs, out) -> str:
+    from batchrun.job.store import access
+    from batchrun.errors import OutputIOError
+    try:  # commit markers and the manifest of a local output or an s3:// prefix
+        done = len(access.read_commits(out).valid)
+        total = access.read_json(out, out.manifest).get("total_units", "?")
+    except (OSError, ValueError, OutputIOError):
         done, total = 0, "?"
     running = sum(p.poll() is None for p in procs)
     codes = [p.returncode for p in procs if p.returncode is not None]
