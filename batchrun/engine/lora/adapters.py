@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from safetensors import safe_open
 
 from batchrun.engine.lora.experts import EXPERT_MODULES, expert_targets, is_expert_key, per_expert
-from batchrun.engine.lora.peft_config import (EMBEDDING_MODULES, PeftLoraConfig, adapter_error,
+from batchrun.engine.lora.peft_config import (EMBEDDING_MODULES, PeftLoraConfig, adapter_error, check_rank,
                                               module_key, peft_modules)
 from batchrun.engine.models.checkpoint import VISION, text_tower_name
 from batchrun.engine.models.config import SUPPORTED
@@ -238,14 +238,7 @@ def inspect_adapter(name: str, path, model_config, max_lora_rank: int) -> Adapte
                                 "different base model")
         if ra != rb:
             raise adapter_error(name, path, f"{mkey}: lora_A rank {ra} != lora_B rank {rb}")
-        expected = pc.rank_for(mkey)
-        if ra != expected:
-            raise adapter_error(name, path, f"{mkey} has rank {ra} but adapter_config.json "
-                                f"r/rank_pattern give {expected}; the config does not belong "
-                                "to these weights")
-        if ra > max_lora_rank:
-            raise adapter_error(name, path, f"{mkey} has rank {ra}, above max_lora_rank="
-                                f"{max_lora_rank}; raise engine.max_lora_rank to at least {ra}")
+        check_rank(name, path, mkey, ra, pc, max_lora_rank)
         parent, module, sl = modules[proj]
         scaling = pc.scaling_for(mkey, ra)
         key_a, key_b = stored[ab["A"]], stored[ab["B"]]

@@ -25,7 +25,7 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from batchrun.engine.lora.peft_config import adapter_error
+from batchrun.engine.lora.peft_config import adapter_error, check_rank
 
 if TYPE_CHECKING:  # validation runs without torch (`plan`); only loading needs it
     from torch import Tensor
@@ -92,14 +92,7 @@ def expert_targets(name: str, path: Path, cfg, pc, header: dict[str, list[int]],
                                 f"I={i}]): the adapter was made for a different base model")
         rank = ra // experts
         pkey = f"model.layers.{layer}.{EXPERT_MODULES[module]}"
-        expected = pc.rank_for(pkey)
-        if rank != expected:
-            raise adapter_error(name, path, f"{pkey} has rank {rank} but adapter_config.json "
-                                f"r/rank_pattern give {expected}; the config does not belong to "
-                                "these weights")
-        if rank > max_lora_rank:
-            raise adapter_error(name, path, f"{pkey} has rank {rank}, above max_lora_rank="
-                                f"{max_lora_rank}; raise engine.max_lora_rank to at least {rank}")
+        check_rank(name, path, pkey, rank, pc, max_lora_rank)
         targets.append(LoRATarget(layer, EXPERT_MODULES[module], module, 0, rank,
                                   pc.scaling_for(pkey, rank), stored[ab["A"]], stored[ab["B"]]))
     return targets

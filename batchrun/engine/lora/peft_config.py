@@ -45,6 +45,20 @@ def module_key(layer: int, peft_module: str) -> str:
     return f"model.layers.{layer}.{parent}.{peft_module}"
 
 
+def check_rank(name: str, path, key: str, rank: int, pc: "PeftLoraConfig",
+               max_lora_rank: int) -> None:
+    """A module's stored rank agrees with adapter_config.json (r / rank_pattern) and fits
+    engine.max_lora_rank; key: the module's name as the config patterns see it."""
+    expected = pc.rank_for(key)
+    if rank != expected:
+        raise adapter_error(name, path, f"{key} has rank {rank} but adapter_config.json "
+                            f"r/rank_pattern give {expected}; the config does not belong to "
+                            "these weights")
+    if rank > max_lora_rank:
+        raise adapter_error(name, path, f"{key} has rank {rank}, above max_lora_rank="
+                            f"{max_lora_rank}; raise engine.max_lora_rank to at least {rank}")
+
+
 def adapter_error(name: str, path, msg: str) -> AdapterError:
     return AdapterError(f"LoRA adapter {name!r} ({path}): {msg}")
 

@@ -48,9 +48,10 @@ class TaskLock:
         self.release()
 
 
-def acquire_waiting(lock: TaskLock, timeout: float, on_wait=None, poll: float = 0.2) -> TaskLock:
+def acquire_waiting(lock, timeout: float, on_wait=None, poll: float = 0.2):
     """``lock.acquire()``, retried every ``poll`` s while another process holds it; ``on_wait``
-    gets the first refusal (LockBusy). Past ``timeout`` s the last refusal is raised."""
+    gets the first refusal (LockBusy). Past ``timeout`` s the last refusal is raised. ``lock``: a
+    TaskLock, or an object store's ObjectLock (store/objects/lock.py), which raise the same."""
     deadline = time.monotonic() + timeout
     waiting = False
     while True:

@@ -19,7 +19,8 @@ from batchrun.errors import ConfigError, JobChanged
 from batchrun.job.plan.units import Plan, make_plan
 from batchrun.job.store.layout import OutputDir
 from batchrun.job.store.objects import restart
-from batchrun.job.store.objects.lock import ObjectLock, acquire_waiting
+from batchrun.job.store.lock import acquire_waiting
+from batchrun.job.store.objects.lock import ObjectLock
 
 PLAN_FILES = ("plan.json", "row_file.npy", "row_index.npy")
 _plan_copies: list[tempfile.TemporaryDirectory] = []  # kept while the process runs (memory maps)
@@ -96,7 +97,8 @@ def job_state(spec, out: OutputDir, store, restart_flag, parts, fp, token, files
         check_unowned(out, store)
     check_writable(out, store)
     lock = ObjectLock(store, f"{out.locks}/manifest.lock", "planning", lease_s, log)
-    acquire_waiting(lock, 600.0, lambda e: log(f"another worker is planning {out.path}; waiting for its plan"))
+    acquire_waiting(lock, 600.0, lambda e: log(f"another worker is planning {out.path}; waiting for its plan"),
+                    poll=0.5)
     try:
         wiped = restart.pending_wipe(out, store)
         if wiped:

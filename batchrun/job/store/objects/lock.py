@@ -92,21 +92,6 @@ class ObjectLock:
         self.release()
 
 
-def acquire_waiting(lock: ObjectLock, timeout: float, on_wait=None, poll: float = 0.5) -> ObjectLock:
-    deadline = time.monotonic() + timeout
-    waiting = False
-    while True:
-        try:
-            return lock.acquire()
-        except LockBusy as e:
-            if not waiting and on_wait is not None:
-                on_wait(e)
-            waiting = True
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(poll)
-
-
 def holder(store, path: str, lease_s: float) -> str | None:
     """Owner text if a live (not stale) lease stands at ``path``, else None (status, restart)."""
     leases = Leases(store, lease_s, {})
