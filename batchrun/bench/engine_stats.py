@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from batchrun.bench.lora_memory import lora_memory
+from batchrun.engine.engine import weight_bytes  # noqa: F401  (re-exported: roofline, tests)
 
 MIB = 1 << 20
 GIB = 1 << 30
@@ -23,17 +24,6 @@ def graph_stats(engine) -> dict:
             "num_graphs": st.get("num_graphs"), "pool_bytes": dict(pools),
             "pool_mib": {k: v / MIB for k, v in pools.items()},
             "prefill": dict(pg.stats) if pg is not None else None}
-
-
-def weight_bytes(model) -> int:
-    """Bytes of the model's parameters, each storage counted once (a tied lm_head is the
-    embedding table)."""
-    seen, total = set(), 0
-    for p in model.parameters():
-        if p.data_ptr() not in seen:
-            seen.add(p.data_ptr())
-            total += p.numel() * p.element_size()
-    return total
 
 
 def memory_stats(engine, built=None) -> dict:

@@ -56,6 +56,17 @@ EMPTY_STEP = ("scheduler produced an empty step with work pending "
               "(KV cache too small for any waiting sequence)")
 
 
+def weight_bytes(model) -> int:
+    """Bytes of the model's parameters as stored (FP8 layers at one byte a weight), each
+    storage counted once (a tied lm_head is the embedding table)."""
+    seen, total = set(), 0
+    for p in model.parameters():
+        if p.data_ptr() not in seen:
+            seen.add(p.data_ptr())
+            total += p.numel() * p.element_size()
+    return total
+
+
 class Engine:
     def __init__(self, config: EngineConfig, model, tokenizer, device, dtype, lora=None):
         config = resolve_max_model_len(model.config, config, device, dtype)
@@ -136,11 +147,7 @@ class Engine:
     def memory_summary(self) -> str:
         """What the weights and the KV cache take, in the dtypes they are stored in (FP8
         layers at one byte a weight), for the run's log."""
-        seen, weights = set(), 0
-        for p in self.model.parameters():
-            if p.data_ptr() not in seen:
-                seen.add(p.data_ptr())
-                weights += p.numel() * p.element_size()
+        weights = weight_bytes(self.model)
         quant = self.model.config.quant
         kv = self.runner.kv_cache
         gib = 1 << 30
