@@ -3,6 +3,7 @@ still_mine, release, shard-preferring order, waiting for other workers' claims."
 import json
 import multiprocessing
 import os
+import threading
 import time
 
 import pytest
@@ -172,6 +173,51 @@ def _steal(path: str, barrier, results, worker: int) -> None:
     got = c.claim(6)
     results.put((worker, got, c.token))
     c._stop.set()
+
+
+def test_a_stealer_that_looked_before_another_took_over_does_not_make_two_winners(out, monkeypatch):
+    """The interleaving CI once hit with six racing processes, forced: stealer b looks at the
+    expired claim; a takes it over meanwhile; b then moves a's fresh claim aside, and c, finding
+    the name free, claims it while b tries to put a's back. Stealers take turns, so a must wait
+    for b's look to end and sees b's claim."""
+    dead = UnitClaims(out, units(), "dead", lease_s=5)
+    assert dead.claim(6) == "claimed"
+    age(out.claim(6), 60)
+    a, b, c = (UnitClaims(out, units(), w, lease_s=5) for w in "abc")
+    got: dict[str, str] = {}
+    real_stat, real_link = os.stat, os.link
+    hooked = threading.Event()
+
+    def b_looks(path, *args, **kw):
+        if threading.current_thread() is main and path == out.claim(6) and not hooked.is_set():
+            hooked.set()  # b has looked: let a try its whole take-over now (1 s)
+            st = real_stat(path, *args, **kw)
+            t = threading.Thread(target=lambda: got.__setitem__("a", a.claim(6)))
+            t.start()
+            t.join(1.0)
+            threads.append(t)
+            return st
+        return real_stat(path, *args, **kw)
+
+    def b_puts_back(src, dst, *args, **kw):
+        got["c"] = c.claim(6)  # c finds the name free while b puts a's claim back
+        return real_link(src, dst, *args, **kw)
+
+    main, threads = threading.current_thread(), []
+    monkeypatch.setattr(claims_mod.os, "stat", b_looks)
+    monkeypatch.setattr(claims_mod.os, "link", b_puts_back)
+    got["b"] = b.claim(6)
+    for t in threads:
+        t.join(10)
+    monkeypatch.undo()
+    got.setdefault("c", c.claim(6))
+    winners = [w for w, g in got.items() if g == "claimed"]
+    assert len(winners) == 1, got
+    owner = {"a": a, "b": b, "c": c}[winners[0]]
+    assert json.loads(open(out.claim(6)).read())["token"] == owner.token
+    assert os.listdir(out.claims) == ["unit-000006"]
+    for x in (a, b, c, dead):
+        x._stop.set()
 
 
 @pytest.mark.parametrize("round_", range(5))

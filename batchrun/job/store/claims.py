@@ -13,10 +13,13 @@ kill -9 lands there now and then) is taken over once it is UNREADABLE_GRACE_S ol
 whole lease: a live creator writes its owner microseconds after creating the file, and nobody
 renews an empty claim, so waiting for the lease only stalled the rerun (~120 s).
 
-Taking over (stealing) is race-safe between any number of stealers: a stealer renames the
-expired file to a private name (only one rename of one file succeeds), checks that what it moved
-is the same, still-expired file (else it links it back: the owner renewed in between), deletes
-it and then creates a fresh claim with ``O_EXCL`` like any worker, so one worker wins.
+Taking over (stealing) is race-safe between any number of stealers: stealers take turns under
+the output's ``locks/claims.lock`` (an fcntl lock, dropped by the kernel when its holder dies, so
+it never goes stale), and the stealer holding it looks again, renames the expired file to a private
+name, checks that what it moved is the same, still-expired file (else it links it back: the owner
+renewed in between), deletes it and then creates a fresh claim with ``O_EXCL`` like any worker, so
+one worker wins. Without the turns a stealer that looked before another's take-over would move the
+new owner's fresh claim aside; a plain claimer finding the name free meanwhile then made two winners.
 
 Claims make the work efficient, not exactly-once: each unit has one part-file name, published
 by an atomic rename, so even two workers finishing the same unit leave one whole part file. Still,
@@ -44,11 +47,14 @@ from typing import Callable, Iterable, Iterator
 
 from batchrun.errors import OutputIOError, io_message
 from batchrun.job.store.layout import OutputDir
+from batchrun.job.store.lock import TaskLock
 from batchrun.job.plan.units import Unit
 
 DEFAULT_LEASE_S = 120.0
 UNREADABLE_GRACE_S = 5.0  # a claim file with no readable owner is stale after this (or the lease)
 LEASE_ENV = "BATCHRUN_CLAIM_LEASE"
+# fcntl locks belong to the process, so threads of one process take turns here first.
+_STEAL_TURN = threading.Lock()
 
 
 def lease_from_env(value: float | None = None) -> float:
@@ -153,6 +159,10 @@ class UnitClaims:
     def _steal(self, path: str) -> bool:
         """Take over an expired claim (or one of a dead earlier run of this worker); False if it
         is live or another worker got it first."""
+        with _STEAL_TURN, TaskLock(os.path.join(self.out.locks, "claims.lock"), "taking over a claim", block=True):
+            return self._steal_in_turn(path)
+
+    def _steal_in_turn(self, path: str) -> bool:
         try:
             st = os.stat(path)
         except FileNotFoundError:

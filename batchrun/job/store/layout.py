@@ -10,7 +10,8 @@
         claims/unit-000000         a worker's claim on a unit in flight (batchrun/job/store/claims.py)
         tmp/task-0/                part files being written (never visible in the dataset)
         locks/task-0.lock          one fcntl lock per task id (manifest.lock: planning;
-                                   metrics.lock: merging metrics.json)
+                                   metrics.lock: merging metrics.json;
+                                   claims.lock: taking over an expired claim)
 
 On an object store (output.path an s3:// prefix) the keys are the same; there is no tmp/ (a
 part goes to its final key in one PUT) and claims and locks are leases (store/objects/).

@@ -17,14 +17,17 @@ class LockBusy(RuntimeError):
 
 
 class TaskLock:
-    def __init__(self, path: str, what: str):
-        self.path, self.what, self.fd = path, what, None
+    """``block``: wait for the holder instead of raising LockBusy (for locks held only for a few
+    system calls, like claims.lock)."""
+
+    def __init__(self, path: str, what: str, block: bool = False):
+        self.path, self.what, self.block, self.fd = path, what, block, None
 
     def acquire(self) -> "TaskLock":
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
-            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.lockf(fd, fcntl.LOCK_EX | (0 if self.block else fcntl.LOCK_NB))
         except OSError:
             owner = os.read(fd, 200).decode(errors="replace").strip() or "another process"
             os.close(fd)
