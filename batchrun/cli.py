@@ -347,18 +347,15 @@ def slurm(job, array, script, time_, cpus, mem, partition, account, gpus_per_tas
     from batchrun.job.launch import slurm as sl
     try:
         spec = sl.read_job(job)  # variables in its paths are expanded by each task, not here
-        from batchrun.job.storage.uri import is_uri
-        if is_uri(spec.output_path):  # the script keeps each task's log under the output directory
-            raise ConfigError(f"output.path: {spec.output_path}: `batchrun slurm` writes each task's log under "
-                              "a local output directory, which an s3:// output does not have; run "
-                              "`batchrun run JOB` from your own sbatch array script instead (the tasks share the "
-                              "output's units the same way)")
         path = script or os.path.splitext(spec.job_file)[0] + ".sbatch"
         text = sl.sbatch_script(spec, array, path, cpus=cpus, mem=mem, time=time_, partition=partition,
                                 account=account, restart=restart, gpus_per_task=gpus_per_task,
                                 sbatch_args=sbatch_args, signal_before=signal_before)
         sl.write_script(spec, path, text)
         click.echo(f"wrote {path}")
+        if spec.object_output:
+            click.echo(f"note: output.path is an object-store URI: task logs go to "
+                       f"{sl.slurm_log_dir(spec, path)}/{sl.log_name(spec)}-<array job id>_<task id>.out")
         if spec.unset:
             click.echo(f"note: {', '.join('$' + v for v in spec.unset)} not set here: the job's paths are "
                        "expanded and checked by each task when it starts (`batchrun plan` where they are set "

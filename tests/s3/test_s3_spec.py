@@ -67,11 +67,15 @@ def test_storage_options_fields():
 
 
 @pytest.mark.slow
-def test_slurm_script_for_an_s3_output_is_refused_with_the_alternative(tmp_path):
+def test_slurm_script_for_an_s3_output_keeps_task_logs_next_to_the_script(tmp_path):
     from tests.helpers.jobs import run_cli, write_job
     job = write_job(tmp_path / "job.yaml", {"model": "m", "input": {"path": "s3://b/in"},
-                                            "output": {"path": "s3://b/out"}})
+                                            "output": {"path": "s3://b/$BATCHRUN_T/out"}})
     r = run_cli("slurm", job, "--array", "2")
-    assert r.returncode == 3, r.stdout + r.stderr
-    assert "output.path: s3://b/out: `batchrun slurm` writes each task's log" in r.stderr
-    assert not (tmp_path / "job.sbatch").exists()
+    assert r.returncode == 0, r.stdout + r.stderr
+    log = f"{tmp_path}/job-<array job id>_<task id>.out"
+    assert f"task logs go to {log}" in r.stdout
+    text = (tmp_path / "job.sbatch").read_text()
+    assert f"#SBATCH --output={tmp_path}/job-%A_%a.out" in text
+    assert "s3:/" not in text.replace("s3://", "")  # never a URI collapsed into a local path
+    assert "mkdir" not in text and "exec >>" not in text  # no log folder under the output

@@ -18,6 +18,8 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
+from tests.s3.conftest import s3, s3_server  # noqa: F401 - fixtures: the local S3 test server
+
 REPO = Path(__file__).resolve().parents[2]
 ROWS = 48
 
@@ -243,3 +245,22 @@ def test_time_limit_signal_exits_130_and_a_resubmission_resumes(tmp_path):
     assert os.listdir(claims) == []
     metrics = json.loads((out / "_batchrun" / "metrics" / f"task-0-j{again}.json").read_text())
     assert metrics["units_taken_over"] == len(held) and metrics["units_done"] == total - committed
+
+
+def test_array_on_an_s3_output_finishes_every_id_once_with_logs_next_to_the_script(tmp_path, s3):
+    """Two array tasks share an s3:// output (the local S3 test server; sbatch passes on the AWS
+    variables as it would a user's): every id once, verify passes, each task logs next to the script."""
+    from tests.s3.helpers import read_parts
+    demo = pq.read_table(REPO / "demo" / "data" / "prompts.parquet").to_pylist()
+    s3.put_rows("in/a.parquet", [{**demo[i % len(demo)], "id": f"r{i:03d}"} for i in range(ROWS)])
+    job = make_job(tmp_path, input={"path": s3.uri("in/")}, output={"path": s3.uri("out")})
+    jid = submit(job, 2, "s.sbatch")
+    wait_gone([jid])
+    ids = read_parts(s3, "out").column("id").to_pylist()
+    assert sorted(ids) == [f"r{i:03d}" for i in range(ROWS)], (len(ids), len(set(ids)))
+    r = subprocess.run([sys.executable, "-m", "batchrun", "verify", s3.uri("out")], capture_output=True, text=True,
+                       env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert r.returncode == 0, r.stdout + r.stderr
+    logs_ = sorted(tmp_path.glob("job-*.out"))
+    assert [p.name for p in logs_] == [f"job-{jid}_0.out", f"job-{jid}_1.out"]
+    assert "".join(p.read_text() for p in logs_).count("batchrun: summary task") == 2

@@ -10,7 +10,9 @@ Logs: Slurm's own ``--output=%A_%a.out`` pattern (array job id, task id), opened
 a requeued task adds to its log. Where output.path is known when the script is written, that file
 is ``<output>/_batchrun/slurm/%A_%a.out``; where it needs run-time expansion, Slurm's file is next
 to the script and the script sends batchrun's output to the same name under the expanded
-``<output>/_batchrun/slurm/`` (Slurm cannot expand variables in ``--output``).
+``<output>/_batchrun/slurm/`` (Slurm cannot expand variables in ``--output``). An object-store
+output (``s3://...``) has no directory for logs: they stay next to the script,
+``<job name>-%A_%a.out``.
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ from batchrun.engine.config import DEVICES
 from batchrun.errors import ConfigError
 from batchrun.job.jobfile.safe_yaml import load_yaml
 from batchrun.job.jobfile.spec import _ENV_REF, load_job
+from batchrun.job.storage.uri import is_uri
 
 HEADER = """#!/usr/bin/env bash
 # Written by `batchrun slurm` for {job_file}.
@@ -65,6 +68,10 @@ mkdir -p "$out/_batchrun/slurm"
 exec >>"$out/_batchrun/slurm/${{SLURM_ARRAY_JOB_ID:?run this script with sbatch}}_${{SLURM_ARRAY_TASK_ID:?run this script with sbatch}}.out" 2>&1
 """
 
+OBJECT_LOG = """# output.path is an object-store URI, which has no folder for logs: each task's log stays at
+# {log} (appended to).
+"""
+
 RUN = "exec {batchrun} run {job}{restart}\n"
 
 DEFAULT_SIGNAL_BEFORE_S = 120
@@ -85,10 +92,16 @@ class SlurmJob:
         return os.path.dirname(self.job_file)
 
     @property
+    def object_output(self) -> bool:
+        """output.path is an object-store URI (its scheme is literal even where its key names $VARS)."""
+        return is_uri(self.output_path)
+
+    @property
     def static_output(self) -> str | None:
-        """output.path resolved now, when it names no variable and no home directory; else None."""
+        """output.path resolved now, when it is a local path naming no variable and no home
+        directory; else None."""
         raw = self.output_path
-        if _ENV_REF.search(raw) or raw == "~" or raw.startswith("~/"):
+        if self.object_output or _ENV_REF.search(raw) or raw == "~" or raw.startswith("~/"):
             return None
         return os.path.normpath(os.path.join(self.base_dir, os.path.expanduser(raw)))
 
@@ -202,8 +215,14 @@ def check_signal_before(signal_before: int, time: str) -> None:
                           "the task would be signalled before it starts; lower --signal-before or raise --time")
 
 
+def log_name(job: SlurmJob) -> str:
+    """The job file's name without its extension: the Slurm job name and the logs' prefix."""
+    return os.path.splitext(os.path.basename(job.job_file))[0] or "batchrun"
+
+
 def slurm_log_dir(job: SlurmJob, script_path: str) -> str:
-    """Where Slurm writes %A_%a.out: the output's log folder when known now, else next to the script."""
+    """Where Slurm writes %A_%a.out: the output's log folder when known now, else (a variable in a
+    local output.path, or an object-store output) next to the script."""
     static = job.static_output
     if static is not None:
         return os.path.join(static, "_batchrun", "slurm")
@@ -227,7 +246,7 @@ def sbatch_script(job: SlurmJob, array: int, script_path: str, *, cpus: int = 8,
         if "\n" in arg or not arg.startswith("-"):
             raise ConfigError(f"--sbatch-arg: {arg!r} is not one sbatch option (expected e.g. --qos=long)")
         extra.append(f"#SBATCH {arg}")
-    name = os.path.splitext(os.path.basename(job.job_file))[0] or "batchrun"
+    name = log_name(job)
     log_dir = slurm_log_dir(job, script_path)
     # One token per written script: its tasks, requeues and resubmissions restart only once.
     restart_flag = f" --restart-token {uuid.uuid4().hex[:16]}" if restart else ""
@@ -238,7 +257,9 @@ def sbatch_script(job: SlurmJob, array: int, script_path: str, *, cpus: int = 8,
                                "%A_%a.out" if job.static_output else f"{name.replace('%', '%%')}-%A_%a.out"),
         extra="\n".join(extra), signal_before=signal_before,
         gpus=f"\n#SBATCH --gpus-per-task={gpus}" if gpus else "")
-    if job.static_output is None:
+    if job.object_output:
+        text += OBJECT_LOG.format(log=os.path.join(log_dir, f"{name}-<array job id>_<task id>.out"))
+    elif job.static_output is None:
         text += REDIRECT.format(out_word=shell_path(job.output_path), base=shlex.quote(job.base_dir))
     return text + RUN.format(batchrun=exe if " " in exe else shlex.quote(exe), job=shlex.quote(job.job_file),
                              restart=restart_flag)
