@@ -109,11 +109,6 @@ class Engine:
             check_context_length(mcfg, config.max_model_len, config.model)
             check_one_sequence_fits(mcfg, config, device, dtype)  # before the rotary table and weights
         check_weights_fit(mcfg, config, device, dtype)  # a model too big says by how much
-        if device.type == "cuda" and config.enable_lora and adapters:  # before the weights load
-            from batchrun.engine.lora.adapters import inspect_adapter
-            from batchrun.engine.lora.experts import refuse_expert_lora_on_gpu
-            refuse_expert_lora_on_gpu({n: inspect_adapter(n, p, mcfg, config.max_lora_rank)
-                                       for n, p in adapters.items()})
         tokenizer = load_tokenizer(config.model)
         model = load_model(config.model, device, dtype, max_position(config, mcfg),
                            config.quantization)

@@ -1,8 +1,8 @@
 """GPU checks of the mixture-of-experts models (Mixtral, Qwen3-MoE, Qwen2-MoE) on the fused MoE
-kernel (kernels/fused_moe.py): fp32 greedy tokens equal transformers', attention LoRA mixed with
-base rows equals peft's, bf16 tracks fp32 as closely as transformers' bf16 does, graph replay
-equals eager with adapters mixed in, and a no-LoRA decode step launches exactly the
-LoRA-disabled engine's kernels."""
+kernel (kernels/fused_moe.py): fp32 greedy tokens equal transformers', attention and expert LoRA
+(the expert deltas inside the fused kernel) mixed with base rows equal peft's, bf16 tracks fp32 as
+closely as transformers' bf16 does, graph replay equals eager with adapters mixed in, and a no-LoRA
+decode step launches exactly the LoRA-disabled engine's kernels."""
 import pytest
 import torch
 
@@ -11,7 +11,7 @@ from batchrun.engine.engine import Engine
 from batchrun.engine.models.config import ModelConfig
 from batchrun.engine.models.loader import model_from_hf_state
 from batchrun.engine.request import Request
-from tests.engine.test_moe_lora import ADAPTERS, run_mixed
+from tests.engine.test_moe_lora import ADAPTERS, EXPERT_ADAPTERS, run_mixed
 from tests.gpu.test_engine_gpu import _kernels_of_one_decode_step, skinny  # noqa: F401 (fixture)
 from tests.helpers.adapters import parity_adapter
 from tests.helpers.models import FAMILIES, hf_greedy, random_prompts, save_hf_model
@@ -38,6 +38,12 @@ def test_fp32_greedy_matches_hf_on_the_triton_path(tmp_path, variant):
 @pytest.mark.parametrize("variant", sorted(ADAPTERS))
 def test_fp32_attention_lora_matches_peft_on_the_triton_path(tmp_path, variant):
     run_mixed(tmp_path, variant, ADAPTERS[variant], device="cuda")
+
+
+@pytest.mark.parametrize("variant", sorted(EXPERT_ADAPTERS))
+def test_fp32_expert_lora_matches_peft_on_the_triton_path(tmp_path, variant):
+    # router and expert deltas (fused_moe_lora) mixed with base rows, eager and graphs
+    run_mixed(tmp_path, variant, EXPERT_ADAPTERS[variant], device="cuda")
 
 
 # Qwen3-30B-A3B's routing (128 experts would be slow to build in HF here: 32 of 1024, top 8)
@@ -88,11 +94,11 @@ def test_bf16_parity_with_hf(family):
     assert rate(ours_tokens, fp32_tokens) >= 0.8 * rate(hf_tokens, fp32_tokens) - 0.05
 
 
-def _engine(tmp_path, variant, enforce_eager, enable_lora=True, dtype="float32"):
+def _engine(tmp_path, variant, enforce_eager, enable_lora=True, dtype="float32", targets=ATTENTION):
     save_hf_model(variant, tmp_path / "base")
     adapters = {}
     for i, r in enumerate([8, 4]):
-        parity_adapter(variant, tmp_path / f"a{i}", 300 + i, dict(r=r, lora_alpha=2 * r, **ATTENTION))
+        parity_adapter(variant, tmp_path / f"a{i}", 300 + i, dict(r=r, lora_alpha=2 * r, **targets))
         adapters[f"a{i}"] = str(tmp_path / f"a{i}")
     cfg = EngineConfig(model=str(tmp_path / "base"), device="cuda", dtype=dtype, max_model_len=256,
                        max_num_seqs=16, enable_lora=enable_lora, max_loras=2, max_lora_rank=8,
@@ -107,10 +113,12 @@ def _requests(adapters, vocab):
             for i, p in enumerate(prompts)]
 
 
-@pytest.mark.parametrize("variant", ["mixtral", "qwen3_moe", "qwen2_moe"])
-def test_graph_replay_matches_eager(tmp_path, variant):
-    eager, adapters = _engine(tmp_path / "e", variant, True)
-    graphs, _ = _engine(tmp_path / "g", variant, False)
+@pytest.mark.parametrize("variant,targets", [
+    ("mixtral", ATTENTION), ("qwen3_moe", ATTENTION), ("qwen2_moe", ATTENTION),
+    ("mixtral", dict(target_modules="all-linear")), ("qwen3_moe", dict(target_modules="all-linear"))])
+def test_graph_replay_matches_eager(tmp_path, variant, targets):
+    eager, adapters = _engine(tmp_path / "e", variant, True, targets=targets)
+    graphs, _ = _engine(tmp_path / "g", variant, False, targets=targets)
     assert graphs.runner.graphs is not None
     reqs = _requests(adapters, 211)
     assert ([r.output_token_ids for r in eager.generate(reqs)]

@@ -65,13 +65,36 @@ EXPERT_ADAPTERS = {
 }
 
 
-@pytest.mark.parametrize("path", ["unfused", "fused_ref"])
+@pytest.mark.parametrize("path", ["unfused", "fused_ref", pytest.param("triton", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("variant", sorted(EXPERT_ADAPTERS))
 def test_moe_expert_lora_matches_peft(tmp_path, variant, path, monkeypatch):
+    # triton: the GPU's code path under the interpreter, expert deltas inside fused_moe_lora
     import batchrun.engine.model_runner as model_runner
-    if path != "unfused":
+    if path == "fused_ref":
         monkeypatch.setattr(model_runner, "use_triton", lambda t: True)
+    calls = []
+    if path == "triton":
+        import batchrun.kernels.fused_moe as kernel
+        monkeypatch.setenv("BATCHRUN_FORCE_TRITON", "1")
+        real = kernel.fused_moe_lora
+        monkeypatch.setattr(kernel, "fused_moe_lora", lambda *a, **k: calls.append(1) or real(*a, **k))
     run_mixed(tmp_path, variant, EXPERT_ADAPTERS[variant])
+    assert bool(calls) == (path == "triton")  # the kernel ran the adapter rows' expert deltas
+
+
+def test_an_adapter_on_one_expert_tensor_hooks_both_the_other_zero(tmp_path):
+    # the fused MoE kernel takes gate_up's and down's slots together
+    save_hf_model("qwen3_moe", tmp_path / "base")
+    path = _expert_adapter(tmp_path)  # q_proj and the experts' down_proj
+    engine = Engine.from_config(EngineConfig(model=str(tmp_path / "base"), device="cpu", max_model_len=64,
+                                             enable_lora=True, max_loras=1, max_lora_rank=8),
+                                adapters={"ad": str(path)})
+    engine.generate([Request(0, [5, 6, 7], SamplingParams(max_tokens=2), adapter="ad")])
+    hooks = engine.lora.hooks
+    assert (0, "router") not in hooks
+    assert hooks[(0, "experts_down")].lora_b.abs().sum() > 0
+    gate_up = hooks[(0, "experts_gate_up")]
+    assert tuple(gate_up.lora_a.shape) == (1, 8, 2, 64) and gate_up.lora_a.abs().sum() == 0
 
 
 def test_dense_mlp_lora_on_a_routed_layer_is_refused(tmp_path):
@@ -92,22 +115,6 @@ def _expert_adapter(tmp_path, variant="qwen3_moe", **kw):
     kw = kw or dict(r=2, lora_alpha=4, target_modules=["q_proj"], target_parameters=["experts.down_proj"])
     parity_adapter(variant, tmp_path / "ad", 5, kw)
     return tmp_path / "ad"
-
-
-def test_expert_lora_is_refused_on_the_gpu(tmp_path):
-    # the fused MoE kernel applies no expert delta: a CUDA engine refuses the adapter before it
-    # allocates anything, naming the module
-    import torch
-    from batchrun.engine.lora.manager import LoRAManager
-    from batchrun.engine.models.loader import random_model
-    from tests.helpers.models import model_config
-    path = _expert_adapter(tmp_path)
-    cfg = model_config("qwen3_moe")
-    model = random_model(cfg, torch.device("cpu"), torch.float32, 64)
-    with pytest.raises(AdapterError, match=r"targets model\.layers\.0\.mlp\.experts\.down_proj "
-                                           r"\(adapter_config\.json target_parameters\): .* CPU engine only"):
-        LoRAManager(model, {"ad": str(path)}, max_loras=1, max_lora_rank=8, max_num_tokens=16,
-                    device="cuda", dtype=torch.float32)
 
 
 def _rewrite(path, rename=None, config=None):
@@ -212,20 +219,7 @@ def test_lora_memory_report_counts_expert_slots(tmp_path):
     assert tuple(hook.lora_a.shape) == (1, 8, 2, 48) and tuple(hook.lora_b.shape) == (1, 8, 64, 2)
     mem = lora_memory(engine)
     q = engine.lora.hooks[(0, "qkv_proj")]
-    want_a = 4 * (hook.lora_a.numel() + 2 * q.lora_a.numel())  # layer 0 and 1's qkv, fp32
-    assert mem["slots_a"] == want_a and mem["hooked_linears"] == 3
-
-
-def test_a_cuda_engine_refuses_expert_lora_before_loading_weights(tmp_path, monkeypatch):
-    import torch
-    import batchrun.engine.engine as engine_mod
-    save_hf_model("qwen3_moe", tmp_path / "base")
-    path = _expert_adapter(tmp_path)
-    monkeypatch.setattr(engine_mod, "resolve_device", lambda d: torch.device("cuda"))
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (80 << 30, 80 << 30))
-    monkeypatch.setattr(engine_mod, "load_model", lambda *a, **k: pytest.fail("weights loaded"))
-    with pytest.raises(AdapterError, match=r"LoRA adapter 'ad' .* targets model\.layers\.0\.mlp\.experts"
-                                           r"\.down_proj .* CPU engine only"):
-        Engine.from_config(EngineConfig(model=str(tmp_path / "base"), device="cuda", max_model_len=64,
-                                        enable_lora=True, max_loras=1, max_lora_rank=8),
-                           adapters={"ad": str(path)})
+    gate_up = engine.lora.hooks[(0, "experts_gate_up")]  # hooked with down (kept zero)
+    # layer 0's expert tensors, layer 0 and 1's qkv, fp32
+    want_a = 4 * (hook.lora_a.numel() + gate_up.lora_a.numel() + 2 * q.lora_a.numel())
+    assert mem["slots_a"] == want_a and mem["hooked_linears"] == 4

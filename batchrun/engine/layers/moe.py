@@ -7,9 +7,10 @@ Triton kernel on CUDA (kernels/fused_moe.py), the torch reference elsewhere; bot
 kernels/reference.py's `ref_fused_moe`.
 
 LoRA on the block (lora/experts.py) is a per-(token, expert) delta: `moe_with_lora` adds each
-token's adapter delta to its experts' gate_up and down outputs, and `lora_delta` the router's.
-They run in torch only (the fused kernel takes no delta yet); steps without adapter rows never
-call them.
+token's adapter delta to its experts' gate_up and down outputs (on CUDA inside the fused
+kernel's three launches: kernels/fused_moe.py's `fused_moe_lora`), and `lora_delta` the
+router's (torch ops with no host synchronisation, so a LoRA decode graph captures it). Steps
+without adapter rows never call them.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import torch
 from torch import Tensor
 
 from batchrun.engine.layers.backend import use_triton
-from batchrun.kernels.reference import ref_act_and_mul, ref_fused_moe, ref_linear
+from batchrun.kernels.reference import ref_act_and_mul, ref_fused_moe
 
 
 def route(logits: Tensor, top_k: int, norm_topk_prob: bool,
@@ -55,12 +56,16 @@ def lora_delta(x: Tensor, slots: Tensor, a: Tensor, b: Tensor, expert: int = 0) 
 
 def moe_with_lora(x: Tensor, w_gate_up: Tensor, w_down: Tensor, topk_weights: Tensor,
                   topk_ids: Tensor, activation: str, slots: Tensor,
-                  gate_up: tuple[Tensor, Tensor] | None,
-                  down: tuple[Tensor, Tensor] | None) -> Tensor:
+                  gate_up: tuple[Tensor, Tensor], down: tuple[Tensor, Tensor]) -> Tensor:
     # fused_moe's result with each token's adapter delta (slots: int [T], -1 none) added to its
-    # experts' gate_up (gate_up: that tensor's (A, B) slots, or None) and down outputs, each in
-    # fp32 before the one rounding of the projection. Loops over the experts the step routes to
-    # (host-synchronising: the CPU engine's path).
+    # experts' gate_up and down outputs (each that tensor's (A [S, E, R, in], B [S, E, out, R])
+    # slots; zero where no adapter targets it), in fp32 before the one rounding of the
+    # projection (kernels/reference.py's ref_fused_moe_lora).
+    if use_triton(x):
+        from batchrun.kernels.fused_moe import fused_moe_lora
+        return fused_moe_lora(x, w_gate_up, w_down, topk_weights, topk_ids, *gate_up, *down,
+                              slots, activation)
+    # the CPU engine's path: loops over the experts the step routes to (host-synchronising)
     T, H = x.shape
     out = torch.zeros(T, H, dtype=torch.float32, device=x.device)
     ids = topk_ids.to(device=x.device, dtype=torch.long)
@@ -73,10 +78,8 @@ def moe_with_lora(x: Tensor, w_gate_up: Tensor, w_down: Tensor, topk_weights: Te
     return out.to(x.dtype)
 
 
-def _project(x: Tensor, w: Tensor, lora: tuple[Tensor, Tensor] | None, slots: Tensor,
+def _project(x: Tensor, w: Tensor, lora: tuple[Tensor, Tensor], slots: Tensor,
              expert: int) -> Tensor:
     # x [n, K] @ w [N, K]^T, plus expert `expert`'s LoRA delta of each row's slot, in fp32
     # before the one rounding to x's dtype (ref_linear's arithmetic)
-    if lora is None:
-        return ref_linear(x, w)
     return (x.float() @ w.float().t() + lora_delta(x, slots, *lora, expert)).to(x.dtype)

@@ -103,18 +103,3 @@ def per_expert(a: Tensor, b: Tensor, rank: int) -> tuple[Tensor, Tensor]:
     experts = a.shape[0] // rank
     return (a.view(experts, rank, a.shape[1]),
             b.view(b.shape[0], rank, experts).permute(2, 0, 1))
-
-
-def refuse_expert_lora_on_gpu(infos: dict) -> None:
-    """LoRA on a mixture-of-experts block runs in torch (layers/moe.py), which a CUDA graph
-    cannot capture and the GPU's fused MoE kernel does not apply: refused on CUDA, naming the
-    first such module. infos: adapter name -> AdapterInfo."""
-    for name, info in sorted(infos.items()):
-        for t in info.targets:
-            if t.module in EXPERT_MODULES:
-                raise adapter_error(
-                    name, info.path, f"targets model.layers.{t.layer}.{EXPERT_MODULES[t.module]} "
-                    "(adapter_config.json target_parameters): LoRA on a mixture-of-experts block's "
-                    "router and experts runs on the CPU engine only, the GPU's fused MoE kernel does "
-                    "not apply it yet; use an adapter on the attention projections (target_modules "
-                    "q/k/v/o_proj, no target_parameters), or merge this one into the base model")

@@ -10,7 +10,9 @@ is a cap: an engine with fewer adapters gets one slot per adapter (`self.max_lor
 slot beyond the adapter count could never be used while a LoRA step's fused GEMM would stream
 its A rows every step. Linears no adapter targets get no hook and launch nothing. A
 mixture-of-experts block's router and stacked experts that an adapter targets (peft's
-target_parameters) get `ExpertLoRA` slot buffers instead (lora/experts.py; CPU engine only). Loading an
+target_parameters) get `ExpertLoRA` slot buffers instead (lora/experts.py): the router's when
+targeted, the experts' gate_up and down together when either is (the fused MoE kernel applies
+both; an untargeted one stays zero). Loading an
 adapter into a slot copies into those buffers in place; they are never reallocated, because
 captured CUDA graphs hold their addresses.
 
@@ -43,8 +45,8 @@ from batchrun.kernels.lora_meta import LoRAKernelMeta
 from batchrun.engine.layers.linear import Linear
 from batchrun.engine.layers.step import LoRAStep
 from batchrun.engine.lora.adapters import AdapterInfo, LoRAWeights, inspect_adapter, load_adapter
+from batchrun.engine.lora.experts import DOWN, GATE_UP
 from batchrun.engine.lora.expert_layer import ExpertLoRA
-from batchrun.engine.lora.experts import refuse_expert_lora_on_gpu
 from batchrun.engine.lora.layer import LoRALinear
 from batchrun.engine.models.decoder import SparseMoE
 
@@ -77,8 +79,6 @@ class LoRAManager:
         # docs/benchmarks.md); 1 and 8: three sets with the no-LoRA one
         self.slot_bounds = tuple(sorted({1, max_loras}))
         targeted = {m for info in self.infos.values() for m in info.modules}
-        if torch.device(device).type == "cuda":
-            refuse_expert_lora_on_gpu(self.infos)
 
         # Static buffers, allocated once (captured graphs hold their addresses). What a step
         # runs is not kept here: lora_step() returns it as a frozen LoRAStep (layers/step.py).
@@ -226,8 +226,9 @@ class LoRAManager:
     def _hook_experts(self, layer: int, block: SparseMoE, targeted, device) -> None:
         """ExpertLoRA hooks for the router and expert tensors of `block` some adapter targets."""
         shapes = block.lora_shapes()  # module -> (experts, in, out)
+        experts_targeted = any((layer, m) in targeted for m in (GATE_UP, DOWN))
         for module, (experts, fan_in, fan_out) in shapes.items():
-            if (layer, module) not in targeted:
+            if (layer, module) not in targeted and not (module in (GATE_UP, DOWN) and experts_targeted):
                 continue
             hook = ExpertLoRA(experts, fan_in, fan_out, self.max_loras, self.rank, device,
                               block.gate.weight.dtype)

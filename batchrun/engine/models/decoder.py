@@ -166,10 +166,10 @@ class SparseMoE(nn.Module):
         weights, ids = route(logits, self.top_k, self.norm_topk_prob,
                              x.dtype if self.round_weights else None)
         w = self.experts
-        if GATE_UP in lora or DOWN in lora:
-            ab = {k: (h.lora_a, h.lora_b) for k, h in lora.items()}
+        if GATE_UP in lora:  # with DOWN: the manager hooks both expert tensors or neither
             out = moe_with_lora(x, w.gate_up_proj, w.down_proj, weights, ids, self.activation,
-                                slots, ab.get(GATE_UP), ab.get(DOWN))
+                                slots, (lora[GATE_UP].lora_a, lora[GATE_UP].lora_b),
+                                (lora[DOWN].lora_a, lora[DOWN].lora_b))
         else:
             out = fused_moe(x, w.gate_up_proj, w.down_proj, weights, ids, self.activation)
         if self.shared_expert is not None:  # out + sigmoid(gate(x)) * shared(x), in x's dtype
