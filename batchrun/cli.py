@@ -238,14 +238,10 @@ def _summary_block(st, code, what: str) -> None:
 
 def _summary(spec, st) -> dict:
     """Print the task's and the job's totals; return the job's (metrics.job_metrics)."""
-    from batchrun.job.store import access
     from batchrun.job.store.layout import OutputDir
-    from batchrun.job.store.metrics import job_metrics
-    from batchrun.job.store.objects.metrics import job_metrics as object_job_metrics
     out = OutputDir(spec.output.path, spec.output.storage_options)
-    m = access.read_json(out, out.manifest)
-    totals = object_job_metrics if out.is_object else job_metrics
-    job = totals(out, m["total_units"], m["total_rows"], spec.sampling.n)
+    m = out.backend.read_json(out.manifest)
+    job = out.backend.job_metrics(m["total_units"], m["total_rows"], spec.sampling.n)
     rows = (f"{st.committed_rows} rows" if st.committed_rows == st.committed_output_rows  # sampling.n = 1
             else f"{st.committed_rows} input rows -> {st.committed_output_rows} output rows")
     click.echo(

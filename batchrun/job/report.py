@@ -5,16 +5,13 @@ token counting lives here because only the report needs per-shard totals (token_
 the tokenizing, token_estimate.py the sampled estimate)."""
 from __future__ import annotations
 
-import json
 import os
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 
 from batchrun.job.inputs.arrow_types import plain_table
-from batchrun.job.store import access
 from batchrun.job.storage.uri import is_uri
 from batchrun.errors import ConfigError, OutputIOError
 from batchrun.job.storage.options import StorageOptions
@@ -24,7 +21,6 @@ from batchrun.job.exit_codes import ExitCode
 from batchrun.job.inputs.files import INVALID, InvalidText, RowReader, column_values
 from batchrun.job.jobfile.spec import JobSpec, sampling_summary
 from batchrun.job.store.layout import OutputDir
-from batchrun.job.store.safe_path import check_unowned_dir
 from batchrun.job.plan.units import Plan, assign_tasks, engine_groups, group_rows, make_plan
 from batchrun.job.plan.formats import format_checker
 from batchrun.job.plan.prepare import token_counter, validate
@@ -61,12 +57,7 @@ def plan_report(spec: JobSpec, num_tasks: int, count_tokens: bool = True, estima
     files, root, schema, model_config = validate(spec)
     check_device(spec.engine.device)  # what the run would refuse, plan refuses too
     out = OutputDir(spec.output.path, spec.output.storage_options)
-    if out.is_object:
-        from batchrun.job.store.objects.job_state import check_unowned
-        if out.store.stat(out.manifest) is None:
-            check_unowned(out, out.store)
-    elif not os.path.lexists(out.manifest):
-        check_unowned_dir(out)  # what run would refuse, plan refuses too
+    out.backend.refuse_unowned()  # what run would refuse, plan refuses too
     plan = make_plan(spec, files, root, schema)
     lines = [f"job:      {spec.job_file}",
              f"model:    {spec.model}",
@@ -332,8 +323,8 @@ def load_state(out_path: str) -> tuple[OutputDir, dict, list]:
     """(output dir, manifest, plan units) of an existing run; ConfigError naming what is wrong."""
     out = OutputDir(out_path.rstrip("/") if is_uri(out_path) else os.path.abspath(out_path))
     try:
-        manifest = access.read_json(out, out.manifest)
-        units = access.read_json(out, out.plan_dir + "/plan.json")["units"]
+        manifest = out.backend.read_json(out.manifest)
+        units = out.backend.read_json(out.plan_dir + "/plan.json")["units"]
         if not isinstance(manifest, dict) or "fingerprint" not in manifest:
             raise ValueError("not a batchrun manifest")
     except FileNotFoundError:
@@ -349,10 +340,10 @@ def status_report(out_path: str) -> tuple[str, ExitCode]:
     """(text, exit code): OK when every unit is committed, DAMAGED when a committed unit's part
     file is missing or damaged, else PENDING while units are not committed yet."""
     out, manifest, units = load_state(out_path)
-    commits = access.read_commits(out)
+    commits = out.backend.read_commits()
     damaged = dict(commits.damaged)
     for unit, marker in commits.valid.items():
-        if (why := access.check_part(out, unit, marker, manifest.get("fingerprint"))) is not None:
+        if (why := out.backend.check_part(unit, marker, manifest.get("fingerprint"))) is not None:
             damaged[unit] = why
     done = {u: m for u, m in commits.valid.items() if u not in damaged}
     lines = [f"output:  {out.path}", f"job:     {manifest.get('job_file')} (fingerprint {manifest['fingerprint']})",
@@ -373,11 +364,11 @@ def status_report(out_path: str) -> tuple[str, ExitCode]:
             p[3] += done[index]["error_rows"]
     lines += ["", _table(["shard", "units", "rows", "committed", "error rows"],
                          [[k, v[0], v[1], v[2], v[3]] for k, v in per.items()])]
-    running = access.running_tasks(out)
+    running = out.backend.running_tasks()
     lines += ["", f"running: {', '.join(running) if running else 'none'}"]
     if workers := worker_rows(out):
         lines += ["", _table(HEADER, workers)]
-    orphans = access.uncommitted_parts(out, len(units), commits)
+    orphans = out.backend.uncommitted_parts(len(units), commits)
     if damaged:
         shown = "; ".join(f"unit {u}: {why}" for u, why in sorted(damaged.items())[:3])
         lines.append(f"damaged: {len(damaged)} committed unit(s) whose part file is missing or damaged "
@@ -393,8 +384,8 @@ def status_report(out_path: str) -> tuple[str, ExitCode]:
 
 def show_rows(out_path: str, limit: int, prompts: bool) -> str:
     out, manifest, _ = load_state(out_path)
-    done = {u: m for u, m in access.read_commits(out).valid.items()
-            if access.check_part(out, u, m, manifest.get("fingerprint")) is None}
+    done = {u: m for u, m in out.backend.read_commits().valid.items()
+            if out.backend.check_part(u, m, manifest.get("fingerprint")) is None}
     if not done:
         return "(no units committed yet)"
     # A few committed part files per shard (not the whole dataset), then round-robin over shards
@@ -404,7 +395,7 @@ def show_rows(out_path: str, limit: int, prompts: bool) -> str:
         files = per_shard.setdefault(done[unit].get("adapter"), [])
         if sum(n for _, n in files) < limit:
             files.append((unit, done[unit]["rows"]))
-    queues = [[r for unit, _ in files for r in access.read_part(out, unit).to_pylist()] for files in per_shard.values()]
+    queues = [[r for unit, _ in files for r in out.backend.read_part(unit).to_pylist()] for files in per_shard.values()]
     rows = []
     while len(rows) < limit and any(queues):
         for q in queues:
@@ -433,13 +424,9 @@ def _prompts_for(out: OutputDir, manifest: dict, ids: list) -> dict:
     job = manifest.get("job") or {}
     inp = job.get("input") or {}
     col = inp.get("prompt_column") or inp.get("messages_column")
-    if out.is_object:
-        from batchrun.job.store.objects.job_state import load_plan
-        plan = load_plan(out, out.store)
-        if plan is None:
-            return {}
-    else:
-        plan = Plan.load(out.plan_dir)
+    plan = out.backend.load_plan()
+    if plan is None:
+        return {}
     wanted, found = set(ids), {}
     reader = RowReader(plan.files, [c for c in (col, inp.get("id_column")) if c],
                        storage_options=StorageOptions(**(inp.get("storage_options") or {})))

@@ -129,11 +129,10 @@ def run_workers(cmd: Sequence[str], devices: Sequence[str | None], out_path: str
 
 
 def _line(procs, out) -> str:
-    from batchrun.job.store import access
     from batchrun.errors import OutputIOError
     try:  # commit markers and the manifest of a local output or an s3:// prefix
-        done = len(access.read_commits(out).valid)
-        total = access.read_json(out, out.manifest).get("total_units", "?")
+        done = len(out.backend.read_commits().valid)
+        total = out.backend.read_json(out.manifest).get("total_units", "?")
     except (OSError, ValueError, OutputIOError):
         done, total = 0, "?"
     running = sum(p.poll() is None for p in procs)

@@ -8,13 +8,11 @@ says "running" while its worker's lock is free belongs to a worker that died (ki
 """
 from __future__ import annotations
 
-import json
 import os
 import socket
 import threading
 import time
 
-from batchrun.job.store.commit import write_json_atomic
 from batchrun.job.store.layout import OutputDir
 
 WRITE_EVERY_S = 5.0  # a commit rewrites the file at most this often (one small write per worker)
@@ -33,12 +31,7 @@ class ProgressFile:
         self.host, self.pid = socket.gethostname(), os.getpid()
         self._mu = threading.Lock()  # one temp-file name per process: the threads take turns
         self._last = float("-inf")
-        if out.is_object:  # one PUT replaces the object whole
-            store = out.store
-            self._write = lambda path, obj: store.put(path, json.dumps(obj, sort_keys=True).encode())
-        else:
-            os.makedirs(progress_dir(out), exist_ok=True)
-            self._write = write_json_atomic
+        self._write = out.backend.progress_writer(progress_dir(out))
 
     def update(self, st, force: bool = False) -> None:
         """Write ``st`` (runner.TaskStats) unless the last write was under WRITE_EVERY_S ago."""
@@ -61,66 +54,21 @@ class ProgressFile:
 
 def read_progress(out: OutputDir) -> list[dict]:
     """Every worker's last snapshot (unreadable files skipped: a status report never fails on one)."""
-    d = progress_dir(out)
-    found = []
-    if out.is_object:
-        return [data for data in _object_jsons(out, d + "/") if isinstance(data.get("worker"), str)]
-    for name in sorted(os.listdir(d)) if os.path.isdir(d) else []:
-        if name.endswith(".json") and not name.startswith("."):
-            try:
-                with open(os.path.join(d, name)) as f:
-                    data = json.load(f)
-            except (OSError, ValueError):
-                continue
-            if isinstance(data, dict) and isinstance(data.get("worker"), str):
-                found.append(data)
-    return found
+    return [data for data in out.backend.read_jsons(progress_dir(out), suffix=".json")
+            if isinstance(data.get("worker"), str)]
 
 
 def claims_by_worker(out: OutputDir) -> dict[str, int]:
     """Units each worker holds a claim on right now (the claim files name their owner)."""
     held: dict[str, int] = {}
-    if out.is_object:
-        for data in _object_jsons(out, out.claims + "/unit-"):
-            if isinstance(data.get("worker"), str):
-                held[data["worker"]] = held.get(data["worker"], 0) + 1
-        return held
-    if not os.path.isdir(out.claims):
-        return held
-    for name in os.listdir(out.claims):
-        if not name.startswith("unit-") or ".stale-" in name:
-            continue
-        try:
-            with open(os.path.join(out.claims, name)) as f:
-                owner = json.load(f).get("worker")
-        except (OSError, ValueError, AttributeError):
-            continue  # released meanwhile, or being written
-        if isinstance(owner, str):
-            held[owner] = held.get(owner, 0) + 1
+    for data in out.backend.read_jsons(out.claims, prefix="unit-"):
+        if isinstance(data.get("worker"), str):
+            held[data["worker"]] = held.get(data["worker"], 0) + 1
     return held
 
 
-def _object_jsons(out: OutputDir, prefix: str) -> list[dict]:
-    """The JSON objects under ``prefix`` (unreadable or vanished ones skipped)."""
-    found = []
-    for obj in out.store.list(prefix):
-        got = out.store.get(obj.path)
-        try:
-            data = json.loads(got.data) if got is not None else None
-        except ValueError:
-            continue
-        if isinstance(data, dict):
-            found.append(data)
-    return found
-
-
 def _task_alive(out: OutputDir, worker: str) -> bool:
-    if out.is_object:
-        from batchrun.job.store.claims import lease_from_env
-        from batchrun.job.store.objects.lock import holder
-        return holder(out.store, out.lock(worker), lease_from_env()) is not None
-    from batchrun.job.store.lock import is_locked
-    return bool(is_locked(out.lock(worker)))
+    return out.backend.task_holder(worker) is not None
 
 
 HEADER = ["worker", "state", "host", "units done", "claimed now", "rows", "rows/s", "out tok/s", "updated"]

@@ -15,9 +15,7 @@ interrupt) are easier to check in one place; the threads' bodies are feeder.py a
 from __future__ import annotations
 
 import functools
-import os
 import re
-import shutil
 import threading
 import time
 from contextlib import nullcontext
@@ -27,21 +25,14 @@ from typing import Callable, Iterable
 import numpy as np
 
 from batchrun.common import preload
-from batchrun.job.store import commit
 from batchrun.job.store.claims import UnitClaims
-from batchrun.job.store.objects import commit as objcommit
-from batchrun.job.store.objects.claims import ObjectClaims
-from batchrun.job.store.objects.metrics import write_metrics as object_metrics
-from batchrun.job.store.commit import check_part, read_commits
 from batchrun.engine.request import Result
-from batchrun.errors import ConfigError, OutputIOError, io_message
+from batchrun.errors import ConfigError, OutputIOError
 from batchrun.job.run.feeder import Feeder, UnitSource
 from batchrun.job.run.interrupt import Interrupted, Signals
 from batchrun.job.inputs.files import RowReader
 from batchrun.job.jobfile.spec import JobSpec
-from batchrun.job.store.lock import LockBusy, TaskLock
-from batchrun.job.store.metrics import write_metrics
-from batchrun.job.store.layout import OutputDir
+from batchrun.job.store.lock import LockBusy
 from batchrun.job.plan.units import Unit, assign_tasks, seqs_bound
 from batchrun.job.run.progress_bar import Progress
 from batchrun.job.plan.prepare import Prepared, prepare
@@ -112,6 +103,7 @@ class TaskRunner:
                  progress: bool | str = True, log=print, log_interval: float = 30.0, verbose: bool = False,
                  started: float | None = None, worker: str | None = None, claim_lease: float | None = None):
         self.prep, self.spec, self.out, self.plan = prep, prep.spec, prep.out, prep.plan
+        self.backend = prep.out.backend  # the output's commits, claims, metrics (store/backend.py)
         self.task_id, self.num_tasks = task_id, num_tasks
         self.engine_factory = engine_factory
         self.mode = {True: "auto", False: "none"}.get(progress, progress)
@@ -140,12 +132,10 @@ class TaskRunner:
         unit = work.unit.index
         t0 = time.time()
         with self._commit_guard():
-            if self.out.is_object:
-                if not self._finish_object(unit, table, info):
-                    return
-            else:
-                if not self._finish_local(unit, table, info):
-                    return
+            still_mine = (lambda: True) if self.claims is None else (lambda: self.claims.still_mine(unit))
+            if not self.backend.commit_unit(self.worker, unit, table, info, self.prep.fingerprint, still_mine):
+                self._lost(unit)
+                return
             if self.claims is not None:
                 self.claims.release(unit)
         st = self.stats
@@ -166,32 +156,6 @@ class TaskRunner:
         self.stats.units_lost += 1
         self.log(f"task {self.task_id}/{self.num_tasks}: unit {unit} was taken over by another "
                  "worker (this worker's claim expired); its result is discarded")
-
-    def _finish_object(self, unit: int, table, info: dict) -> bool:
-        """Object store: the whole part to its final key (one PUT), then its marker. False if lost."""
-        part = objcommit.Part(table)
-        if self.claims is not None and not self.claims.still_mine(unit):
-            self._lost(unit)
-            return False
-        etag = objcommit.publish_part(self.out, self.out.store, unit, part)
-        info.update(objcommit.part_record(unit, part, etag, self.prep.fingerprint))
-        objcommit.record_commit(self.out, self.out.store, unit, info)
-        return True
-
-    def _finish_local(self, unit: int, table, info: dict) -> bool:
-        """Local: temp file, fsync, rename into the dataset, then the marker. False if lost."""
-        try:
-            written = commit.write_part(self.out, self.worker, unit, table)
-            if self.claims is not None and not self.claims.still_mine(unit):
-                os.remove(written.tmp)
-                self._lost(unit)
-                return False
-            commit.publish_part(self.out, unit, written.tmp)
-            info.update(commit.part_record(self.out, unit, written, self.prep.fingerprint))
-            commit.record_commit(self.out, unit, info)
-        except OSError as e:  # disk full, read-only, quota: the unit stays uncommitted
-            raise OutputIOError(io_message(e, f"cannot commit unit {unit}")) from None
-        return True
 
     def _note_progress(self, force: bool = False) -> None:
         """Refresh this worker's progress file (rate-limited unless ``force``); a progress file
@@ -258,29 +222,19 @@ class TaskRunner:
         A unit with a missing, truncated or changed part (or an unreadable marker) loses its
         marker here (markers go before parts, as in a restart) and is run again.
         """
-        commits = objcommit.read_commits(self.out, self.out.store) if self.out.is_object else read_commits(self.out)
+        commits = self.backend.read_commits()
         return {u.index for u in mine if self._verified_commit(u, commits)}
 
     def _verified_commit(self, u: Unit, commits) -> bool:
         """One unit of ``_verified_commits``: True if its commit checks out (``commits``: read_commits)."""
         reason = commits.damaged.get(u.index)
         if reason is None and u.index in commits.valid:
-            if self.out.is_object:
-                reason = objcommit.check_part(self.out, self.out.store, u.index, commits.valid[u.index],
-                                              self.prep.fingerprint)
-            else:
-                reason = check_part(self.out, u.index, commits.valid[u.index], self.prep.fingerprint)
+            reason = self.backend.check_part(u.index, commits.valid[u.index], self.prep.fingerprint)
             if reason is None:
                 return True
         if reason is not None:
             self.log(f"task {self.task_id}: unit {u.index} was committed but {reason}; rewriting it")
-            if self.out.is_object:
-                self.out.store.delete(self.out.commit_marker(u.index))
-            else:
-                try:
-                    os.remove(self.out.commit_marker(u.index))
-                except FileNotFoundError:
-                    pass
+            self.backend.drop_marker(u.index)
             self.stats.units_repaired += 1
         return False
 
@@ -297,11 +251,7 @@ class TaskRunner:
         done = self._verified_commits(units)
         todo = [u for u in units if u.index not in done]
         st.units_total, st.units_skipped = len(units), len(done)
-        tmp_dir = None if self.out.is_object else self.out.tmp(self.worker)  # objects: no temp files
-        if tmp_dir is not None:
-            shutil.rmtree(tmp_dir, ignore_errors=True)  # leftovers of a killed run of this worker
-            os.makedirs(tmp_dir, exist_ok=True)
-            os.makedirs(self.out.commits, exist_ok=True)
+        self.backend.start_worker(self.worker)
         name = f"task {self.task_id}/{self.num_tasks}"
         try:
             self.progress_file = ProgressFile(self.out, self.worker)
@@ -325,12 +275,8 @@ class TaskRunner:
                 raise RowFailure(f"{sum(u.rows for u in unknown)} row(s) name adapters that are not configured "
                                  f"({', '.join(map(repr, names))}; configured: {', '.join(self.spec.adapters) or 'none'}). "
                                  "The job stopped (on_error: fail). Add them under adapters:, or set on_error: skip.")
-            if self.out.is_object:
-                self.claims = ObjectClaims(self.out, self.out.store, units, self.worker, start=self._home(),
-                                           done=done, lease_s=self.claim_lease, log=self.log)
-            else:
-                self.claims = UnitClaims(self.out, units, self.worker, start=self._home(), done=done,
-                                         lease_s=self.claim_lease, log=self.log)
+            self.claims = self.backend.claims(units, self.worker, start=self._home(), done=done,
+                                              lease_s=self.claim_lease, log=self.log)
             claimed = iter(self.claims)
             first = next((u for u in claimed if u is not None), None)  # waits while others hold every unit
             if first is None:
@@ -374,8 +320,7 @@ class TaskRunner:
             if self.progress is not None:
                 self.progress.close()
             self.signals.restore()
-            if tmp_dir is not None:
-                shutil.rmtree(tmp_dir, ignore_errors=True)
+            self.backend.end_worker(self.worker)
             st.elapsed_s = time.time() - st.started
             self._note_progress(force=True)
             self._write_metrics()
@@ -474,8 +419,8 @@ class TaskRunner:
     def _write_metrics(self) -> None:
         try:
             this_run = {**asdict(self.stats), "output_tok_per_s": self.stats.output_tok_per_s}
-            write = object_metrics if self.out.is_object else write_metrics
-            write(self.out, self.worker, this_run, len(self.plan.units), self.plan.total_rows, self.spec.sampling.n)
+            self.backend.write_metrics(self.worker, this_run, len(self.plan.units), self.plan.total_rows,
+                                       self.spec.sampling.n)
         except (OSError, LockBusy, OutputIOError) as e:  # metrics must never turn a finished run into a failed one
             self.log(f"warning: could not write metrics: {e}")
 
@@ -520,14 +465,7 @@ def run_job(spec: JobSpec, task_id: int = 0, num_tasks: int = 1, restart: bool =
     prep = prepare(spec, restart=restart, log=log, restart_token=restart_token)
     prepared = time.time() - started
     worker = worker or str(task_id)
-    if prep.out.is_object:  # a lease renewed while the task runs (store/objects/lock.py)
-        from batchrun.job.store.claims import lease_from_env
-        from batchrun.job.store.objects.lock import ObjectLock
-        lock = ObjectLock(prep.out.store, prep.out.lock(worker), f"task {worker} of {prep.out.path}",
-                          lease_from_env(claim_lease), log)
-    else:
-        lock = TaskLock(prep.out.lock(worker), f"task {worker} of {prep.out.path}")
-    with (lock.acquire(wait_stale=True) if prep.out.is_object else lock):
+    with prep.out.backend.task_lock(worker, f"task {worker} of {prep.out.path}", claim_lease, log):
         runner = TaskRunner(prep, task_id, num_tasks, engine_factory or load_engine, progress=progress, log=log,
                             log_interval=log_interval, verbose=verbose, started=started, worker=worker,
                             claim_lease=claim_lease)

@@ -82,6 +82,12 @@ class OutputDir:
         return storage_for(self.path, self.options, "output.path")
 
     @property
+    def backend(self):
+        """How this output is read and written: store/backend.py's LocalOutput or ObjectOutput."""
+        from batchrun.job.store.backend import LocalOutput, ObjectOutput
+        return ObjectOutput(self) if self.is_object else LocalOutput(self)
+
+    @property
     def meta(self) -> str:
         return os.path.join(self.path, META)
 
