@@ -7,10 +7,9 @@ from batchrun.engine.config import EngineConfig, SamplingParams
 from batchrun.engine.engine import Engine
 from batchrun.engine.request import Request
 from batchrun.errors import AdapterError
-from tests.helpers.adapters import assert_results_match_peft, parity_adapter
-from tests.helpers.models import random_prompts, save_hf_model
+from tests.helpers.adapters import check_mixed_with_peft, parity_adapter
+from tests.helpers.models import save_hf_model
 
-NEW = 8
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
 # per variant: adapter name -> LoraConfig fields
 ADAPTERS = {
@@ -25,22 +24,7 @@ ADAPTERS = {
 
 
 def run_mixed(tmp_path, variant: str, adapters: dict, device: str = "cpu"):
-    base = save_hf_model(variant, tmp_path / "base")
-    paths = {}
-    for i, (name, kw) in enumerate(adapters.items()):
-        paths[name] = tmp_path / name
-        parity_adapter(variant, paths[name], 300 + i, kw)
-    first, second = list(adapters)
-    names = [None, first, second, None, first, second, first]
-    prompts = random_prompts(len(names), [5, 70, 17, 90, 3], base.config.vocab_size, seed=4)
-    engine = Engine.from_config(
-        EngineConfig(model=str(tmp_path / "base"), device=device, dtype="float32", max_model_len=256,
-                     max_num_batched_tokens=64, enable_lora=True, max_loras=2, max_lora_rank=8),
-        adapters={n: str(p) for n, p in paths.items()})
-    sp = SamplingParams(max_tokens=NEW, ignore_eos=True)
-    results = engine.generate([Request(i, p, sp, adapter=n)
-                               for i, (p, n) in enumerate(zip(prompts, names))])
-    assert_results_match_peft(variant, base, paths, prompts, names, results, NEW)
+    check_mixed_with_peft(tmp_path, variant, adapters, device, seed=300)
 
 
 @pytest.mark.parametrize("path", ["unfused", "fused_ref"])

@@ -116,3 +116,33 @@ def assert_results_match_peft(variant: str, base, paths: dict, prompts, names, r
         if n is not None and n not in changed and want != hf_greedy(base, p, new):
             changed.add(n)
     assert changed == set(paths)  # each adapter really changes some output
+
+
+def check_mixed_with_peft(tmp_path, variant: str, adapters, device: str = "cpu", seed: int = 300,
+                          new: int = 8) -> None:
+    """The engine on ``device`` (fp32) against transformers + peft (CPU): base rows and two
+    adapters mixed in one generate. adapters: name -> LoraConfig fields (two of them), or a
+    function of the saved HF base model giving that; adapter i is drawn from ``seed + i``."""
+    from batchrun.engine.config import EngineConfig, SamplingParams
+    from batchrun.engine.engine import Engine
+    from batchrun.engine.request import Request
+    from tests.helpers.models import random_prompts, save_hf_model
+    base = save_hf_model(variant, tmp_path / "base")
+    if callable(adapters):
+        adapters = adapters(base)
+    paths = {}
+    for i, (name, kw) in enumerate(adapters.items()):
+        paths[name] = tmp_path / name
+        parity_adapter(variant, paths[name], seed + i, kw)
+    first, second = list(adapters)
+    names = [None, first, second, None, first, second, first]
+    # prompts longer than the test models' windows (48) and LongRoPE's pretraining length (64)
+    prompts = random_prompts(len(names), [5, 70, 17, 90, 3], base.config.vocab_size, seed=4)
+    engine = Engine.from_config(
+        EngineConfig(model=str(tmp_path / "base"), device=device, dtype="float32", max_model_len=256,
+                     max_num_batched_tokens=64, enable_lora=True, max_loras=2, max_lora_rank=8),
+        adapters={n: str(p) for n, p in paths.items()})
+    sp = SamplingParams(max_tokens=new, ignore_eos=True)
+    results = engine.generate([Request(i, p, sp, adapter=n)
+                               for i, (p, n) in enumerate(zip(prompts, names))])
+    assert_results_match_peft(variant, base, paths, prompts, names, results, new)
