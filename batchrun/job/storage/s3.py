@@ -11,7 +11,6 @@ one, pyarrow gets the profile's credentials as boto3 resolved them at start-up.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from functools import cached_property
 from urllib.parse import urlparse
 
@@ -21,7 +20,7 @@ import pyarrow.parquet as pq
 
 from batchrun.errors import ConfigError
 from batchrun.job.storage import retry
-from batchrun.job.storage.base import ObjectInfo, Storage
+from batchrun.job.storage.base import Got, ObjectInfo, Storage
 from batchrun.job.storage.errors import storage_error
 from batchrun.job.storage.options import StorageOptions
 from batchrun.job.storage.uri import Uri, parse_uri
@@ -162,14 +161,6 @@ def _no_such_bucket(e):
 
 MULTIPART_THRESHOLD = 64 << 20  # bigger bodies go up as a multipart upload, visible only once complete
 MULTIPART_PART = 16 << 20
-
-
-@dataclass(frozen=True)
-class Got:
-    data: bytes
-    etag: str
-    last_modified: float  # the store's clock (epoch s): when this version was written
-    now: float  # the store's clock when it answered (its Date header): lease ages need no local clock
 
 
 def _precondition_failed(e) -> bool:
