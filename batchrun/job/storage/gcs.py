@@ -122,7 +122,13 @@ class GcsReads(Storage):
 
             session.hooks["response"].append(remember_date)
             kw = {"client_options": {"api_endpoint": self.endpoint}} if self.endpoint else {}
-            self._local.client = storage.Client(project=project, credentials=creds, _http=session, **kw)
+            client = storage.Client(project=project, credentials=creds, _http=session, **kw)
+            # Recent clients fetch each bucket's metadata in a background thread, for trace
+            # attributes only: batchrun records no traces, and that request needs
+            # storage.buckets.get, which an object-only role (roles/storage.objectUser) lacks
+            if getattr(client, "_bucket_metadata_cache", None) is not None:
+                client._bucket_metadata_cache = None
+            self._local.client = client
         return self._local.client
 
     def server_now(self) -> float:
@@ -238,15 +244,16 @@ class GcsWrites:
             if blob is None:
                 self._check_bucket(u, path)
                 return None
-            generation = str(blob.generation)  # before the download: it resets the field from its headers
             try:
-                data = blob.download_as_bytes(if_generation_match=blob.generation,
-                                              retry=retry.GcsAttempts().retry)
+                # a fresh handle: the metadata's mediaLink names the host that wrote the object,
+                # which need not be this client's endpoint
+                data = self._bucket(u, path).blob(u.key).download_as_bytes(
+                    if_generation_match=blob.generation, retry=retry.GcsAttempts().retry)
             except (gx.PreconditionFailed, gx.NotFound):  # replaced or deleted since the metadata read
                 continue
             except Exception as e:  # noqa: BLE001 - translated (or re-raised) by storage_error
                 raise storage_error(e, path, self.field) from None
-            return Got(data, generation, blob.updated.timestamp(), self.server_now())
+            return Got(data, str(blob.generation), blob.updated.timestamp(), self.server_now())
         raise StorageError(_message(path, self.field, "Conflict", f"the object changed {GET_TRIES} times "
                                     "while it was read"))
 
