@@ -7,12 +7,18 @@ on a server that cannot race. ``install()`` wraps its object handlers so they an
 as GCS documents (https://cloud.google.com/storage/docs/request-preconditions): the live
 object's generation (none: 0) must equal ``ifGenerationMatch``, on uploads (simple, multipart,
 and a resumable upload's session start and its chunks), on deletes and on media downloads.
-The emulator serves one request at a time, so each check and the write after it are atomic.
-test_gcs_leases.py probes every condition the protocol uses through the client.
+``install()`` also runs every handler under one lock: the server answers requests on threads
+(emulator.py), and the lock makes each check and the write after it atomic and keeps the
+emulator's storage, which has no locking of its own, to one request at a time; answers are sent
+outside the lock, so a client slow to read one cannot hold up the others.
+test_gcs_store.py probes every condition the protocol uses through the client.
 """
 from __future__ import annotations
 
+import threading
 from http import HTTPStatus
+
+_LOCK = threading.RLock()  # re-entrant: objects.get calls the (checked) download handler inside it
 
 _ERROR = {"error": {"code": 412, "message": "At least one of the pre-conditions you specified did not hold.",
                     "errors": [{"domain": "global", "reason": "conditionNotMet", "locationType": "header",
@@ -45,6 +51,15 @@ def _object_name(request, storage) -> str | None:
     return None
 
 
+def _serialized(handler):
+    def wrapped(*args, **kwargs):
+        with _LOCK:
+            return handler(*args, **kwargs)
+
+    wrapped.serialized = True
+    return wrapped
+
+
 def _checked(handler):
     def wrapped(request, response, storage, *args, **kwargs):
         want = request.query.get("ifGenerationMatch")
@@ -61,14 +76,18 @@ def _checked(handler):
 
 
 def install() -> None:
-    """Wrap the emulator's upload, delete and download handlers (idempotent)."""
+    """Wrap the emulator's upload, delete and download handlers in the checks, and every handler
+    in the lock (idempotent)."""
     from gcp_storage_emulator import server
     from gcp_storage_emulator.handlers import objects
     targets = {objects.insert, objects.upload_partial, objects.delete, objects.download, objects.xml_upload}
     for _, handlers in server.HANDLERS:
         for method, handler in list(handlers.items()):
-            if handler in targets and not getattr(handler, "precondition_checked", False):
-                handlers[method] = _checked(handler)
+            if getattr(handler, "serialized", False):
+                continue
+            if handler in targets:
+                handler = _checked(handler)
+            handlers[method] = _serialized(handler)
     # objects.get serves ?alt=media by calling objects.download directly: route it through the check
     if not getattr(objects.download, "precondition_checked", False):
         objects.download = _checked(objects.download)
