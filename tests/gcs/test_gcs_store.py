@@ -116,6 +116,8 @@ def test_a_403_is_not_retried_and_names_the_uri_and_fix(gcs, monkeypatch):
 def test_missing_bucket_and_unreachable_endpoint_exit_7(gcs, monkeypatch):
     with pytest.raises(StorageError, match=r"input.path: gs://batchrun-no-such-bucket/k: NoSuchBucket"):
         storage_for("gs://batchrun-no-such-bucket/k").stat("gs://batchrun-no-such-bucket/k")
+    with pytest.raises(StorageError, match=r"output.path: gs://batchrun-no-such-bucket/k: NoSuchBucket"):
+        storage_for("gs://batchrun-no-such-bucket/k", field="output.path").put("gs://batchrun-no-such-bucket/k", b"x")
     monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
     monkeypatch.setenv("STORAGE_EMULATOR_HOST", "http://127.0.0.1:9")
     with pytest.raises(StorageError, match=rf"input.path: {gcs.uri('k')}: Unreachable: .*STORAGE_EMULATOR_HOST"):

@@ -285,6 +285,9 @@ class GcsWrites:
                 if now is not None and now.data == data:
                     return now.etag
             return None
+        except gx.NotFound:  # an upload answers 404 only for its bucket
+            raise StorageError(_message(path, self.field, "NoSuchBucket", f"bucket {u.bucket} does not exist")) \
+                from None
         except Exception as e:  # noqa: BLE001 - translated (or re-raised) by storage_error
             raise storage_error(e, path, self.field) from None
         return str(blob.generation)
