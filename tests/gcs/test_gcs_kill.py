@@ -81,3 +81,23 @@ def test_two_workers_on_one_prefix(gcs, tiny_model, tmp_path):
     assert set(metrics["tasks"]) == {"task-0", "task-1"}  # both merges landed (compare-and-swap on generation)
     workers = {json.loads(gcs.read(k))["worker"] for k in keys(gcs, "o/_batchrun/commits/")}
     assert workers == {"0", "1"}, workers  # both did work
+
+
+@pytest.mark.slow
+def test_cpu_workers_pool_on_a_gs_prefix(gcs, tiny_model, tmp_path):
+    # `run --workers N` on a gs:// output: forked children share the units; the pool's progress
+    # line counts the prefix's commit markers against its manifest
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    repo = Path(__file__).resolve().parents[2]
+    gcs.put_rows("in/a.parquet", demo_rows(24))
+    job = job_file(tmp_path, tiny_model, gcs.uri("in"), gcs.uri("w"), rows_per_unit=4)
+    env = {**os.environ, "PYTHONPATH": f"{repo}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+           "FAKE_ENGINE_SLEEP": "0.01", "BATCHRUN_CLAIM_LEASE": "2", "TOKENIZERS_PARALLELISM": "false"}
+    r = subprocess.run([sys.executable, str(repo / "tests" / "helpers" / "fake_cli.py"), "run", str(job),
+                        "--workers", "2"], capture_output=True, text=True, timeout=180, env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "units 6/6 committed" in r.stderr, r.stderr[-2000:]
+    exactly_once(gcs, "w", 24)
