@@ -66,6 +66,11 @@ def _message(uri: str, what: str, code: str, detail: str) -> str:
     return f"{what}: {uri}: {code}: {detail.strip() or code}. Fix: {fix}; then rerun the same command"
 
 
+def refusal(uri: str, what: str, code: str, detail: str) -> StorageError:
+    """A StorageError for a failure a store implementation recognised itself (``code`` picks the fix)."""
+    return StorageError(_message(uri, what, code, detail))
+
+
 def storage_error(e: BaseException, uri: str, what: str) -> Exception:
     """The exception to raise for ``e`` (from boto3/botocore, google-cloud-storage or pyarrow) on ``uri``."""
     google = _google_error(e, uri, what)

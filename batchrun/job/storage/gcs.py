@@ -40,7 +40,7 @@ import pyarrow.parquet as pq
 from batchrun.errors import ConfigError
 from batchrun.job.storage import retry
 from batchrun.job.storage.base import Got, ObjectInfo, Storage
-from batchrun.job.storage.errors import StorageError, _message, storage_error
+from batchrun.job.storage.errors import StorageError, refusal, storage_error
 from batchrun.job.storage.options import StorageOptions
 from batchrun.job.storage.uri import Uri, parse_uri
 
@@ -87,6 +87,7 @@ class GcsReads(Storage):
         self.emulator = bool(os.environ.get(EMULATOR_ENV, "").strip())
         self._local = _Local()
         self._buckets_seen: set[str] = set()
+        self._creds = None  # (credentials, project), resolved on first use
         self._mu = threading.Lock()
 
     # ---- clients ------------------------------------------------------------------------------
@@ -94,7 +95,7 @@ class GcsReads(Storage):
     def _credentials(self, path: str):
         """(credentials, project): anonymous for an emulator, else application default credentials."""
         with self._mu:
-            if not hasattr(self, "_creds"):
+            if self._creds is None:
                 project = os.environ.get("GOOGLE_CLOUD_PROJECT") or None
                 if self.emulator:
                     from google.auth.credentials import AnonymousCredentials
@@ -182,7 +183,7 @@ class GcsReads(Storage):
             return
         exists = self._call(path, lambda r: self._bucket(u, path).exists(retry=r))
         if not exists:
-            raise StorageError(_message(path, self.field, "NoSuchBucket", f"bucket {u.bucket} does not exist"))
+            raise refusal(path, self.field, "NoSuchBucket", f"bucket {u.bucket} does not exist")
         self._buckets_seen.add(u.bucket)
 
     def list(self, prefix: str) -> list[ObjectInfo]:
@@ -197,8 +198,7 @@ class GcsReads(Storage):
             found = self._call(prefix, listing)
         except StorageError as e:
             if ": NotFound:" in str(e):  # a listing answers 404 only for its bucket
-                raise StorageError(_message(prefix, self.field, "NoSuchBucket",
-                                            f"bucket {u.bucket} does not exist")) from None
+                raise refusal(prefix, self.field, "NoSuchBucket", f"bucket {u.bucket} does not exist") from None
             raise
         return sorted(found, key=lambda o: o.path)
 
@@ -254,8 +254,7 @@ class GcsWrites:
             except Exception as e:  # noqa: BLE001 - translated (or re-raised) by storage_error
                 raise storage_error(e, path, self.field) from None
             return Got(data, str(blob.generation), blob.updated.timestamp(), self.server_now())
-        raise StorageError(_message(path, self.field, "Conflict", f"the object changed {GET_TRIES} times "
-                                    "while it was read"))
+        raise refusal(path, self.field, "Conflict", f"the object changed {GET_TRIES} times while it was read")
 
     def put(self, path: str, data: bytes, *, if_none_match: bool = False, if_match: str | None = None) -> str | None:
         """Write ``data`` as the whole object; its generation, or None when the condition failed
@@ -286,8 +285,7 @@ class GcsWrites:
                     return now.etag
             return None
         except gx.NotFound:  # an upload answers 404 only for its bucket
-            raise StorageError(_message(path, self.field, "NoSuchBucket", f"bucket {u.bucket} does not exist")) \
-                from None
+            raise refusal(path, self.field, "NoSuchBucket", f"bucket {u.bucket} does not exist") from None
         except Exception as e:  # noqa: BLE001 - translated (or re-raised) by storage_error
             raise storage_error(e, path, self.field) from None
         return str(blob.generation)
