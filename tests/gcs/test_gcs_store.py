@@ -113,6 +113,14 @@ def test_a_403_is_not_retried_and_names_the_uri_and_fix(gcs, monkeypatch):
         assert proxy.count == 1
 
 
+def test_a_401_names_the_credentials_fix(gcs, monkeypatch):
+    with FaultyProxy(gcs.endpoint, {1: "401"}) as proxy:
+        monkeypatch.setenv("STORAGE_EMULATOR_HOST", proxy.url)
+        with pytest.raises(StorageError, match=rf"input.path: {gcs.uri('u')}: Unauthorized: .*application-default login"):
+            storage_for(gcs.uri("u")).stat(gcs.uri("u"))
+        assert proxy.count == 1
+
+
 def test_missing_bucket_and_unreachable_endpoint_exit_7(gcs, monkeypatch):
     with pytest.raises(StorageError, match=r"input.path: gs://batchrun-no-such-bucket/k: NoSuchBucket"):
         storage_for("gs://batchrun-no-such-bucket/k").stat("gs://batchrun-no-such-bucket/k")

@@ -2,7 +2,7 @@
 fails chosen requests the way a store does under load: ``503`` (throttling: S3's SlowDown body),
 ``500 InternalError``, a connection closed without an answer (``reset``: the request never
 reached the store), or one closed after the store handled it (``lost``: applied, its answer
-lost); and ``403``, a permanent refusal (GCS's JSON error body). Requests are numbered from 1 as
+lost); and ``403``/``401``, permanent refusals (GCS's JSON error bodies). Requests are numbered from 1 as
 they arrive; ``faults`` maps a number to its fault, everything else is forwarded unchanged (the
 Host header too, so signatures hold)."""
 from __future__ import annotations
@@ -13,6 +13,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlparse
 
 BODIES = {
+    401: b'{"error": {"code": 401, "message": "Invalid Credentials", "errors": [{"reason": "authError"}]}}',
     403: b'{"error": {"code": 403, "message": "batchrun-test does not have storage.objects.create access", '
          b'"errors": [{"reason": "forbidden", "message": "no access"}]}}',
     503: b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>SlowDown</Code>'
@@ -48,10 +49,10 @@ class FaultyProxy:
                     self.close_connection = True
                     self.connection.close()
                     return
-                if fault in ("503", "500", "403"):
+                if fault in ("503", "500", "403", "401"):
                     payload = BODIES[int(fault)] if self.command != "HEAD" else b""
                     self.send_response(int(fault))
-                    self.send_header("Content-Type", "application/json" if fault == "403" else "application/xml")
+                    self.send_header("Content-Type", "application/json" if fault in ("403", "401") else "application/xml")
                     self.send_header("Content-Length", str(len(BODIES[int(fault)])))
                     self.end_headers()
                     self.wfile.write(payload)

@@ -113,9 +113,13 @@ class GcsReads(Storage):
         """This thread's client (its own HTTP session, whose hook records the store's Date)."""
         if self._local.client is None:
             storage = _import(self.field)
-            from google.auth.transport.requests import AuthorizedSession
             creds, project = self._credentials(path)
-            session = AuthorizedSession(creds)
+            if self.emulator:  # anonymous: nothing to sign or refresh (an AuthorizedSession would try on a 401)
+                import requests
+                session = requests.Session()
+            else:
+                from google.auth.transport.requests import AuthorizedSession
+                session = AuthorizedSession(creds)
             local = self._local
 
             def remember_date(response, *args, **kwargs):
