@@ -212,6 +212,14 @@ class S3Writes:
             return self.client.put_object(Bucket=u.bucket, Key=u.key, Body=data, **cond)["ETag"]
         except be.ClientError as e:
             if cond and _precondition_failed(e):
+                # botocore retried after a failed attempt (a 5xx, a dropped connection): that
+                # attempt may have been applied with its answer lost, and the retry then fails its
+                # own condition. The object holding exactly these bytes means the write is ours
+                # (lease bodies carry the owner's token and a counter: no other writer makes them)
+                if e.response.get("ResponseMetadata", {}).get("RetryAttempts"):
+                    now = self.get(path)
+                    if now is not None and now.data == data:
+                        return now.etag
                 return None
             raise storage_error(e, path, self.field) from None
         except Exception as e:  # noqa: BLE001 - translated (or re-raised) by storage_error
