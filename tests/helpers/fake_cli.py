@@ -11,8 +11,10 @@ On an object-store output (store/objects/, nothing is renamed):
     install(crash_at="before_put:N")     die before the N-th part file's PUT (its bytes built)
     install(crash_at="after_put:N")      ... after the part's PUT, before its commit marker
     install(crash_at="after_commit:N")   ... after the N-th commit marker (as locally)
-    install(crash_at="s3.put:N")         die right before the N-th request of that kind (put, get,
-                                         delete, delete_many): claims, leases, plan, manifest, metrics
+    install(crash_at="store.put:N")      die right before the N-th call of that kind (put, get,
+                                         delete, delete_many) on the object store, S3 or GCS:
+                                         claims, leases, plan, manifest, metrics ("s3.put:N" is
+                                         the same point under its first name)
 N counts calls/units of this process (1-based). Run as a script (``python tests/helpers/fake_cli.py
 ARGS``, as run_cli and --workers children do) it reads CRASH_AT from the environment.
 """
@@ -35,8 +37,8 @@ def install(crash_at: str = "") -> None:
     if not point:
         return
     n = int(count)
-    if point.startswith("s3."):
-        _crash_at_s3_call(point[3:], n)
+    if point.startswith(("s3.", "store.")):
+        _crash_at_store_call(point.split(".", 1)[1], n)
         return
     if "." in point:
         _crash_at_call(point, n)
@@ -91,17 +93,21 @@ def _crash_at_object_step(point: str, n: int) -> None:
     objcommit.publish_part, objcommit.record_commit = publish, record
 
 
-def _crash_at_s3_call(name: str, n: int) -> None:
+def _crash_at_store_call(name: str, n: int) -> None:
+    """Count calls of ``name`` on whichever object store the run uses (one count for both kinds)."""
+    from batchrun.job.storage.gcs import GcsStorage
     from batchrun.job.storage.s3 import S3Storage
-    orig, calls = getattr(S3Storage, name), [0]
+    calls = [0]
+    for cls in (S3Storage, GcsStorage):
+        orig = getattr(cls, name)
 
-    def wrapped(self, *a, **kw):
-        calls[0] += 1
-        if calls[0] == n:
-            os._exit(137)
-        return orig(self, *a, **kw)
+        def wrapped(self, *a, _orig=orig, **kw):
+            calls[0] += 1
+            if calls[0] == n:
+                os._exit(137)
+            return _orig(self, *a, **kw)
 
-    setattr(S3Storage, name, wrapped)
+        setattr(cls, name, wrapped)
 
 
 def _crash_at_call(point: str, n: int) -> None:

@@ -48,6 +48,13 @@ class Bucket:
         self.client.put_object(Bucket=self.name, Key=key, Body=buf.getvalue())
         return self.uri(key)
 
+    def read(self, key: str) -> bytes:
+        return self.client.get_object(Bucket=self.name, Key=key)["Body"].read()
+
+    def list_keys(self, prefix: str) -> list[str]:
+        pages = self.client.get_paginator("list_objects_v2").paginate(Bucket=self.name, Prefix=prefix)
+        return sorted(o["Key"] for p in pages for o in p.get("Contents", ()))
+
     def put_file(self, key: str, path) -> str:
         self.client.upload_file(str(path), self.name, key)
         return self.uri(key)

@@ -1,7 +1,10 @@
-"""A tiny HTTP proxy in front of the test S3 server that fails chosen requests the way S3 does
-under load: ``503 SlowDown`` (throttling), ``500 InternalError``, or a connection closed without
-an answer (a reset). Requests are numbered from 1 as they arrive; ``faults`` maps a number to
-its fault, everything else is forwarded unchanged (the Host header too, so signatures hold)."""
+"""A tiny HTTP proxy in front of a test object-store server (tests/s3's S3, tests/gcs's GCS) that
+fails chosen requests the way a store does under load: ``503`` (throttling: S3's SlowDown body),
+``500 InternalError``, a connection closed without an answer (``reset``: the request never
+reached the store), or one closed after the store handled it (``lost``: applied, its answer
+lost); and ``403``/``401``, permanent refusals (GCS's JSON error bodies). Requests are numbered from 1 as
+they arrive; ``faults`` maps a number to its fault, everything else is forwarded unchanged (the
+Host header too, so signatures hold)."""
 from __future__ import annotations
 
 import http.client
@@ -10,6 +13,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlparse
 
 BODIES = {
+    401: b'{"error": {"code": 401, "message": "Invalid Credentials", "errors": [{"reason": "authError"}]}}',
+    403: b'{"error": {"code": 403, "message": "batchrun-test does not have storage.objects.create access", '
+         b'"errors": [{"reason": "forbidden", "message": "no access"}]}}',
     503: b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>SlowDown</Code>'
          b'<Message>Please reduce your request rate.</Message></Error>',
     500: b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>InternalError</Code>'
@@ -43,10 +49,10 @@ class FaultyProxy:
                     self.close_connection = True
                     self.connection.close()
                     return
-                if fault in ("503", "500"):
+                if fault in ("503", "500", "403", "401"):
                     payload = BODIES[int(fault)] if self.command != "HEAD" else b""
                     self.send_response(int(fault))
-                    self.send_header("Content-Type", "application/xml")
+                    self.send_header("Content-Type", "application/json" if fault in ("403", "401") else "application/xml")
                     self.send_header("Content-Length", str(len(BODIES[int(fault)])))
                     self.end_headers()
                     self.wfile.write(payload)
@@ -56,6 +62,11 @@ class FaultyProxy:
                 conn.request(self.command, self.path, body=body or None, headers=headers)
                 resp = conn.getresponse()
                 data = resp.read()
+                if fault == "lost":
+                    conn.close()
+                    self.close_connection = True
+                    self.connection.close()
+                    return
                 self.send_response(resp.status)
                 for k, v in resp.getheaders():
                     if k.lower() not in ("transfer-encoding", "connection", "content-length"):

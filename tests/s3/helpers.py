@@ -1,4 +1,4 @@
-"""Job files and output reading for the s3 tests."""
+"""Job files and output reading for the object-store tests (tests/s3 and tests/gcs)."""
 from __future__ import annotations
 
 import io
@@ -19,8 +19,8 @@ def job_file(tmp_path, tiny_model, input_path, output_path, name="job.yaml", **i
 
 
 def keys(bucket, prefix: str) -> list[str]:
-    pages = bucket.client.get_paginator("list_objects_v2").paginate(Bucket=bucket.name, Prefix=prefix)
-    return sorted(o["Key"] for p in pages for o in p.get("Contents", ()))
+    """The bucket's keys under ``prefix`` (``bucket``: tests/s3's Bucket or tests/gcs's GcsBucket)."""
+    return bucket.list_keys(prefix)
 
 
 def read_parts(bucket, prefix: str) -> pa.Table | None:
@@ -30,8 +30,7 @@ def read_parts(bucket, prefix: str) -> pa.Table | None:
     for key in keys(bucket, prefix.rstrip("/") + "/part-"):
         if not re.fullmatch(r"part-\d{6}\.parquet", key.rsplit("/", 1)[1]):
             continue
-        body = bucket.client.get_object(Bucket=bucket.name, Key=key)["Body"].read()
-        tables.append(pq.read_table(io.BytesIO(body)))
+        tables.append(pq.read_table(io.BytesIO(bucket.read(key))))
     return pa.concat_tables(tables) if tables else None
 
 

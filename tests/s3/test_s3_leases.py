@@ -89,3 +89,17 @@ def test_output_in_a_missing_bucket_exits_7_naming_the_uri(s3, tiny_model, tmp_p
     job = job_file(tmp_path, tiny_model, s3.uri("in"), "s3://batchrun-no-such-bucket/out")
     with pytest.raises(StorageError, match=r"output.path: s3://batchrun-no-such-bucket/out/\S*: NoSuchBucket"):
         run_job(load_job(job), engine_factory=FakeEngine.from_spec, progress=False, log=lambda m: None)
+
+
+def test_a_conditional_create_whose_answer_was_lost_is_ours(s3, monkeypatch):
+    """The first PUT is applied but its answer never arrives; botocore retries it and gets 412 (the
+    object is there now). The object holds our bytes, so the write is ours (as on GCS)."""
+    from tests.s3.faulty_proxy import FaultyProxy
+    with FaultyProxy(s3.endpoint, {1: "lost"}) as proxy:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+        etag = storage_for(s3.uri("claim")).put(s3.uri("claim"), b"mine", if_none_match=True)
+        assert [f for _, f, _ in proxy.injected] == ["lost"]
+    assert etag is not None and etag == s3.client.head_object(Bucket=s3.name, Key="claim")["ETag"]
+    with FaultyProxy(s3.endpoint, {1: "lost"}) as proxy:  # another writer's bytes are not ours
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+        assert storage_for(s3.uri("claim")).put(s3.uri("claim"), b"other", if_none_match=True) is None

@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 
 from batchrun.errors import ConfigError
-from batchrun.job.inputs.files import find_input_files
 from batchrun.job.jobfile.spec import parse_job
 from batchrun.job.storage.options import StorageOptions
 
@@ -45,12 +44,6 @@ def test_model_and_adapter_uris_are_refused_with_the_fix(field, value, match):
 def test_bad_uris_name_the_field(path, match):
     with pytest.raises(ConfigError, match=match):
         job(input={"path": path})
-
-
-def test_gs_input_is_refused_when_read_not_guessed():
-    spec = job(input={"path": "gs://bucket/prompts/"})  # parses: the scheme is known
-    with pytest.raises(ConfigError, match=r"input.path: gs://bucket/prompts/: gs:// is not supported yet"):
-        find_input_files(spec.input)
 
 
 def test_storage_options_fields():

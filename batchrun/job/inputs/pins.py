@@ -6,9 +6,10 @@ planned one; the runner re-checks a unit's files before and after reading its ro
 enough while size and mtime hold; a moved mtime with the same size costs one digest (a ``touch``
 or a copy with the same bytes is not a change).
 
-An object in a store (s3://) is pinned by size and ETag instead (one HEAD, no download): the
-store gives a new ETag to every new upload, so a replaced object is always noticed; an upload of
-the same bytes in other multipart sizes also gets a new ETag and counts as a change.
+An object in a store (s3://, gs://) is pinned by size and version instead (one metadata request,
+no download): its ETag on S3, its generation on GCS. The store gives a new one to every new
+upload, so a replaced object is always noticed; an upload of the same bytes (on S3 in other
+multipart sizes) also gets a new one and counts as a change.
 """
 from __future__ import annotations
 

@@ -1,8 +1,9 @@
 """The storage interface the input side reads through: one implementation per kind of store.
 
 ``LocalStorage`` (local.py) is what batchrun always did (paths handed to pyarrow, ``os.stat``);
-``S3Storage`` (s3.py) reads objects. An object's ``version`` is what changes when its content
-is replaced: the mtime (ns) of a local file, the ETag of an S3 object. Inputs are pinned by
+``S3Storage`` (s3.py) and ``GcsStorage`` (gcs.py) read objects. An object's ``version`` is what
+changes when its content is replaced: the mtime (ns) of a local file, the ETag of an S3 object,
+the generation of a GCS object. Inputs are pinned by
 (size, version) so a run notices a file replaced under it.
 """
 from __future__ import annotations
@@ -19,7 +20,17 @@ import pyarrow.parquet as pq
 class ObjectInfo:
     path: str  # the local path or the full URI
     size: int
-    version: str  # local: mtime_ns as text; S3: the ETag (quotes included, as the store sends it)
+    version: str  # local: mtime_ns as text; S3: the ETag (quotes included, as the store sends it);
+    # GCS: the generation (as text)
+
+
+@dataclass(frozen=True)
+class Got:
+    """An object's bytes as an object store's ``get`` returns them (the output protocol's reads)."""
+    data: bytes
+    etag: str  # what a conditional write names to mean "this version": S3's ETag, GCS's generation
+    last_modified: float  # the store's clock (epoch s): when this version was written
+    now: float  # the store's clock when it answered (its Date header): lease ages need no local clock
 
 
 class Storage(ABC):

@@ -3,7 +3,9 @@
 Everything else comes from where the stores' own tools look: for S3 the AWS variables
 (``AWS_ENDPOINT_URL``/``AWS_ENDPOINT_URL_S3``, ``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``,
 ``AWS_SESSION_TOKEN``, ``AWS_REGION``/``AWS_DEFAULT_REGION``, ``AWS_PROFILE``, ``AWS_MAX_ATTEMPTS``)
-and ``~/.aws/config``/``credentials``; for GCS Google's application default credentials. A
+and ``~/.aws/config``/``credentials``; for GCS Google's application default credentials
+(``GOOGLE_APPLICATION_CREDENTIALS``, gcloud's ADC, the metadata server), ``STORAGE_EMULATOR_HOST``
+and ``GOOGLE_CLOUD_PROJECT`` (gcs.py). A
 field set here wins over the environment. Secrets have no field: a job file is copied into the
 output's manifest, so credentials stay in the environment or the profile files.
 """
@@ -17,7 +19,7 @@ from batchrun.errors import ConfigError
 FIELDS = {
     "endpoint_url": "the store's address, e.g. http://127.0.0.1:9000 (an S3-compatible server)",
     "region": "the bucket's region, e.g. eu-west-1",
-    "profile": "a profile of ~/.aws/config (S3 only)",
+    "profile": "a profile of ~/.aws/config (S3 only: refused for gs://)",
 }
 
 

@@ -11,7 +11,6 @@ one, pyarrow gets the profile's credentials as boto3 resolved them at start-up.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from functools import cached_property
 from urllib.parse import urlparse
 
@@ -21,7 +20,7 @@ import pyarrow.parquet as pq
 
 from batchrun.errors import ConfigError
 from batchrun.job.storage import retry
-from batchrun.job.storage.base import ObjectInfo, Storage
+from batchrun.job.storage.base import Got, ObjectInfo, Storage
 from batchrun.job.storage.errors import storage_error
 from batchrun.job.storage.options import StorageOptions
 from batchrun.job.storage.uri import Uri, parse_uri
@@ -164,14 +163,6 @@ MULTIPART_THRESHOLD = 64 << 20  # bigger bodies go up as a multipart upload, vis
 MULTIPART_PART = 16 << 20
 
 
-@dataclass(frozen=True)
-class Got:
-    data: bytes
-    etag: str
-    last_modified: float  # the store's clock (epoch s): when this version was written
-    now: float  # the store's clock when it answered (its Date header): lease ages need no local clock
-
-
 def _precondition_failed(e) -> bool:
     err = e.response.get("Error", {})
     return str(err.get("Code")) in ("PreconditionFailed", "412", "ConditionalRequestConflict") or \
@@ -221,6 +212,14 @@ class S3Writes:
             return self.client.put_object(Bucket=u.bucket, Key=u.key, Body=data, **cond)["ETag"]
         except be.ClientError as e:
             if cond and _precondition_failed(e):
+                # botocore retried after a failed attempt (a 5xx, a dropped connection): that
+                # attempt may have been applied with its answer lost, and the retry then fails its
+                # own condition. The object holding exactly these bytes means the write is ours
+                # (lease bodies carry the owner's token and a counter: no other writer makes them)
+                if e.response.get("ResponseMetadata", {}).get("RetryAttempts"):
+                    now = self.get(path)
+                    if now is not None and now.data == data:
+                        return now.etag
                 return None
             raise storage_error(e, path, self.field) from None
         except Exception as e:  # noqa: BLE001 - translated (or re-raised) by storage_error

@@ -13,7 +13,7 @@
                                    metrics.lock: merging metrics.json;
                                    claims.lock: taking over an expired claim)
 
-On an object store (output.path an s3:// prefix) the keys are the same; there is no tmp/ (a
+On an object store (output.path an s3:// or gs:// prefix) the keys are the same; there is no tmp/ (a
 part goes to its final key in one PUT) and claims and locks are leases (store/objects/).
         metrics.json               totals over all committed units + each task's last run
         metrics/task-0.json        each task's last run
@@ -66,7 +66,7 @@ def part_name(unit: int) -> str:
 
 @dataclass(frozen=True)
 class OutputDir:
-    """The output's names. ``path`` is a local directory or an s3:// prefix (keys are named like
+    """The output's names. ``path`` is a local directory or an s3:// / gs:// prefix (keys are named like
     the files, ``/``-separated); ``options``: output.storage_options, for a prefix."""
     path: str
     options: StorageOptions | None = None

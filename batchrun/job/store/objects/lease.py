@@ -9,7 +9,8 @@ Age is measured on the store's clock alone: a lease is stale when the store's ``
 answers the GET) is past the object's ``Last-Modified`` + ``lease_s``, so hosts with skewed
 clocks still agree. A stale lease (its owner died or lost the network) is taken over with
 ``If-Match: <the stale ETag>``: if the owner renewed meanwhile, or another taker was first, the
-ETag moved and the take-over fails. A PUT is atomic on S3, so a lease is never half written.
+ETag moved and the take-over fails. A PUT is atomic, so a lease is never half written. (On GCS
+the generation plays the ETag's part: ``ifGenerationMatch``, storage/gcs.py.)
 """
 from __future__ import annotations
 
