@@ -15,6 +15,8 @@ import pyarrow as pa
 import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
+from batchrun.job.storage.errors import storage_error
+
 
 @dataclass(frozen=True)
 class ObjectInfo:
@@ -49,3 +51,28 @@ class Storage(ABC):
     @abstractmethod
     def dataset(self, path: str) -> ds.Dataset:
         """The file as a pyarrow dataset (scanned in batches)."""
+
+
+class ObjectReads(Storage):
+    """Parquet on an object store through a pyarrow filesystem (``self.arrow``: S3FileSystem or
+    GcsFileSystem): footer first, row groups on demand. Subclasses give ``arrow``, ``_uri`` and
+    ``field`` (input.path / output.path, for messages)."""
+
+    def _open(self, path: str):
+        try:
+            return self.arrow.open_input_file(self._uri(path).fs_path)
+        except OSError as e:
+            raise storage_error(e, path, self.field) from None
+
+    def parquet_file(self, path: str) -> pq.ParquetFile:
+        # pre_buffer: a row group's column chunks are fetched in a few coalesced ranged reads
+        return pq.ParquetFile(self._open(path), pre_buffer=True)
+
+    def read_schema(self, path: str) -> pa.Schema:
+        return self.parquet_file(path).schema_arrow
+
+    def dataset(self, path: str) -> ds.Dataset:
+        try:
+            return ds.dataset(self._uri(path).fs_path, filesystem=self.arrow, format="parquet")
+        except OSError as e:
+            raise storage_error(e, path, self.field) from None

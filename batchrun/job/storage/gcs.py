@@ -33,13 +33,10 @@ from concurrent.futures import ThreadPoolExecutor
 from email.utils import parsedate_to_datetime
 from functools import cached_property
 
-import pyarrow as pa
-import pyarrow.dataset as ds
-import pyarrow.parquet as pq
 
 from batchrun.errors import ConfigError
 from batchrun.job.storage import retry
-from batchrun.job.storage.base import Got, ObjectInfo, Storage
+from batchrun.job.storage.base import Got, ObjectInfo, ObjectReads
 from batchrun.job.storage.errors import StorageError, refusal, storage_error
 from batchrun.job.storage.options import StorageOptions
 from batchrun.job.storage.uri import Uri, parse_uri
@@ -73,7 +70,7 @@ class _Local(threading.local):
     date: str | None = None  # the Date header of this thread's last response
 
 
-class GcsReads(Storage):
+class GcsReads(ObjectReads):
     """The input side: objects' sizes and generations, listings, Parquet (GcsStorage adds writes)."""
 
     def __init__(self, options: StorageOptions, field: str):
@@ -205,25 +202,6 @@ class GcsReads(Storage):
                 raise refusal(prefix, self.field, "NoSuchBucket", f"bucket {u.bucket} does not exist") from None
             raise
         return sorted(found, key=lambda o: o.path)
-
-    def _open(self, path: str):
-        try:
-            return self.arrow.open_input_file(self._uri(path).fs_path)
-        except OSError as e:
-            raise storage_error(e, path, self.field) from None
-
-    def parquet_file(self, path: str) -> pq.ParquetFile:
-        # pre_buffer: a row group's column chunks are fetched in a few coalesced ranged reads
-        return pq.ParquetFile(self._open(path), pre_buffer=True)
-
-    def read_schema(self, path: str) -> pa.Schema:
-        return self.parquet_file(path).schema_arrow
-
-    def dataset(self, path: str) -> ds.Dataset:
-        try:
-            return ds.dataset(self._uri(path).fs_path, filesystem=self.arrow, format="parquet")
-        except OSError as e:
-            raise storage_error(e, path, self.field) from None
 
 
 def _google_exceptions():

@@ -14,13 +14,10 @@ import os
 from functools import cached_property
 from urllib.parse import urlparse
 
-import pyarrow as pa
-import pyarrow.dataset as ds
-import pyarrow.parquet as pq
 
 from batchrun.errors import ConfigError
 from batchrun.job.storage import retry
-from batchrun.job.storage.base import Got, ObjectInfo, Storage
+from batchrun.job.storage.base import Got, ObjectInfo, ObjectReads
 from batchrun.job.storage.errors import storage_error
 from batchrun.job.storage.options import StorageOptions
 from batchrun.job.storage.uri import Uri, parse_uri
@@ -33,7 +30,7 @@ def endpoint_url(options: StorageOptions) -> str | None:
             or os.environ.get("AWS_ENDPOINT_URL") or None)
 
 
-class S3Reads(Storage):
+class S3Reads(ObjectReads):
     """The input side: objects' sizes and ETags, listings, Parquet (S3Storage below adds writes)."""
 
     def __init__(self, options: StorageOptions, field: str):
@@ -129,25 +126,6 @@ class S3Reads(Storage):
         except Exception as e:  # noqa: BLE001 - translated (or re-raised) by storage_error
             raise storage_error(e, prefix, self.field) from None
         return sorted(found, key=lambda o: o.path)
-
-    def _open(self, path: str):
-        try:
-            return self.arrow.open_input_file(self._uri(path).fs_path)
-        except OSError as e:
-            raise storage_error(e, path, self.field) from None
-
-    def parquet_file(self, path: str) -> pq.ParquetFile:
-        # pre_buffer: a row group's column chunks are fetched in a few coalesced ranged GETs
-        return pq.ParquetFile(self._open(path), pre_buffer=True)
-
-    def read_schema(self, path: str) -> pa.Schema:
-        return self.parquet_file(path).schema_arrow
-
-    def dataset(self, path: str) -> ds.Dataset:
-        try:
-            return ds.dataset(self._uri(path).fs_path, filesystem=self.arrow, format="parquet")
-        except OSError as e:
-            raise storage_error(e, path, self.field) from None
 
 
 def _no_such_bucket(e):
