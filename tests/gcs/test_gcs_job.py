@@ -9,6 +9,7 @@ from batchrun.job.jobfile.spec import load_job
 from batchrun.job.run.runner import run_job
 from tests.gcs.conftest import gcs_env
 from tests.helpers.fake_engine import FakeEngine
+from tests.helpers.object_store import check_cli_reports_and_damage
 from tests.helpers.jobs import demo_rows, read_output, run_cli, write_rows
 from tests.s3.helpers import job_file, keys, read_parts, sorted_rows
 
@@ -87,20 +88,7 @@ def test_restart_deletes_only_the_jobs_own_keys_and_a_damaged_part_is_rewritten(
 @pytest.mark.slow
 def test_cli_run_verify_status_show_and_exit_7_naming_the_uri(gcs, tiny_model, tmp_path):
     env = gcs_env(gcs.endpoint)
-    gcs.put_rows("in/a.parquet", demo_rows(10))
-    job = job_file(tmp_path, tiny_model, gcs.uri("in"), gcs.uri("o"))
-    r = run_cli("run", job, "--no-progress", env=env)
-    assert r.returncode == 0, r.stdout + r.stderr
-    out = gcs.uri("o")
-    v = run_cli("verify", out, env=env)
-    assert v.returncode == 0 and "verified: 3/3 units (10 rows)" in v.stdout, v.stdout + v.stderr
-    st = run_cli("status", out, env=env)
-    assert st.returncode == 0 and "units:   3/3 committed" in st.stdout, st.stdout + st.stderr
-    sh = run_cli("show", out, "--limit", "3", "--prompts", env=env)
-    assert sh.returncode == 0 and sh.stdout.count("id=") == 3 and "prompt=" in sh.stdout, sh.stdout + sh.stderr
-    gcs.write("o/part-000001.parquet", b"PAR1 not a part PAR1")  # changed behind batchrun's back
-    v = run_cli("verify", out, env=env)
-    assert v.returncode == 8 and "unit 1:" in v.stdout, v.stdout + v.stderr
+    job, _ = check_cli_reports_and_damage(gcs, env, tiny_model, tmp_path)
     missing = job_file(tmp_path, tiny_model, "gs://batchrun-no-such-bucket/in/", gcs.uri("o2"), "missing.yaml")
     r = run_cli("run", missing, "--no-progress", env=env)
     assert r.returncode == 7 and "gs://batchrun-no-such-bucket/in/: NoSuchBucket" in r.stderr, r.stderr

@@ -5,14 +5,14 @@ honouring a condition, it fails here by name instead of letting the protocol tes
 server that cannot race."""
 from __future__ import annotations
 
-import threading
 import time
 
 import pytest
 
 from batchrun.job.storage.errors import StorageError
 from batchrun.job.storage.registry import storage_for
-from batchrun.job.store.objects.lease import Leases
+from tests.helpers.object_store import (check_live_lease_refused_stale_one_taken_over_once,
+                                        check_renewal_defeats_a_stale_take_over)
 from tests.s3.faulty_proxy import FaultyProxy
 
 
@@ -48,31 +48,12 @@ def test_get_reads_the_stores_clock_and_the_objects_time(gcs):
     assert abs(got.last_modified - before) < 5
 
 
-def leases(gcs, lease_s, token):
-    return Leases(storage_for(gcs.uri("x")), lease_s, {"host": "h", "pid": 1, "worker": token, "token": token})
-
-
 def test_a_live_lease_is_refused_a_stale_one_taken_over_once(gcs):
-    path = gcs.uri("lease")
-    a, b, c = leases(gcs, 1.0, "a"), leases(gcs, 1.0, "b"), leases(gcs, 1.0, "c")
-    held, _, _ = a.acquire(path)
-    assert held is not None
-    got, record, _ = b.acquire(path)
-    assert got is None and record["token"] == "a"
-    assert a.renew(held) and a.mine(held)
-    time.sleep(2.2)  # the store's clock moves past the object's time + lease (its Date has 1 s steps)
-    results = []
-    threads = [threading.Thread(target=lambda t=t: results.append(t.acquire(path))) for t in (b, c)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    winners = [r for r in results if r[0] is not None]
-    assert len(winners) == 1 and winners[0][2] is True
-    assert not a.mine(held) and not a.renew(held)
-    a.release(held)  # releasing a lost lease deletes nothing
-    winner = b if b.mine(winners[0][0]) else c
-    assert winner.mine(winners[0][0])
+    check_live_lease_refused_stale_one_taken_over_once(gcs)
+
+
+def test_a_renewal_between_read_and_take_over_defeats_the_take_over(gcs):
+    check_renewal_defeats_a_stale_take_over(gcs)
 
 
 def test_a_conditional_create_whose_answer_was_lost_is_ours(gcs, monkeypatch):

@@ -48,6 +48,9 @@ class Bucket:
         self.client.put_object(Bucket=self.name, Key=key, Body=buf.getvalue())
         return self.uri(key)
 
+    def write(self, key: str, data: bytes) -> None:
+        self.client.put_object(Bucket=self.name, Key=key, Body=data)
+
     def read(self, key: str) -> bytes:
         return self.client.get_object(Bucket=self.name, Key=key)["Body"].read()
 

@@ -1,11 +1,10 @@
 """A whole job reading its prompts from S3 equals the same job reading the same files locally."""
 from __future__ import annotations
 
-import dataclasses
 
 import pytest
 
-from batchrun.job.jobfile.spec import OutputSpec, load_job
+from batchrun.job.jobfile.spec import load_job
 from batchrun.job.run.runner import run_job
 from tests.helpers.fake_engine import FakeEngine
 from tests.helpers.jobs import demo_rows, read_output, run_cli, write_rows

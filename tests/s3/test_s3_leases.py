@@ -3,13 +3,12 @@ the test server. The first test is the probe: if a server version stopped honour
 it fails here by name instead of letting the protocol tests pass on a server that cannot race."""
 from __future__ import annotations
 
-import threading
-import time
 
 import pytest
 
 from batchrun.job.storage.registry import storage_for
-from batchrun.job.store.objects.lease import Leases
+from tests.helpers.object_store import (check_live_lease_refused_stale_one_taken_over_once,
+                                        check_renewal_defeats_a_stale_take_over)
 
 
 def test_the_server_honours_every_condition_the_protocol_uses(s3):
@@ -36,46 +35,12 @@ def test_the_server_honours_every_condition_the_protocol_uses(s3):
     assert store.get(s3.uri("mp")).data == big
 
 
-def leases(s3, lease_s, token):
-    return Leases(storage_for(s3.uri("x")), lease_s, {"host": "h", "pid": 1, "worker": token, "token": token})
-
-
 def test_a_live_lease_is_refused_a_stale_one_taken_over_once(s3):
-    path = s3.uri("lease")
-    a, b, c = leases(s3, 1.0, "a"), leases(s3, 1.0, "b"), leases(s3, 1.0, "c")
-    held, _, _ = a.acquire(path)
-    assert held is not None
-    got, record, _ = b.acquire(path)
-    assert got is None and record["token"] == "a"
-    assert a.renew(held) and a.mine(held)
-    time.sleep(2.2)  # the store's clock moves past Last-Modified + lease (its Date has 1 s steps)
-    results = []
-    threads = [threading.Thread(target=lambda t=t: results.append(t.acquire(path))) for t in (b, c)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    winners = [r for r in results if r[0] is not None]
-    assert len(winners) == 1 and winners[0][2] is True  # one taker, and it says it took over
-    assert not a.mine(held) and not a.renew(held)  # the old owner learns it lost the lease
-    a.release(held)  # releasing a lost lease deletes nothing
-    winner = b if b.mine(winners[0][0]) else c
-    assert winner.mine(winners[0][0])
+    check_live_lease_refused_stale_one_taken_over_once(s3)
 
 
 def test_a_renewal_between_read_and_take_over_defeats_the_take_over(s3):
-    """The race If-Match closes: a taker that read the lease before its owner renewed it holds an
-    old ETag (each renewal rewrites the bytes), so its take-over fails."""
-    path = s3.uri("race")
-    owner, taker = leases(s3, 1.0, "owner"), leases(s3, 1.0, "taker")
-    held, _, _ = owner.acquire(path)
-    time.sleep(2.2)
-    store = storage_for(path)
-    stale = store.get(path)
-    assert taker.stale(stale, None)
-    assert owner.renew(held)  # the owner wakes up and renews ...
-    assert store.put(path, taker.body(), if_match=stale.etag) is None  # ... so the stale read cannot win
-    assert owner.mine(held)
+    check_renewal_defeats_a_stale_take_over(s3)
 
 
 def test_output_in_a_missing_bucket_exits_7_naming_the_uri(s3, tiny_model, tmp_path):

@@ -6,6 +6,7 @@ import pytest
 from batchrun.job.jobfile.spec import load_job
 from batchrun.job.run.runner import run_job
 from tests.helpers.fake_engine import FakeEngine
+from tests.helpers.object_store import check_cli_reports_and_damage
 from tests.helpers.jobs import demo_rows, read_output, write_rows
 from tests.s3.helpers import job_file, keys, read_parts, sorted_rows
 
@@ -84,21 +85,7 @@ def test_verify_status_show_on_an_s3_output(s3, tiny_model, tmp_path):
     from tests.helpers.jobs import run_cli
     from tests.s3.conftest import s3_env
     env = s3_env(s3.endpoint)
-    s3.put_rows("in/a.parquet", demo_rows(10))
-    job = job_file(tmp_path, tiny_model, s3.uri("in"), s3.uri("o"))
-    r = run_cli("run", job, "--no-progress", env=env)
-    assert r.returncode == 0, r.stdout + r.stderr
-    out = s3.uri("o")
-    v = run_cli("verify", out, env=env)
-    assert v.returncode == 0 and "verified: 3/3 units (10 rows)" in v.stdout, v.stdout + v.stderr
-    st = run_cli("status", out, env=env)
-    assert st.returncode == 0 and "units:   3/3 committed" in st.stdout and "complete" in st.stdout, st.stdout + st.stderr
-    sh = run_cli("show", out, "--limit", "3", "--prompts", env=env)
-    assert sh.returncode == 0 and sh.stdout.count("id=") == 3 and "prompt=" in sh.stdout, sh.stdout + sh.stderr
-    # a part changed behind batchrun's back: verify says DAMAGED (8), status too
-    s3.client.put_object(Bucket=s3.name, Key="o/part-000001.parquet", Body=b"PAR1 not a part PAR1")
-    v = run_cli("verify", out, env=env)
-    assert v.returncode == 8 and "unit 1:" in v.stdout, v.stdout + v.stderr
+    _, out = check_cli_reports_and_damage(s3, env, tiny_model, tmp_path)
     assert run_cli("status", out, env=env).returncode == 8
     # an unfinished output: verify says INCOMPLETE (9)
     s3.client.delete_object(Bucket=s3.name, Key="o/_batchrun/commits/unit-000002.json")

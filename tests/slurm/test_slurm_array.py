@@ -247,7 +247,7 @@ def test_time_limit_signal_exits_130_and_a_resubmission_resumes(tmp_path):
     assert metrics["units_taken_over"] == len(held) and metrics["units_done"] == total - committed
 
 
-def test_array_on_an_s3_output_finishes_every_id_once_with_logs_next_to_the_script(tmp_path, s3):
+def test_array_on_an_s3_output_finishes_every_id_once_with_logs_next_to_the_script(tmp_path, s3):  # noqa: F811
     """Two array tasks share an s3:// output (the local S3 test server; sbatch passes on the AWS
     variables as it would a user's): every id once, verify passes, each task logs next to the script."""
     from tests.s3.helpers import read_parts
