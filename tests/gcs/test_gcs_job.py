@@ -5,17 +5,13 @@ from __future__ import annotations
 
 import pytest
 
-from batchrun.job.jobfile.spec import load_job
-from batchrun.job.run.runner import run_job
 from tests.gcs.conftest import gcs_env
-from tests.helpers.fake_engine import FakeEngine
-from tests.helpers.object_store import check_cli_reports_and_damage
+from tests.helpers.object_store import check_cli_reports_and_damage, check_restart_deletes_only_own_keys, run_in_process
 from tests.helpers.jobs import demo_rows, read_output, run_cli, write_rows
 from tests.s3.helpers import job_file, keys, read_parts, sorted_rows
 
 
-def run(job, **kw):
-    return run_job(load_job(job), engine_factory=FakeEngine.from_spec, progress=False, log=lambda m: None, **kw)
+run = run_in_process
 
 
 def test_gcs_in_gcs_out_equals_local_in_local_out(gcs, tiny_model, tmp_path):
@@ -66,7 +62,7 @@ def test_replaced_input_object_is_a_changed_job(gcs, tiny_model, tmp_path):
         run(job)
 
 
-def test_restart_deletes_only_the_jobs_own_keys_and_a_damaged_part_is_rewritten(gcs, tiny_model, tmp_path):
+def test_a_damaged_part_is_rewritten(gcs, tiny_model, tmp_path):
     gcs.put_rows("in/a.parquet", demo_rows(10))
     job = job_file(tmp_path, tiny_model, gcs.uri("in"), gcs.uri("o"))
     run(job)
@@ -74,15 +70,10 @@ def test_restart_deletes_only_the_jobs_own_keys_and_a_damaged_part_is_rewritten(
     gcs.write("o/part-000001.parquet", b"garbage")
     st = run(job)
     assert st.units_repaired == 1 and st.units_done == 1 and sorted_rows(read_parts(gcs, "o")) == want
-    gcs.write("o/part-mine.parquet", b"user's own")
-    gcs.write("o-sibling/part-000000.parquet", b"another job")
-    st = run(job_file(tmp_path, tiny_model, gcs.uri("in"), gcs.uri("o"), "job2.yaml", rows_per_unit=5), restart=True)
-    assert st.units_done == st.units_total == 3  # 10 rows in 3 shards (base, reverse, upper) of <= 5
-    names = keys(gcs, "o")
-    assert "o/part-mine.parquet" in names and "o-sibling/part-000000.parquet" in names
-    assert [k for k in names if k.startswith("o/part-0")] == [f"o/part-00000{i}.parquet" for i in range(3)]
-    assert "o/_batchrun/restarting.json" not in names
-    assert sorted(r["id"] for r in read_parts(gcs, "o").to_pylist()) == list(range(10))
+
+
+def test_restart_deletes_only_the_jobs_own_keys(gcs, tiny_model, tmp_path):
+    check_restart_deletes_only_own_keys(gcs, tiny_model, tmp_path)
 
 
 @pytest.mark.slow

@@ -172,3 +172,28 @@ def check_cli_reports_and_damage(bucket, env: dict, tiny_model, tmp_path) -> tup
     v = run_cli("verify", out, env=env)
     assert v.returncode == 8 and "unit 1:" in v.stdout, v.stdout + v.stderr
     return job, out
+
+
+def run_in_process(job, **kw):
+    """`batchrun run` in this process with the FakeEngine; its TaskStats."""
+    from batchrun.job.jobfile.spec import load_job
+    from batchrun.job.run.runner import run_job
+    from tests.helpers.fake_engine import FakeEngine
+    return run_job(load_job(job), engine_factory=FakeEngine.from_spec, progress=False, log=lambda m: None, **kw)
+
+
+def check_restart_deletes_only_own_keys(bucket, tiny_model, tmp_path) -> None:
+    """--restart with another job deletes the old job's keys and nothing else under or beside the
+    prefix (a user's files, a sibling prefix)."""
+    bucket.put_rows("in/a.parquet", demo_rows(10))
+    run_in_process(job_file(tmp_path, tiny_model, bucket.uri("in"), bucket.uri("o")))
+    for key in ("o/part-mine.parquet", "o/notes/readme.txt", "o-sibling/part-000000.parquet"):
+        bucket.write(key, b"user's own")
+    job = job_file(tmp_path, tiny_model, bucket.uri("in"), bucket.uri("o"), "job2.yaml", rows_per_unit=5)
+    st = run_in_process(job, restart=True)
+    assert st.units_done == st.units_total == 3  # 10 rows in 3 shards (base, reverse, upper) of <= 5
+    names = keys(bucket, "o")
+    assert {"o/part-mine.parquet", "o/notes/readme.txt", "o-sibling/part-000000.parquet"} <= set(names)
+    assert [k for k in names if k.startswith("o/part-0")] == [f"o/part-00000{i}.parquet" for i in range(3)]
+    assert "o/_batchrun/restarting.json" not in names
+    assert sorted(r["id"] for r in read_parts(bucket, "o").to_pylist()) == list(range(10))

@@ -3,16 +3,12 @@ from __future__ import annotations
 
 import pytest
 
-from batchrun.job.jobfile.spec import load_job
-from batchrun.job.run.runner import run_job
-from tests.helpers.fake_engine import FakeEngine
-from tests.helpers.object_store import check_cli_reports_and_damage
+from tests.helpers.object_store import check_cli_reports_and_damage, check_restart_deletes_only_own_keys, run_in_process
 from tests.helpers.jobs import demo_rows, read_output, write_rows
 from tests.s3.helpers import job_file, keys, read_parts, sorted_rows
 
 
-def run(job, **kw):
-    return run_job(load_job(job), engine_factory=FakeEngine.from_spec, progress=False, log=lambda m: None, **kw)
+run = run_in_process
 
 
 def test_s3_in_s3_out_equals_local_in_local_out(s3, tiny_model, tmp_path):
@@ -64,20 +60,7 @@ def test_output_prefix_rules(s3, tiny_model, tmp_path):
 
 
 def test_restart_deletes_only_the_jobs_own_keys(s3, tiny_model, tmp_path):
-    s3.put_rows("in/a.parquet", demo_rows(10))
-    run(job_file(tmp_path, tiny_model, s3.uri("in"), s3.uri("o")))
-    s3.client.put_object(Bucket=s3.name, Key="o/part-mine.parquet", Body=b"user's own")
-    s3.client.put_object(Bucket=s3.name, Key="o/notes/readme.txt", Body=b"user's own")
-    s3.client.put_object(Bucket=s3.name, Key="o-sibling/part-000000.parquet", Body=b"another job")
-    job = job_file(tmp_path, tiny_model, s3.uri("in"), s3.uri("o"), rows_per_unit=5)
-    st = run(job, restart=True)
-    assert st.units_done == st.units_total == 3  # 10 rows in 3 shards (base, reverse, upper) of <= 5
-    names = keys(s3, "o")
-    assert "o/part-mine.parquet" in names and "o/notes/readme.txt" in names
-    assert "o-sibling/part-000000.parquet" in names
-    assert [k for k in names if k.startswith("o/part-0")] == [f"o/part-00000{i}.parquet" for i in range(3)]
-    assert "o/_batchrun/restarting.json" not in names
-    assert sorted(r["id"] for r in read_parts(s3, "o").to_pylist()) == list(range(10))
+    check_restart_deletes_only_own_keys(s3, tiny_model, tmp_path)
 
 
 @pytest.mark.slow
