@@ -340,10 +340,11 @@ def status_report(out_path: str) -> tuple[str, ExitCode]:
     """(text, exit code): OK when every unit is committed, DAMAGED when a committed unit's part
     file is missing or damaged, else PENDING while units are not committed yet."""
     out, manifest, units = load_state(out_path)
-    commits = out.backend.read_commits()
+    backend = out.backend
+    commits = backend.read_commits()
     damaged = dict(commits.damaged)
     for unit, marker in commits.valid.items():
-        if (why := out.backend.check_part(unit, marker, manifest.get("fingerprint"))) is not None:
+        if (why := backend.check_part(unit, marker, manifest.get("fingerprint"))) is not None:
             damaged[unit] = why
     done = {u: m for u, m in commits.valid.items() if u not in damaged}
     lines = [f"output:  {out.path}", f"job:     {manifest.get('job_file')} (fingerprint {manifest['fingerprint']})",
@@ -364,11 +365,11 @@ def status_report(out_path: str) -> tuple[str, ExitCode]:
             p[3] += done[index]["error_rows"]
     lines += ["", _table(["shard", "units", "rows", "committed", "error rows"],
                          [[k, v[0], v[1], v[2], v[3]] for k, v in per.items()])]
-    running = out.backend.running_tasks()
+    running = backend.running_tasks()
     lines += ["", f"running: {', '.join(running) if running else 'none'}"]
     if workers := worker_rows(out):
         lines += ["", _table(HEADER, workers)]
-    orphans = out.backend.uncommitted_parts(len(units), commits)
+    orphans = backend.uncommitted_parts(len(units), commits)
     if damaged:
         shown = "; ".join(f"unit {u}: {why}" for u, why in sorted(damaged.items())[:3])
         lines.append(f"damaged: {len(damaged)} committed unit(s) whose part file is missing or damaged "
@@ -384,8 +385,9 @@ def status_report(out_path: str) -> tuple[str, ExitCode]:
 
 def show_rows(out_path: str, limit: int, prompts: bool) -> str:
     out, manifest, _ = load_state(out_path)
-    done = {u: m for u, m in out.backend.read_commits().valid.items()
-            if out.backend.check_part(u, m, manifest.get("fingerprint")) is None}
+    backend = out.backend
+    done = {u: m for u, m in backend.read_commits().valid.items()
+            if backend.check_part(u, m, manifest.get("fingerprint")) is None}
     if not done:
         return "(no units committed yet)"
     # A few committed part files per shard (not the whole dataset), then round-robin over shards
@@ -395,7 +397,7 @@ def show_rows(out_path: str, limit: int, prompts: bool) -> str:
         files = per_shard.setdefault(done[unit].get("adapter"), [])
         if sum(n for _, n in files) < limit:
             files.append((unit, done[unit]["rows"]))
-    queues = [[r for unit, _ in files for r in out.backend.read_part(unit).to_pylist()] for files in per_shard.values()]
+    queues = [[r for unit, _ in files for r in backend.read_part(unit).to_pylist()] for files in per_shard.values()]
     rows = []
     while len(rows) < limit and any(queues):
         for q in queues:

@@ -67,10 +67,6 @@ def claims_by_worker(out: OutputDir) -> dict[str, int]:
     return held
 
 
-def _task_alive(out: OutputDir, worker: str) -> bool:
-    return out.backend.task_holder(worker) is not None
-
-
 HEADER = ["worker", "state", "host", "units done", "claimed now", "rows", "rows/s", "out tok/s", "updated"]
 
 
@@ -78,11 +74,12 @@ def worker_rows(out: OutputDir, now: float | None = None) -> list[list]:
     """One row per worker for `status` (HEADER's columns). ``rows`` are output rows (one per
     sample); ``state`` is the file's status, or "died" for a running one whose lock is free."""
     now = time.time() if now is None else now
+    backend = out.backend
     held = claims_by_worker(out)
     rows = []
     for p in read_progress(out):
         state = p.get("status", "?")
-        if state == "running" and not _task_alive(out, p["worker"]):
+        if state == "running" and backend.task_holder(p["worker"]) is None:
             state = "died"  # killed without its final write: its claims expire with their lease
         age = max(now - float(p.get("updated") or now), 0.0)
         rows.append([p["worker"], state, p.get("host", "?"), p.get("units_done", 0), held.pop(p["worker"], 0),

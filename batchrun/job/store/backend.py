@@ -100,9 +100,12 @@ class LocalOutput(_Output):
             check_unowned_dir(self.out)
 
     def load_plan(self):
-        """The stored plan (FileNotFoundError when there is none)."""
+        """The stored plan, or None when there is none."""
         from batchrun.job.plan.units import Plan
-        return Plan.load(self.out.plan_dir)
+        try:
+            return Plan.load(self.out.plan_dir)
+        except FileNotFoundError:
+            return None
 
     def job_metrics(self, total_units: int, total_rows: int, samples_per_row: int = 1) -> dict:
         return local_metrics.job_metrics(self.out, total_units, total_rows, samples_per_row)

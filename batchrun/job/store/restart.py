@@ -25,16 +25,17 @@ from batchrun.job.store.layout import OutputDir, part_name
 KEEP = ("locks", "slurm")
 
 
-def _owned_parts(out: OutputDir, manifest: dict | None) -> list[str]:
+def owned_parts(commits, manifest: dict | None) -> list[str]:
+    """The part names a restart deletes: those the manifest's plan owns and those the commit
+    markers (``commits``: read_commits of either kind of output) recorded, nothing else."""
     names = set()
     total = (manifest or {}).get("total_units")
     if isinstance(total, int) and total >= 0:
         names.update(part_name(u) for u in range(total))
-    commits = read_commits(out)
     for unit, marker in commits.valid.items():
         names.add(part_name(unit))
         recorded = marker.get("part")
-        if isinstance(recorded, str) and recorded == os.path.basename(recorded):
+        if isinstance(recorded, str) and "/" not in recorded:  # a bare name, never a path
             names.add(recorded)
     names.update(part_name(u) for u in commits.damaged)
     return sorted(n for n in names if n.startswith("part-") and n.endswith(".parquet"))
@@ -51,7 +52,7 @@ def check_no_active_task(out: OutputDir) -> None:
 def begin_wipe(out: OutputDir, manifest: dict | None) -> None:
     """Step 1, then the rest (called under the manifest lock, with no task running)."""
     check_no_active_task(out)
-    write_json_atomic(out.restart_mark, {"parts": _owned_parts(out, manifest)})
+    write_json_atomic(out.restart_mark, {"parts": owned_parts(read_commits(out), manifest)})
     finish_wipe(out)
 
 
@@ -75,7 +76,7 @@ def finish_wipe(out: OutputDir) -> None:
     except (OSError, ValueError, KeyError, TypeError):
         parts = None  # a damaged mark (a crash while writing it is impossible: it is atomic)
     if parts is None:
-        parts = _owned_parts(out, None)
+        parts = owned_parts(read_commits(out), None)
     _remove(out.commits)
     for name in parts:
         if name == os.path.basename(name) and name.startswith("part-") and name.endswith(".parquet"):

@@ -26,16 +26,17 @@ def verify_output(out_path: str) -> tuple[str, ExitCode]:
     repeat), else PENDING while some unit is not committed yet (what is committed checked out, but
     the output is not the whole job: a script must not publish it), else OK."""
     out, manifest, units = load_state(out_path)
-    commits = out.backend.read_commits()
+    backend = out.backend
+    commits = backend.read_commits()
     plan_rows = {u[0]: u[4] for u in units}
     problems = [f"unit {u}: {why}" for u, why in sorted(commits.damaged.items())]
     ids = []
     checked = rows = 0
     for unit, marker in sorted(commits.valid.items()):
-        why = out.backend.check_part(unit, marker, manifest.get("fingerprint"), full=True)
+        why = backend.check_part(unit, marker, manifest.get("fingerprint"), full=True)
         if why is None:
             try:
-                pf = out.backend.open_part(unit)
+                pf = backend.open_part(unit)
                 if "sample_index" in pf.schema_arrow.names:  # sampling.n > 1: count sample 0
                     table = pf.read(columns=["id", "sample_index"])
                     table = table.filter(pc.equal(table.column("sample_index"), 0)).select(["id"])
@@ -58,7 +59,7 @@ def verify_output(out_path: str) -> tuple[str, ExitCode]:
         all_ids = pa.chunked_array([c for col in ids for c in col.chunks], ids[0].type)
         if pc.count_distinct(all_ids).as_py() != len(all_ids):
             problems.append("the dataset holds some id more than once")
-    orphans = [os.path.basename(out.part(u)) for u in out.backend.uncommitted_parts(len(units), commits)]
+    orphans = [os.path.basename(out.part(u)) for u in backend.uncommitted_parts(len(units), commits)]
     lines = [f"output:   {out.path}",
              f"verified: {checked}/{len(units)} units ({rows} rows): sha256, Parquet, row counts, unique ids"]
     if orphans:

@@ -13,25 +13,11 @@ from __future__ import annotations
 
 import json
 
-from batchrun.job.store.layout import META, OutputDir, part_name
+from batchrun.job.store.layout import META, OutputDir
 from batchrun.job.store.lock import LockBusy
 from batchrun.job.store.objects.commit import read_commits
 from batchrun.job.store.objects.lock import holder
-
-
-def _owned_parts(out: OutputDir, store, manifest: dict | None) -> list[str]:
-    names = set()
-    total = (manifest or {}).get("total_units")
-    if isinstance(total, int) and total >= 0:
-        names.update(part_name(u) for u in range(total))
-    commits = read_commits(out, store)
-    for unit, marker in commits.valid.items():
-        names.add(part_name(unit))
-        recorded = marker.get("part")
-        if isinstance(recorded, str) and "/" not in recorded:
-            names.add(recorded)
-    names.update(part_name(u) for u in commits.damaged)
-    return sorted(n for n in names if n.startswith("part-") and n.endswith(".parquet"))
+from batchrun.job.store.restart import owned_parts
 
 
 def check_no_active_task(out: OutputDir, store, lease_s: float) -> None:
@@ -44,7 +30,7 @@ def check_no_active_task(out: OutputDir, store, lease_s: float) -> None:
 
 def begin_wipe(out: OutputDir, store, manifest: dict | None, lease_s: float) -> None:
     check_no_active_task(out, store, lease_s)
-    store.put(out.restart_mark, json.dumps({"parts": _owned_parts(out, store, manifest)}).encode())
+    store.put(out.restart_mark, json.dumps({"parts": owned_parts(read_commits(out, store), manifest)}).encode())
     finish_wipe(out, store)
 
 
@@ -59,7 +45,7 @@ def finish_wipe(out: OutputDir, store) -> None:
     except (ValueError, KeyError, TypeError):
         parts = None
     if parts is None:
-        parts = _owned_parts(out, store, None)
+        parts = owned_parts(read_commits(out, store), None)
     store.delete_many([o.path for o in store.list(out.commits + "/")])
     store.delete_many([out.path.rstrip("/") + "/" + n for n in parts
                        if "/" not in n and n.startswith("part-") and n.endswith(".parquet")])
