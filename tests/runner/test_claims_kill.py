@@ -1,5 +1,5 @@
 """Three local workers share one output directory through unit claims (#14); one is killed with
-SIGKILL at a random moment; the other two take over its expired claims and finish: every id once."""
+SIGKILL at a random moment of its work; the other two take over its expired claims and finish: every id once."""
 import json
 import os
 import random
@@ -27,8 +27,9 @@ def test_kill_one_of_three_workers_the_others_finish_every_id_once(make_job, tmp
         env = {"FAKE_ENGINE_SLEEP": "0.03", "BATCHRUN_CLAIM_LEASE": LEASE}
         procs = [fork_cli(["run", job, "--no-progress", "--task-id", t, "--num-tasks", 3], env=env)
                  for t in range(3)]
-        victim, delay = rng.randrange(3), rng.uniform(0.05, 0.3)
-        time.sleep(delay)
+        # start-up (imports, the plan) takes ~0.5 s: the victim is a worker holding a claim then
+        victim, delay = int(rng.choice(_claimants(out))), rng.uniform(0.05, 0.3)
+        time.sleep(delay)  # then a random moment of its work
         os.kill(procs[victim].pid, signal.SIGKILL)
         for p in procs:
             p.join(60)
@@ -40,6 +41,24 @@ def test_kill_one_of_three_workers_the_others_finish_every_id_once(make_job, tmp
         tasks = json.loads((out / "_batchrun" / "metrics.json").read_text())["tasks"]
         taken_over += sum(t["units_taken_over"] for name, t in tasks.items() if name != f"task-{victim}")
     assert taken_over > 0  # the survivors did take over the victim's expired claims
+
+
+def _claimants(out, timeout: float = 30.0) -> list[str]:
+    """The workers named by claim files, as soon as there is one (a worker killed before its
+    first claim leaves nothing to take over, and the round would test nothing)."""
+    claims = out / "_batchrun" / "claims"
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        found = set()
+        for name in os.listdir(claims) if claims.is_dir() else []:
+            try:
+                found.add(json.loads((claims / name).read_text())["worker"])
+            except (OSError, ValueError, KeyError):
+                continue  # released meanwhile, or being written
+        if found:
+            return sorted(found)
+        time.sleep(0.005)
+    raise AssertionError(f"no worker claimed a unit within {timeout} s")
 
 
 @pytest.mark.parametrize("workers", [2])
