@@ -86,3 +86,30 @@ def test_fp8_checkpoints_run_on_the_gpu_close_to_their_cpu_math(tmp_path, scheme
     err = ((logits["cuda"] - ref).norm() / ref.norm()).item()
     print(f"{scheme}: bf16 GPU vs fp32 CPU logits rel err {err:.3e}")
     assert err < 0.05
+
+
+def test_the_trained_demo_model_gives_the_same_text_in_fp8_as_in_bf16_on_the_gpu():
+    # demo/: base copies the prompt, `reverse` reverses it, `upper` upper-cases it (trained).
+    # bf16 on the GPU, then FP8 weights (on the fly), then FP8 weights + an FP8 KV cache: the
+    # same text for base and adapter rows, with graphs (decode through the FP8 GEMMs' decode
+    # path and the e4m3 cache's kernels).
+    from pathlib import Path
+
+    import batchrun
+    demo = Path(__file__).resolve().parents[2] / "demo"
+    prompts = ["hello world", "batch inference", "lora adapters", "abc def"]
+    sp = batchrun.SamplingParams(max_tokens=40, temperature=0.0)
+    texts = {}
+    for quantization, kv in ((None, "auto"), ("fp8", "auto"), ("fp8", "fp8")):
+        llm = batchrun.LLM(str(demo / "model"),
+                           adapters={a: str(demo / "adapters" / a) for a in ("reverse", "upper")},
+                           device="cuda", dtype="bfloat16", max_model_len=128,
+                           quantization=quantization, kv_cache_dtype=kv)
+        texts[quantization, kv] = {a: [o.outputs[0].text for o in llm.generate(
+            prompts, sp, lora_request=a, use_tqdm=False)] for a in (None, "reverse", "upper")}
+        del llm
+        torch.cuda.empty_cache()
+    want = {None: prompts, "reverse": [p[::-1] for p in prompts], "upper": [p.upper() for p in prompts]}
+    assert texts[None, "auto"] == want
+    assert texts["fp8", "auto"] == want
+    assert texts["fp8", "fp8"] == want
