@@ -108,3 +108,25 @@ def test_dynamic_is_the_default_table_within_the_context():
 def test_unsupported_or_incomplete_scaling_is_refused(scaling, match):
     with pytest.raises(ModelLoadError, match=match):
         _cfg(rope_scaling=scaling)
+
+
+@pytest.mark.parametrize("family", sorted(__import__("tests.helpers.models", fromlist=["FAMILIES"]).FAMILIES))
+def test_a_field_config_json_leaves_out_takes_the_transformers_class_default(family):
+    # A config.json with only the sizes reads as the same model as the full one transformers'
+    # config class writes for those sizes: activation, rope thetas, windows, head_dim, soft-caps,
+    # eps, expert counts, special tokens. (A Gemma config without hidden_activation ran SiLU.)
+    import dataclasses
+
+    import transformers
+    from tests.helpers.models import FAMILIES
+    conf_cls, model_cls = FAMILIES[family]
+    sizes = dict(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                 num_attention_heads=4)
+    if family in ("qwen2", "qwen3", "mistral", "mixtral", "qwen2_moe"):
+        sizes["num_key_value_heads"] = 2  # their class default (8 to 32) exceeds 4 heads
+    full = getattr(transformers, conf_cls)(**sizes).to_dict()
+    ours = ModelConfig.from_dict(dict(sizes, architectures=[model_cls]))
+    theirs = ModelConfig.from_dict(dict(full, architectures=[model_cls]))
+    differ = {f.name: (getattr(ours, f.name), getattr(theirs, f.name))
+              for f in dataclasses.fields(ModelConfig) if getattr(ours, f.name) != getattr(theirs, f.name)}
+    assert differ == {}

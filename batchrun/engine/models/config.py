@@ -37,6 +37,37 @@ _GEMMA = ("gemma2", "gemma3_text")
 _MOE = ("mixtral", "qwen3_moe", "qwen2_moe")
 FULL, SLIDING = "full_attention", "sliding_attention"
 
+# What transformers' config class of each family sets for a field config.json leaves out
+# (transformers 5.17; tests/engine/test_rope_config.py checks them against the installed
+# release). save_pretrained writes every field, so these matter for hand-written or trimmed
+# configs: without them a Gemma config without hidden_activation ran SiLU, and a Gemma 3 one
+# without a rope theta the generic 10000 on its global layers.
+_SIZES = dict(rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2)
+_QWEN = dict(rms_norm_eps=1e-6, max_position_embeddings=32768, bos_token_id=None, eos_token_id=None)
+_GEMMA_DEFAULTS = dict(hidden_activation="gelu_pytorch_tanh", rms_norm_eps=1e-6,
+                       tie_word_embeddings=True, sliding_window=4096, head_dim=256,
+                       query_pre_attn_scalar=256, num_key_value_heads=4, bos_token_id=2,
+                       eos_token_id=1)
+FAMILY_DEFAULTS = {
+    "llama": dict(_SIZES, max_position_embeddings=2048),
+    "mistral": dict(_SIZES, max_position_embeddings=131072, sliding_window=4096,
+                    num_key_value_heads=8),
+    "qwen2": dict(_QWEN, num_key_value_heads=32),
+    "qwen3": dict(_QWEN, num_key_value_heads=32, head_dim=128),
+    "gemma2": dict(_GEMMA_DEFAULTS, max_position_embeddings=8192, attn_logit_softcapping=50.0,
+                   final_logit_softcapping=30.0),
+    "gemma3_text": dict(_GEMMA_DEFAULTS, max_position_embeddings=131072, rope_theta=1e6,
+                        rope_local_base_freq=10000.0),
+    "phi3": dict(rms_norm_eps=1e-5, max_position_embeddings=4096,
+                 original_max_position_embeddings=4096, bos_token_id=1, eos_token_id=32000),
+    "mixtral": dict(_SIZES, rms_norm_eps=1e-5, max_position_embeddings=131072, rope_theta=1e6,
+                    num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2),
+    "qwen3_moe": dict(_QWEN, num_key_value_heads=4, num_experts=128, num_experts_per_tok=8,
+                      moe_intermediate_size=768),
+    "qwen2_moe": dict(_QWEN, num_key_value_heads=16, num_experts=60, num_experts_per_tok=4,
+                      moe_intermediate_size=1408, shared_expert_intermediate_size=5632),
+}
+
 
 @dataclass(frozen=True)
 class Rope:
@@ -171,6 +202,7 @@ class ModelConfig:
             raw = {**text, **{k: raw[k] for k in ("eos_token_id", "bos_token_id", "torch_dtype",
                                                   "dtype", "tie_word_embeddings") if k in raw}}
             model_type, prefix = "gemma3_text", "model.language_model."
+        raw = {**FAMILY_DEFAULTS[model_type], **raw}
         act = raw.get("hidden_activation") or raw.get("hidden_act") or "silu"
         if act not in _ACTIVATIONS:
             raise ModelLoadError(f"{where}: activation {act!r} is not supported "
