@@ -101,8 +101,9 @@ def _engine(tmp_path, variant, enforce_eager, enable_lora=True, dtype="float32",
         parity_adapter(variant, tmp_path / f"a{i}", 300 + i, dict(r=r, lora_alpha=2 * r, **targets))
         adapters[f"a{i}"] = str(tmp_path / f"a{i}")
     cfg = EngineConfig(model=str(tmp_path / "base"), device="cuda", dtype=dtype, max_model_len=256,
-                       max_num_seqs=16, enable_lora=enable_lora, max_loras=2, max_lora_rank=8,
-                       enforce_eager=enforce_eager)
+                       max_num_seqs=16, enable_lora=enable_lora, max_loras=2,
+                       # peft gives an MoE's stacked gate_up_proj twice the rank (2 x 8)
+                       max_lora_rank=16, enforce_eager=enforce_eager)
     return Engine.from_config(cfg, adapters if enable_lora else None), adapters
 
 
