@@ -5,6 +5,7 @@ lora and attention cases also print their error against the reference in fp32 (t
 outputs are checked by tests/kernels/test_lora_fused_consumers.py).
 
     PYTHONPATH=. python3 benchmarks/kernels.py gemm [--m 1 8 16] [--sweep] [--json F]
+    PYTHONPATH=. python3 benchmarks/kernels.py fp8 [--m 1 8 16] [--sweep] [--json F]
     PYTHONPATH=. python3 benchmarks/kernels.py lora [--tokens 8 64 256] [--ranks 16 64] [--json F]
     PYTHONPATH=. python3 benchmarks/kernels.py consumers [--tokens 8 256 8192] [--json F]
     PYTHONPATH=. python3 benchmarks/kernels.py attention [--sweep] [--json F]
@@ -15,6 +16,8 @@ outputs are checked by tests/kernels/test_lora_fused_consumers.py).
   case runs over enough copies of the weight (>= 512 MB) inside one CUDA graph and its time is
   the graph's over the copies (one weight timed over and over sits in the 50 MB L2 and flatters
   every kernel). --sweep also times other launch configs.
+- fp8: the decode GEMMs of an FP8 Llama-3-8B (e4m3 weights per channel, activations per
+  token): torch._scaled_mm against kernels/fp8_gemm.py, weights cold; --sweep times tilings.
 - lora: the Punica-style shrink / expand kernels (prefill steps above the fused-LoRA limit).
 - consumers: the kernels that add a LoRA delta after a projection (add+RMSNorm after o/down,
   SiLU-and-mul after gate_up, rotary after qkv) against their plain launches, for one adapter,
@@ -129,6 +132,54 @@ def run_gemm(a) -> list[dict]:
         print(f"M={m}: a 7b decode step's GEMMs (32 layers + lm_head): cuBLAS {s['cublas']:.0f} µs, "
               f"best kernel per shape {s['best']:.0f} µs ({s['best'] - s['cublas']:+.0f} µs)")
         rows.append({"op": "gemm_step_7b", "M": m, **{f"{k}_us": v for k, v in s.items()}})
+    return rows
+
+
+# ---- FP8 decode GEMMs ------------------------------------------------------------------------
+FP8_SHAPES = {k: v for k, v in GEMM_SHAPES.items() if k.startswith("8b")}
+# (BLOCK_M, BLOCK_N, BLOCK_K, num_stages, num_warps) tried besides fp8_gemm's SKINNY with --sweep
+FP8_SWEEP = [(16, 32, 128, 4, 4), (16, 16, 256, 4, 4), (16, 32, 256, 4, 4), (16, 64, 256, 3, 4),
+             (16, 128, 128, 4, 4), (16, 32, 512, 3, 4), (16, 64, 128, 6, 4)]
+
+
+def run_fp8(a) -> list[dict]:
+    """The decode GEMMs of an FP8 Llama-3-8B (per-channel e4m3 weights, per-token activations):
+    torch._scaled_mm against batchrun's fp8_gemm (the engine's decode kernel), weights cold."""
+    from batchrun.kernels.fp8_gemm import SKINNY, fp8_gemm
+    from batchrun.kernels.fp8_quant import quant_fp8
+    peak, rows = hbm(), []
+    print(f"{torch.cuda.get_device_name()}; RANDOM e4m3 weights, cold in L2; µs per GEMM "
+          f"(fraction of {peak / 1e12:.2f} TB/s)")
+    for name, (n, k) in FP8_SHAPES.items():
+        copies = max(2, -(-COLD_BYTES // (n * k)))
+        ws = [(torch.randn(n, k, device="cuda") * 0.02 / (0.02 * 4 / 448)).clamp(-448, 448)
+              .to(torch.float8_e4m3fn) for _ in range(copies)]
+        scale = torch.rand(n, device="cuda") * 1e-3 + 1e-4
+        for m in a.m:
+            x = torch.randn(m, k, device="cuda", dtype=DT)
+            xq, xs = quant_fp8(x)
+            ref = (xq.float() * xs) @ (ws[0].float() * scale[:, None]).t()
+            nbytes = n * k + m * k + m * n * DT.itemsize
+            cases = {"scaled_mm": lambda w: torch._scaled_mm(
+                         xq, w.t(), scale_a=xs, scale_b=scale.view(1, -1), out_dtype=DT),
+                     f"triton {SKINNY}": lambda w: fp8_gemm(xq, xs, w, scale, None, DT)}
+            if a.sweep:
+                for c in FP8_SWEEP:
+                    cases[f"triton {c}"] = lambda w, c=c: fp8_gemm(xq, xs, w, scale, None, DT, config=c)
+            for label, f in cases.items():
+                try:
+                    err = rel_err(f(ws[0]), ref)
+                    us = bench_graph(lambda f=f: [f(w) for w in ws], rep=40) / len(ws)
+                except Exception as e:  # noqa: BLE001 - a config may exceed shared memory
+                    print(f"M={m:<3d}{name:11s} {label:28s} failed: {str(e)[:200]}")
+                    rows.append({"op": "fp8_gemm", "gemm": name, "M": m, "case": label, "error": str(e)[:200]})
+                    continue
+                rows.append({"op": "fp8_gemm", "gemm": name, "M": m, "N": n, "K": k, "case": label,
+                             "us": round(us, 2), "fraction_of_hbm": round(nbytes / (us * 1e-6) / peak, 3),
+                             "rel_err_vs_fp32": err})
+                print(f"M={m:<3d}{name:11s} {label:28s} {us:8.2f} µs ({nbytes / (us * 1e-6) / peak:6.1%})"
+                      f"  rel err {err:.1e}")
+        del ws
     return rows
 
 
@@ -357,6 +408,9 @@ def main() -> None:
     p = sub.add_parser("gemm", help="decode GEMMs: cuBLAS vs the skinny GEMMs, weights cold")
     p.add_argument("--m", type=int, nargs="+", default=[1, 8, 16])
     p.add_argument("--sweep", action="store_true", help="also time other launch configs")
+    p = sub.add_parser("fp8", help="FP8 decode GEMMs: torch._scaled_mm vs fp8_gemm, weights cold")
+    p.add_argument("--m", type=int, nargs="+", default=[1, 8, 16])
+    p.add_argument("--sweep", action="store_true", help="also time other launch configs")
     p = sub.add_parser("lora", help="LoRA shrink / expand kernels")
     p.add_argument("--tokens", type=int, nargs="+", default=[8, 64, 256])
     p.add_argument("--ranks", type=int, nargs="+", default=[16, 64])
@@ -371,7 +425,7 @@ def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("benchmarks/kernels.py times CUDA kernels; the CPU tests are tests/kernels/")
     torch.manual_seed(0)
-    rows = {"gemm": run_gemm, "lora": run_lora, "consumers": run_consumers,
+    rows = {"gemm": run_gemm, "fp8": run_fp8, "lora": run_lora, "consumers": run_consumers,
             "attention": run_attention}[a.what](a)
     write_json(a.json, {**environment(torch.device("cuda"), " ".join(["benchmarks/kernels.py", *sys.argv[1:]])),
                         "benchmark": f"kernels {a.what}", "weights": "random", "rows": rows})

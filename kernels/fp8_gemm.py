@@ -69,10 +69,12 @@ def _fp8_gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, bias_ptr, c_ptr, M, N, K, str
 
 
 def fp8_gemm(a: Tensor, a_scale: Tensor, b: Tensor, b_scale: Tensor, bias: Tensor | None,
-             out_dtype: torch.dtype, block: tuple[int, int] | None = None) -> Tensor:
+             out_dtype: torch.dtype, block: tuple[int, int] | None = None,
+             config: tuple[int, int, int, int, int] | None = None) -> Tensor:
     # a: e4m3 [M, K], a_scale fp32 [M, 1] (row-wise) or [M, ceil(K/bk)] (block);
     # b: e4m3 [N, K], b_scale fp32 [N] or [ceil(N/bn), ceil(K/bk)] with block (bn, bk);
-    # bias [N] or None -> [M, N] in out_dtype
+    # bias [N] or None -> [M, N] in out_dtype; config: (BLOCK_M, BLOCK_N, BLOCK_K, num_stages,
+    # num_warps) in place of SKINNY / TILED, for benchmarks/kernels.py fp8 --sweep
     fp8 = torch.float8_e4m3fn
     check(a.dim() == 2 and b.dim() == 2 and a.shape[1] == b.shape[1] and a.dtype == fp8
           and b.dtype == fp8 and a.stride(1) == 1 and b.stride(1) == 1,
@@ -101,7 +103,7 @@ def fp8_gemm(a: Tensor, a_scale: Tensor, b: Tensor, b_scale: Tensor, bias: Tenso
     out = torch.empty(M, N, dtype=out_dtype, device=a.device)
     if M == 0 or N == 0:
         return out
-    bm, bn, bk, stages, warps = SKINNY if M <= SKINNY_ROWS else TILED
+    bm, bn, bk, stages, warps = config or (SKINNY if M <= SKINNY_ROWS else TILED)
     if group_k:
         bk = group_k
     grid = (triton.cdiv(N, bn), triton.cdiv(M, bm))
