@@ -20,7 +20,6 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from batchrun.kernels.pdl import PREFETCH_COLS, pdl_enter, pdl_kwargs, prefetch_rows_l2
 from batchrun.kernels.utils import HALF_DTYPES, check
 
 SKINNY_ROWS = 16
@@ -33,13 +32,9 @@ TILED = (64, 128, 128, 3, 8)
 def _fp8_gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, bias_ptr, c_ptr, M, N, K, stride_am,
                      stride_bn, stride_cm, stride_asm, stride_bsn,
                      GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     PDL: tl.constexpr):
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    if PDL:  # the weight streams while the kernel before (the activations' quantizer) runs
-        prefetch_rows_l2(b_ptr, cols, stride_bn, N, K, PREFETCH_COLS)
-    pdl_enter(PDL)
     offs_k = tl.arange(0, BLOCK_K)
     row_ok, col_ok = rows < M, cols < N
     a_ptrs = a_ptr + rows[:, None].to(tl.int64) * stride_am + offs_k[None, :]
@@ -116,5 +111,5 @@ def fp8_gemm(a: Tensor, a_scale: Tensor, b: Tensor, b_scale: Tensor, bias: Tenso
         a, a_scale, b, b_scale, out if bias is None else bias, out, M, N, K, a.stride(0),
         b.stride(0), out.stride(0), a_scale.stride(0), b_scale.stride(0),
         GROUP_N=group_n, GROUP_K=group_k, HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn,
-        BLOCK_K=bk, num_stages=stages, num_warps=warps, **pdl_kwargs(a))
+        BLOCK_K=bk, num_stages=stages, num_warps=warps)
     return out

@@ -15,7 +15,6 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from batchrun.kernels.pdl import pdl_enter, pdl_kwargs
 from batchrun.kernels.reference import FP8_MAX, FP8_MIN_SCALE
 from batchrun.kernels.utils import FLOAT_DTYPES, check
 
@@ -23,8 +22,7 @@ from batchrun.kernels.utils import FLOAT_DTYPES, check
 @triton.jit
 def _quant_fp8_kernel(x_ptr, q_ptr, s_ptr, static_ptr, K, GROUP, stride_x, stride_q, stride_s,
                       FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr, STATIC: tl.constexpr,
-                      BLOCK: tl.constexpr, PDL: tl.constexpr):
-    pdl_enter(PDL)
+                      BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1)
     lo = g * GROUP
@@ -68,5 +66,5 @@ def quant_fp8(x: Tensor, group: int | None = None, scale: Tensor | None = None,
     _quant_fp8_kernel[(M, groups)](
         x, q, s, s if scale is None else scale, K, width, x.stride(0), q.stride(0), s.stride(0),
         FP8_MAX=FP8_MAX, MIN_SCALE=FP8_MIN_SCALE, STATIC=scale is not None, BLOCK=block,
-        num_warps=4, **pdl_kwargs(x))
+        num_warps=4)
     return q, s

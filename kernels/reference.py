@@ -234,21 +234,7 @@ def ref_gate_up_silu(x: Tensor, w: Tensor, activation: str = "silu") -> Tensor:
     return ref_act_and_mul(ref_linear(x, w), activation)
 
 
-# --- mixture of experts (moe_route, fused_moe) ---
-
-def ref_moe_route(logits: Tensor, top_k: int, norm_topk_prob: bool,
-                  round_to: torch.dtype | None) -> tuple[Tensor, Tensor]:
-    # The router's math as the families define it: softmax over every expert in fp32, the top k
-    # (descending), divided by their sum with norm_topk_prob, rounded to `round_to` and back
-    # (the Qwen MoE routers: the model's dtype) -> (weights fp32 [T, k], ids int64 [T, k])
-    probs = torch.softmax(logits.float(), dim=-1)
-    weights, ids = torch.topk(probs, top_k, dim=-1)
-    if norm_topk_prob:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    if round_to is not None:
-        weights = weights.to(round_to).float()
-    return weights, ids
-
+# --- mixture of experts (fused_moe) ---
 
 def ref_fused_moe(x: Tensor, w_gate_up: Tensor, w_down: Tensor, topk_weights: Tensor,
                   topk_ids: Tensor, activation: str = "silu") -> Tensor:

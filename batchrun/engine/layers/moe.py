@@ -1,9 +1,8 @@
 """The routed experts of a mixture-of-experts block: route, then run each token's top-k experts.
 
 `route` is the router's math as the families define it (softmax over every expert in fp32, the
-top k, then each family's normalisation): one Triton launch on CUDA (kernels/moe_route.py), the
-torch reference elsewhere (kernels/reference.py's `ref_moe_route`); no host synchronisation, so
-a decode step that runs it can be captured in a CUDA graph. `fused_moe` runs the experts: the
+top k, then each family's normalisation), in torch ops with no host synchronisation, so a
+decode step that runs it can be captured in a CUDA graph. `fused_moe` runs the experts: the
 Triton kernel on CUDA (kernels/fused_moe.py), the torch reference elsewhere; both compute
 kernels/reference.py's `ref_fused_moe`.
 
@@ -19,17 +18,20 @@ import torch
 from torch import Tensor
 
 from batchrun.engine.layers.backend import use_triton
-from batchrun.kernels.reference import ref_act_and_mul, ref_fused_moe, ref_moe_route
+from batchrun.kernels.reference import ref_act_and_mul, ref_fused_moe
 
 
 def route(logits: Tensor, top_k: int, norm_topk_prob: bool,
           round_to: torch.dtype | None) -> tuple[Tensor, Tensor]:
     # logits: the router's [T, E] -> (top-k weights fp32 [T, k], expert ids int64 [T, k]).
     # round_to: the dtype the family rounds the weights to (Qwen MoE: the model's), or None
-    if use_triton(logits):
-        from batchrun.kernels.moe_route import moe_route
-        return moe_route(logits, top_k, norm_topk_prob, round_to)
-    return ref_moe_route(logits, top_k, norm_topk_prob, round_to)
+    probs = torch.softmax(logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if norm_topk_prob:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    if round_to is not None:
+        weights = weights.to(round_to).float()
+    return weights, ids
 
 
 def fused_moe(x: Tensor, w_gate_up: Tensor, w_down: Tensor, topk_weights: Tensor,
