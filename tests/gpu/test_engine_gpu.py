@@ -1,17 +1,14 @@
 """GPU-only engine checks (run on the H200): bf16 parity with HF on a Llama-2-7b-shaped random
 model, graph replay vs eager, and the no-LoRA graph launching exactly the LoRA-disabled kernels."""
-import collections
-
 import pytest
 import torch
 
 from batchrun.engine.config import EngineConfig, SamplingParams
 from batchrun.engine.engine import Engine
 from batchrun.engine.envs import Experiments
-from batchrun.engine.sequence import Sequence
 from batchrun.engine.request import Request
-from batchrun.engine.models.config import ModelConfig
-from batchrun.engine.models.loader import model_from_hf_state
+from tests.helpers.gpu_checks import (bf16_parity, kernels_of_one_decode_step, lora_engine,
+                                      skinny)  # noqa: F401 (fixture)
 
 pytestmark = pytest.mark.gpu
 
@@ -22,66 +19,16 @@ LLAMA2_7B = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_s
 
 
 def test_bf16_parity_with_hf_llama2_7b_shape():
-    """bf16 rounding differs between any two implementations, and on a 32-layer random model
-    it grows; so the tolerance comes from HF's own bf16 error against an fp32 reference: ours
-    must be no worse than that (with a margin)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        hf = LlamaForCausalLM(LlamaConfig(**LLAMA2_7B)).to(torch.bfloat16).eval()
-    cfg = ModelConfig.from_dict(dict(LLAMA2_7B, torch_dtype="bfloat16"))
-    ours = model_from_hf_state(cfg, hf.state_dict(), torch.device("cuda"), torch.bfloat16, 4096)
-    engine = Engine.from_model(EngineConfig(model="llama-2-7b", max_model_len=512, max_num_seqs=8),
-                               ours)
-    g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(100, 32000, (32,), generator=g).tolist() for _ in range(8)]
-    ids = torch.tensor(prompts, device="cuda")
-    gen = dict(attention_mask=torch.ones_like(ids), max_new_tokens=128, min_new_tokens=128,
-               do_sample=False, pad_token_id=0)
-    with torch.no_grad():
-        hf_bf16 = hf(ids).logits[:, -1].float()
-        hf_tokens = hf.generate(ids, **gen)[:, 32:].tolist()
-        hf.float()
-        ref = hf(ids).logits[:, -1].float()  # fp32 reference, same weights
-        fp32_tokens = hf.generate(ids, **gen)[:, 32:].tolist()
-    del hf
-    torch.cuda.empty_cache()
-    sched = engine.scheduler()
-    for i, p in enumerate(prompts):
-        sched.add(Sequence(i, i, p, SamplingParams(), None, None))
-    batch = sched.schedule()
-    assert batch.is_prefill and batch.num_tokens == [32] * 8
-    got = engine.runner.prefill(batch)
-    for seq in list(sched.running):
-        sched.finish(seq, "length")
-    err = lambda x: ((x - ref).norm() / ref.norm()).item()  # noqa: E731
-    print(f"first-step logits rel err vs fp32: ours bf16 {err(got):.2e}, HF bf16 {err(hf_bf16):.2e}")
-    assert err(got) <= 1.5 * err(hf_bf16) + 1e-3
-    res = engine.generate([Request(i, p, SamplingParams(max_tokens=128, ignore_eos=True))
-                           for i, p in enumerate(prompts)])
-    ours_tokens = [r.output_token_ids for r in res]
-    rate = lambda a, b: sum(x == y for ra, rb in zip(a, b) for x, y in zip(ra, rb)) / (8 * 128)  # noqa: E731
-    print(f"greedy token match over 8x128: ours vs HF bf16 {rate(ours_tokens, hf_tokens):.3f}, "
-          f"ours vs fp32 {rate(ours_tokens, fp32_tokens):.3f}, HF bf16 vs fp32 "
-          f"{rate(hf_tokens, fp32_tokens):.3f}")
-    # after a first divergence continuations differ by construction; ours must track the fp32
-    # reference about as well as HF bf16 does
-    assert rate(ours_tokens, fp32_tokens) >= 0.8 * rate(hf_tokens, fp32_tokens) - 0.05
+    from transformers import LlamaConfig
+    conf = LlamaConfig(**{k: v for k, v in LLAMA2_7B.items() if k not in ("architectures", "model_type")})
+    bf16_parity(conf, "LlamaForCausalLM", "llama-2-7b", prompt_len=32, new_tokens=128,
+                perturb_norms=False)
 
 
 def _tiny_lora_engine(tmp_path, enforce_eager, enable_lora=True, dtype="float32", **engine):
-    from tests.helpers.adapters import ADAPTERS, parity_adapter
-    from tests.helpers.models import save_hf_model
-    model_dir = tmp_path / "base"
-    save_hf_model("llama3_gqa", model_dir)
-    adapters = {}
-    for i, (name, kw) in enumerate(ADAPTERS.items()):  # real peft adapters, random weights
-        parity_adapter("llama3_gqa", tmp_path / name, 100 + i, kw)
-        adapters[name] = str(tmp_path / name)
-    cfg = EngineConfig(model=str(model_dir), device="cuda", dtype=dtype, max_model_len=256,
-                       max_num_seqs=16, enable_lora=enable_lora, max_loras=4, max_lora_rank=16,
-                       enforce_eager=enforce_eager, **engine)
-    return Engine.from_config(cfg, adapters if enable_lora else None), adapters
+    from tests.helpers.adapters import ADAPTERS  # real peft adapters, random weights
+    return lora_engine(tmp_path, "llama3_gqa", enforce_eager, enable_lora, dtype, adapters=ADAPTERS,
+                       max_loras=4, max_lora_rank=16, **engine)
 
 
 def _requests(adapters, mixed):
@@ -180,54 +127,19 @@ def test_async_steps_match_sync_and_never_wait_for_the_device(tmp_path, monkeypa
     assert sum(launched) > 0  # decode steps did read tokens still on the device
 
 
-def _kernels_of_one_decode_step(engine, prompts):
-    from torch.profiler import ProfilerActivity, profile
-    from batchrun.engine.scheduler import Scheduler
-    from batchrun.engine.sequence import Sequence
-    sched = Scheduler(engine.config, engine.blocks, engine.lora)
-    for i, p in enumerate(prompts):
-        sched.add(Sequence(i, i, p, SamplingParams(max_tokens=8, ignore_eos=True), None, None))
-    engine.step(sched)  # prefill
-    batch = sched.schedule()
-    assert not batch.is_prefill
-    runner = engine.runner
-    with runner.eager():  # eager: the profiler sees every launch
-        # warm up once (first launches compile and allocate), so the profile holds only what
-        # every step launches
-        runner.decode(batch)
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            runner.decode(batch)
-            torch.cuda.synchronize()
-    names = [e.name for e in prof.events() if e.device_type.name == "CUDA"]
-    return collections.Counter(n for n in names if "Memcpy" not in n and "Memset" not in n)
-
-
-@pytest.fixture(params=["cublas", "skinny"])
-def skinny(request, monkeypatch):
-    """True ("skinny"): every projection of the tiny models takes the Triton decode GEMM on
-    steps of <= 16 rows (the size rule lowered to 0), as the 7b projections do, so the LoRA
-    decode tests cover the stacked [W; A] skinny GEMM and gate_up's fused GEMM with the norm's
-    shrink."""
-    import batchrun.engine.step_plan as step_plan
-    if request.param == "skinny":
-        monkeypatch.setattr(step_plan, "MIN_WEIGHT_ELEMENTS", 0)
-    return request.param != "cublas"
-
-
-def test_no_lora_step_launches_exactly_the_lora_disabled_kernels(tmp_path, skinny):
+def test_no_lora_step_launches_exactly_the_lora_disabled_kernels(tmp_path, skinny):  # noqa: F811
     dtype = "bfloat16" if skinny else "float32"  # the skinny GEMM takes 16-bit types only
     base, adapters = _tiny_lora_engine(tmp_path / "a", True, enable_lora=False, dtype=dtype)
     lora, _ = _tiny_lora_engine(tmp_path / "b", True, enable_lora=True, dtype=dtype)
     prompts = [r.prompt_token_ids for r in _requests(adapters, False)[:8]]
-    k_base = _kernels_of_one_decode_step(base, prompts)
-    k_lora = _kernels_of_one_decode_step(lora, prompts)
+    k_base = kernels_of_one_decode_step(base, prompts)
+    k_lora = kernels_of_one_decode_step(lora, prompts)
     assert sum(k_base.values()) > 0
     assert any("skinny" in k for k in k_base) == skinny, k_base  # the fixture took effect
     assert k_lora == k_base, f"extra: {k_lora - k_base}, missing: {k_base - k_lora}"
 
 
-def test_fused_lora_decode_is_as_accurate_as_shrink_expand(tmp_path, monkeypatch, skinny):
+def test_fused_lora_decode_is_as_accurate_as_shrink_expand(tmp_path, monkeypatch, skinny):  # noqa: F811
     """One bf16 decode step of a mixed batch (base rows + 4 adapters): the fused path (delta
     added inside rotary / norm / SiLU, graphs and eager) against the shrink + expand path, both
     measured against the same engine in fp32. Logits, not greedy tokens: a tiny random model's
@@ -341,7 +253,7 @@ def test_bf16_lora_parity_with_peft(tmp_path):
 
 
 @pytest.mark.parametrize("b_scale", [0.02, 0.15])
-def test_bf16_fused_lora_logits_track_fp32_as_closely_as_peft_bf16(tmp_path, b_scale, skinny):
+def test_bf16_fused_lora_logits_track_fp32_as_closely_as_peft_bf16(tmp_path, b_scale, skinny):  # noqa: F811
     """The fused LoRA path rounds each token's shrunk values x·Aᵀ to bf16 inside the stacked
     [W; A] GEMM, as PEFT's bf16 lora_A does (the Punica shrink keeps fp32 partials). Judged
     against the yardstick users have: the decode-step logits after a fused prefill, ours in
