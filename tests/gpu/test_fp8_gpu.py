@@ -2,6 +2,7 @@
 weights in bf16 and fp32 (first-step logits), graph replay equal to eager, and an FP8
 checkpoint's Triton block-scaled path."""
 import dataclasses
+import gc
 
 import pytest
 import torch
@@ -69,6 +70,7 @@ def test_fp8_logits_of_a_llama3_8b_shape_against_bf16_and_fp32(monkeypatch):
                                            quantization="fp8", enforce_eager=True), ours)
     same = eager.generate([Request(i, p, sp) for i, p in enumerate(prompts)])
     del engine, eager, ours
+    gc.collect()  # the engines' KV caches and graphs, before a third engine sizes its own
     torch.cuda.empty_cache()
     # the declared FP8 math in fp32 on the GPU: the same e4m3 weights, every FP8 Linear through
     # the reference (fp32 activations quantized per token, fp32 sums)
