@@ -7,10 +7,9 @@ import pytest
 import transformers
 
 from tests.engine.test_moe_lora import ADAPTERS, EXPERT_ADAPTERS, run_mixed
-from tests.helpers.gpu_checks import (bf16_parity, fp32_greedy_matches_hf,
-                                      graph_replay_matches_eager, no_lora_step_kernels,
-                                      skinny)  # noqa: F401 (fixture)
-from tests.helpers.models import FAMILIES
+from tests.helpers.gpu_checks import (bf16_parity, graph_replay_matches_eager,
+                                      no_lora_step_kernels, skinny)  # noqa: F401 (fixture)
+from tests.helpers.models import FAMILIES, greedy_matches_hf
 
 pytestmark = pytest.mark.gpu
 
@@ -24,7 +23,7 @@ def _adapters(targets: dict) -> dict:
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_fp32_greedy_matches_hf_on_the_triton_path(tmp_path, variant):
-    fp32_greedy_matches_hf(tmp_path, variant)
+    greedy_matches_hf(tmp_path, variant, "cuda")
 
 
 @pytest.mark.parametrize("variant", sorted(ADAPTERS))

@@ -5,10 +5,9 @@ no-LoRA decode step launches exactly the LoRA-disabled engine's kernels."""
 import pytest
 import transformers
 
-from tests.helpers.gpu_checks import (bf16_parity, fp32_greedy_matches_hf,
-                                      graph_replay_matches_eager, no_lora_step_kernels,
-                                      skinny)  # noqa: F401 (fixture)
-from tests.helpers.models import FAMILIES
+from tests.helpers.gpu_checks import (bf16_parity, graph_replay_matches_eager,
+                                      no_lora_step_kernels, skinny)  # noqa: F401 (fixture)
+from tests.helpers.models import FAMILIES, greedy_matches_hf
 
 pytestmark = pytest.mark.gpu
 
@@ -19,7 +18,7 @@ LORA_VARIANTS = ["qwen3", "gemma2", "gemma3", "phi3_longrope"]
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_fp32_greedy_matches_hf_on_the_triton_path(tmp_path, variant):
-    fp32_greedy_matches_hf(tmp_path, variant)
+    greedy_matches_hf(tmp_path, variant, "cuda")
 
 
 @pytest.mark.parametrize("variant", LORA_VARIANTS)

@@ -1,7 +1,7 @@
 """The checks every model family's GPU tests make, written once (tests/gpu/test_engine_gpu.py,
-tests/gpu/test_families_gpu.py, tests/engine/test_moe_gpu.py call them with their variants):
+tests/gpu/test_families_gpu.py, tests/engine/test_moe_gpu.py call them with their variants;
+their fp32 greedy check is tests/helpers/models.py's `greedy_matches_hf`, shared with the CPU):
 
-- `fp32_greedy_matches_hf`: the Triton path in fp32 gives transformers' greedy tokens;
 - `bf16_parity`: bf16 logits and greedy tokens track an fp32 reference of the same weights as
   closely as transformers' own bf16 does (bf16 rounding differs between any two
   implementations and grows over a random model's layers, so HF's error is the yardstick);
@@ -23,23 +23,11 @@ from batchrun.engine.models.loader import model_from_hf_state
 from batchrun.engine.request import Request
 from batchrun.engine.sequence import Sequence
 from tests.helpers.adapters import parity_adapter
-from tests.helpers.models import hf_greedy, random_prompts, save_hf_model
+from tests.helpers.models import random_prompts, save_hf_model
 
 # two peft adapters on every linear layer, of different ranks
 ALL_LINEAR = {"a0": dict(r=8, lora_alpha=16, target_modules="all-linear"),
               "a1": dict(r=4, lora_alpha=8, target_modules="all-linear")}
-
-
-def fp32_greedy_matches_hf(tmp_path, variant: str) -> None:
-    hf = save_hf_model(variant, tmp_path / "m")
-    prompts = random_prompts(6, [1, 7, 33, 200, 64, 3], hf.config.vocab_size, seed=1)
-    engine = Engine.from_config(EngineConfig(model=str(tmp_path / "m"), device="cuda",
-                                             dtype="float32", max_model_len=512,
-                                             max_num_batched_tokens=256))
-    sp = SamplingParams(max_tokens=40, ignore_eos=True)
-    results = engine.generate([Request(i, p, sp) for i, p in enumerate(prompts)])
-    for p, r in zip(prompts, results):
-        assert r.output_token_ids == hf_greedy(hf, p, 40), f"prompt len {len(p)}"
 
 
 def bf16_parity(conf, model_cls: str, label: str, prompt_len: int, new_tokens: int,

@@ -202,3 +202,21 @@ def hf_greedy(model, prompt: list[int], max_new: int) -> list[int]:
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new,
                              do_sample=False, eos_token_id=None, pad_token_id=0, use_cache=cached)
     return out[0, len(prompt):].tolist()
+
+
+def greedy_matches_hf(tmp_path, variant: str, device: str) -> None:
+    """The engine in fp32 on `device` gives transformers' greedy tokens for six prompts of
+    `variant` (1 to 200 tokens, 40 new each)."""
+    from batchrun.engine.config import EngineConfig, SamplingParams
+    from batchrun.engine.engine import Engine
+    from batchrun.engine.request import Request
+    hf = save_hf_model(variant, tmp_path / "m")
+    prompts = random_prompts(6, [1, 7, 33, 200, 64, 3], hf.config.vocab_size, seed=1)
+    engine = Engine.from_config(EngineConfig(model=str(tmp_path / "m"), device=device,
+                                             dtype="float32", max_model_len=512,
+                                             max_num_batched_tokens=256))
+    sp = SamplingParams(max_tokens=40, ignore_eos=True)
+    results = engine.generate([Request(i, p, sp) for i, p in enumerate(prompts)])
+    for p, r in zip(prompts, results):
+        assert r.finish_reason == "length"
+        assert r.output_token_ids == hf_greedy(hf, p, 40), f"prompt len {len(p)}"
