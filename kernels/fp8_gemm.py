@@ -4,8 +4,7 @@ Scales per row of x and per output column (row-wise: [M, 1] and [N]), or per row
 GROUP_K columns of x with one scale per [GROUP_N, GROUP_K] block of w (block-scaled checkpoints:
 Qwen3-FP8, DeepSeek). FP8 tensor-core dots with fp32 accumulators, each BLOCK_K tile's sum added
 in fp32: row-wise scales multiply the finished sum once; block scales multiply each K group's
-partial sum (BLOCK_K = GROUP_K). Bias
-added in fp32, one rounding to the output dtype. Reference: kernels/reference.py ref_fp8_linear
+partial sum (BLOCK_K = GROUP_K). Bias added in fp32, one rounding to the output dtype. Reference: kernels/reference.py ref_fp8_linear
 (over already quantized inputs: ref_dequant_fp8 of both operands).
 
 Two tilings, chosen from M only: at decode's M <= 16 rows one [16, BLOCK_N] tile per program
@@ -51,10 +50,9 @@ def _fp8_gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, bias_ptr, c_ptr, M, N, K, str
             acc += tl.dot(a, tl.trans(b)) * a_s[:, None] * b_s[None, :]
         else:
             # Hopper's FP8 tensor cores (wgmma) keep ~14 bits of the running sum, and Triton lets
-            # them run the whole K loop at that precision unless told otherwise: the error grew
-            # with K (|err| ~2-9 against the dequantized reference at K = 4096-14336, M = 256).
-            # Adding each BLOCK_K tile's sum into the fp32 accumulator bounds it, as DeepSeek-V3
-            # and CUTLASS's non-fast-accum mode do.
+            # them run the whole K loop at that precision unless told otherwise, so the error
+            # grows with K. Adding each BLOCK_K tile's sum into the fp32 accumulator bounds it,
+            # as DeepSeek-V3 and CUTLASS's non-fast-accum mode do.
             acc = tl.dot(a, tl.trans(b), acc, max_num_imprecise_acc=BLOCK_K)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K

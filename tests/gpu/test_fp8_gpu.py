@@ -20,7 +20,7 @@ pytestmark = pytest.mark.gpu
 # The FP8 engine's first-step logits may be at most this much further (relative L2) from fp32
 # than the declared FP8 math itself run in fp32 (layers/fp8.py's CPU path: e4m3 weights per
 # channel, activations per token, fp32 sums). FP8 rounds each GEMM's operands to 3 mantissa bits,
-# so on a 32-layer random model that math alone is far from fp32 (H100: ~0.6, bf16 ~0.06); the
+# so on a 32-layer random model that math alone is about ten times further from fp32 than bf16; the
 # engine adds bf16 activations, whose rounding flips some FP8 roundings, and its kernels'
 # accumulation. A wrong scale or a lossy accumulator shows as a multiple, not a fraction.
 FP8_EXTRA = 0.25

@@ -1,7 +1,6 @@
 """A whole job reading its prompts from S3 equals the same job reading the same files locally."""
 from __future__ import annotations
 
-
 import pytest
 
 from batchrun.job.jobfile.spec import load_job

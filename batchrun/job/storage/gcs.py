@@ -33,7 +33,6 @@ from concurrent.futures import ThreadPoolExecutor
 from email.utils import parsedate_to_datetime
 from functools import cached_property
 
-
 from batchrun.errors import ConfigError
 from batchrun.job.storage import retry
 from batchrun.job.storage.base import Got, ObjectInfo, ObjectReads

@@ -14,7 +14,6 @@ import os
 from functools import cached_property
 from urllib.parse import urlparse
 
-
 from batchrun.errors import ConfigError
 from batchrun.job.storage import retry
 from batchrun.job.storage.base import Got, ObjectInfo, ObjectReads
